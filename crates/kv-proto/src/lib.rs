@@ -1,0 +1,44 @@
+//! The contracts every kvlink crate speaks.
+//!
+//! This crate holds the vocabulary shared by the scheduler side (`kv-sched`),
+//! the worker (`kv-worker`) and the data-plane transports: request and engine
+//! ids, the connector roles, the per-request [`KvTransferParams`] the proxy
+//! carries between a prefill (P) and a decode (D) instance, the
+//! [`ConnectorMetadata`] the scheduler hands its worker every step, the
+//! [`KvTransferConfig`] parsed from vLLM's `--kv-transfer-config`, the side
+//! channel's messages and their framing, and the [`BatchWriter`] trait that
+//! every transport implements.
+//!
+//! What this crate must never do: perform I/O, spawn tasks, read a clock or
+//! the process environment, or depend on tokio or on any transport. Everything
+//! here is plain data and pure functions, so any caller (sans-IO state
+//! machines, async drivers, fuzzers) can use it.
+//!
+//! Decoding of anything a peer sends is bounded and fallible: a malformed
+//! input is an error value, never a panic and never an unbounded allocation.
+
+mod codec;
+mod config;
+mod frame;
+mod ids;
+mod memory;
+mod metadata;
+mod params;
+mod wire;
+mod writer;
+
+pub use codec::{CodecError, MAX_DECODE_BYTES};
+pub use config::{
+    ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,
+    ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT,
+};
+pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
+pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
+pub use memory::{MemoryRegion, RegionError, RegionSet, WriteOp};
+pub use metadata::{ConnectorMetadata, RecvReqMeta, SendUpdate};
+pub use params::{KvTransferParams, ParamsError};
+pub use wire::{
+    CacheLayout, Hello, HelloReply, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage, XferReply,
+    XferRequest,
+};
+pub use writer::{BatchWriter, Endpoint, ParseProtocolError, Protocol, TransportError, MAX_ENDPOINT_DETAILS_LEN};

@@ -1,0 +1,52 @@
+//! `ConnectorMetadata`: what the scheduler tells its worker each step.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{BlockId, ReqId};
+
+/// A request whose KV this (decode) instance must pull from a prefill instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecvReqMeta {
+    /// Local blocks the KV lands in. Empty on a full prefix-cache hit or an
+    /// abort before scheduling: P is still told, so it frees its blocks.
+    pub local_block_ids: Vec<BlockId>,
+    /// P's side-channel host.
+    pub remote_host: String,
+    /// P's side-channel base port (each worker adds its tensor-parallel rank).
+    pub remote_port: u16,
+}
+
+/// What the worker must do with its send entry for a request (prefill side).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SendUpdate {
+    /// The request was scheduled with `do_remote_decode`: expect it. D may ask
+    /// for it before it is ready; the worker holds D's pull until it is.
+    Expect,
+    /// The request finished by length cap and its blocks are held for D until
+    /// it pulls them or the lease expires.
+    Ready {
+        /// Blocks holding the request's KV, in prompt order.
+        block_ids: Vec<BlockId>,
+    },
+    /// The request finished without delay-free (aborted, stopped early, or
+    /// nothing to send): drop the entry; any pull for it gets an error.
+    Forget,
+}
+
+/// The scheduler-to-worker message of one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectorMetadata {
+    /// Pulls the worker starts this step (decode side).
+    pub reqs_to_recv: BTreeMap<ReqId, RecvReqMeta>,
+    /// Send-entry updates the worker applies this step (prefill side).
+    pub reqs_to_send: BTreeMap<ReqId, SendUpdate>,
+}
+
+impl ConnectorMetadata {
+    /// Whether the step carries nothing for the worker.
+    pub fn is_empty(&self) -> bool {
+        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty()
+    }
+}

@@ -1,0 +1,165 @@
+//! `KvTransferParams`: the per-request dict the proxy carries between P and D.
+
+use serde::Serialize;
+
+/// The per-request transfer parameters, serde-compatible with the dict vLLM
+/// keeps in `request.kv_transfer_params` (same field names as the reference).
+///
+/// Unknown fields are ignored (vLLM and proxies add their own); a field of the
+/// wrong type is an error naming it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct KvTransferParams {
+    /// Set on D: the KV for this request is computed remotely and must be pulled.
+    pub do_remote_prefill: bool,
+    /// Set on P: the request is prefilled here and decoded elsewhere.
+    pub do_remote_decode: bool,
+    /// The P side-channel host D must pull from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_host: Option<String>,
+    /// The P side-channel base port D must pull from (the tensor-parallel rank
+    /// is added by each D worker).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_port: Option<u16>,
+}
+
+/// Transfer params that could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParamsError {
+    /// The text is not JSON.
+    #[error("kv_transfer_params is not valid JSON: {0}")]
+    Json(String),
+    /// The JSON is not an object.
+    #[error("kv_transfer_params must be a JSON object, got {got}")]
+    NotAnObject {
+        /// The JSON type found.
+        got: &'static str,
+    },
+    /// A known field has the wrong type or range.
+    #[error("kv_transfer_params.{field} must be {expected}, got {got}")]
+    WrongType {
+        /// The field name.
+        field: &'static str,
+        /// What is accepted.
+        expected: &'static str,
+        /// What was found.
+        got: String,
+    },
+}
+
+fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+impl KvTransferParams {
+    /// Parses the JSON form of vLLM's dict. Unknown fields are ignored;
+    /// `null` counts as absent; a known field of the wrong type is an error
+    /// naming it.
+    pub fn from_json(text: &str) -> Result<Self, ParamsError> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ParamsError::Json(e.to_string()))?;
+        Self::from_value(&value)
+    }
+
+    /// Parses an already-decoded JSON value of vLLM's dict.
+    pub fn from_value(value: &serde_json::Value) -> Result<Self, ParamsError> {
+        let obj = value.as_object().ok_or(ParamsError::NotAnObject { got: json_type(value) })?;
+        let field = |name: &'static str| obj.get(name).filter(|v| !v.is_null());
+        let wrong = |name: &'static str, expected: &'static str, v: &serde_json::Value| ParamsError::WrongType {
+            field: name,
+            expected,
+            got: v.to_string(),
+        };
+        let flag = |name: &'static str| -> Result<bool, ParamsError> {
+            match field(name) {
+                None => Ok(false),
+                Some(v) => v.as_bool().ok_or_else(|| wrong(name, "a boolean", v)),
+            }
+        };
+        let remote_host = match field("remote_host") {
+            None => None,
+            Some(v) => Some(v.as_str().ok_or_else(|| wrong("remote_host", "a string", v))?.to_owned()),
+        };
+        let remote_port = match field("remote_port") {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .ok_or_else(|| wrong("remote_port", "an integer port in 0..=65535", v))?,
+            ),
+        };
+        Ok(Self {
+            do_remote_prefill: flag("do_remote_prefill")?,
+            do_remote_decode: flag("do_remote_decode")?,
+            remote_host,
+            remote_port,
+        })
+    }
+
+    /// The JSON form of vLLM's dict.
+    pub fn to_json(&self) -> String {
+        // Serializing plain bools, strings and integers cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The remote side channel, when both host and port are present.
+    pub fn remote(&self) -> Option<(&str, u16)> {
+        Some((self.remote_host.as_deref()?, self.remote_port?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_vllm_dict_and_ignores_unknown_fields() {
+        let p = KvTransferParams::from_json(
+            r#"{"do_remote_prefill": true, "do_remote_decode": false,
+                "remote_host": "10.0.0.1", "remote_port": 8998,
+                "remote_engine_id": "abc", "remote_block_ids": [1,2]}"#,
+        )
+        .unwrap();
+        assert!(p.do_remote_prefill);
+        assert_eq!(p.remote(), Some(("10.0.0.1", 8998)));
+    }
+
+    #[test]
+    fn missing_fields_default() {
+        let p = KvTransferParams::from_json(r#"{"do_remote_decode": true}"#).unwrap();
+        assert!(p.do_remote_decode);
+        assert!(!p.do_remote_prefill);
+        assert_eq!(p.remote(), None);
+    }
+
+    #[test]
+    fn wrong_type_is_an_error_naming_the_field() {
+        let err = KvTransferParams::from_json(r#"{"remote_port": "8998"}"#).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"kv_transfer_params.remote_port must be an integer port in 0..=65535, got "8998""#
+        );
+        let err = KvTransferParams::from_json(r#"{"do_remote_prefill": 1}"#).unwrap_err();
+        assert_eq!(err.to_string(), "kv_transfer_params.do_remote_prefill must be a boolean, got 1");
+        let err = KvTransferParams::from_json(r#"{"remote_port": 70000}"#).unwrap_err();
+        assert!(matches!(err, ParamsError::WrongType { field: "remote_port", .. }));
+        let err = KvTransferParams::from_json("[1]").unwrap_err();
+        assert_eq!(err, ParamsError::NotAnObject { got: "an array" });
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let p = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_host: Some("h".into()),
+            remote_port: Some(1),
+        };
+        assert_eq!(KvTransferParams::from_json(&p.to_json()).unwrap(), p);
+    }
+}

@@ -1,0 +1,129 @@
+//! Side-channel messages between a decode worker (client) and a prefill
+//! worker (server).
+//!
+//! A connection opens with [`Hello`] from D and a [`HelloReply`] from P that
+//! checks what must agree before any request is served; then D sends
+//! [`XferRequest`]s and P answers each with an [`XferReply`] carrying one
+//! outcome per request, matched by `xfer_id` (replies may come out of order).
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{BlockId, EngineId, ReqId};
+use crate::writer::{Endpoint, Protocol};
+
+/// How a KV cache is laid out in registered regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum LayoutKind {
+    /// Separate K and V regions per layer (the reference's `split_k_and_v`).
+    SplitKv,
+    /// One region per layer holding K and V together in each block.
+    Fused,
+    /// One region per layer holding MLA's compressed latent.
+    Mla,
+}
+
+/// The shape of a registered KV cache that P and D must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CacheLayout {
+    /// How layers map to regions.
+    pub kind: LayoutKind,
+    /// Number of registered regions (layers, times two for `SplitKv`).
+    pub region_count: u32,
+    /// Bytes of one block in one region.
+    pub block_len: u64,
+}
+
+/// First message on a side-channel connection, from D.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// D's engine id.
+    pub engine_id: EngineId,
+    /// D's data-plane transport.
+    pub protocol: Protocol,
+    /// D's cache layout.
+    pub layout: CacheLayout,
+}
+
+/// P's answer to [`Hello`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HelloReply {
+    /// Everything agrees; requests may follow.
+    Accepted {
+        /// P's engine id.
+        engine_id: EngineId,
+    },
+    /// Something disagrees; the reason names both values. P closes the
+    /// connection after sending it.
+    Rejected {
+        /// What disagrees.
+        reason: String,
+    },
+}
+
+/// The blocks one request's KV must land in on D.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestBlocks {
+    /// The request.
+    pub req_id: ReqId,
+    /// D's blocks, in prompt order; may be shorter than P's (partial prefix
+    /// hit: P sends its last blocks) or empty (P only frees).
+    pub block_ids: Vec<BlockId>,
+}
+
+/// D asks P to write requests' KV into D's memory (the reference's
+/// `MooncakeAgentMetadata`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XferRequest {
+    /// Chosen by D, echoed in the reply.
+    pub xfer_id: u64,
+    /// D's data-plane endpoint.
+    pub endpoint: Endpoint,
+    /// Base address of each of D's regions, in registration order.
+    pub region_base_addrs: Vec<u64>,
+    /// The requests and their D blocks.
+    pub requests: Vec<RequestBlocks>,
+}
+
+/// What happened to one request of an [`XferRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Every byte of the requested blocks is in D's memory (or none was
+    /// asked for) and P has released the request.
+    Done,
+    /// The KV was not (entirely) written; D must treat the blocks as lost.
+    Failed {
+        /// Why, for logs.
+        reason: String,
+    },
+}
+
+/// One request's outcome.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestOutcome {
+    /// The request.
+    pub req_id: ReqId,
+    /// What happened.
+    pub outcome: Outcome,
+}
+
+/// P's answer to an [`XferRequest`]: one outcome per request, never a bare "done".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XferReply {
+    /// The request's `xfer_id`.
+    pub xfer_id: u64,
+    /// One entry per request of the transfer request.
+    pub outcomes: Vec<RequestOutcome>,
+}
+
+/// Every message of the side channel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SideMessage {
+    /// D → P, first.
+    Hello(Hello),
+    /// P → D, answer to `Hello`.
+    HelloReply(HelloReply),
+    /// D → P.
+    XferRequest(XferRequest),
+    /// P → D.
+    XferReply(XferReply),
+}
