@@ -1,1 +1,2 @@
-//! placeholder
+//! placeholder while the worker is written
+pub mod in_memory;
