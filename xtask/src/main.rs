@@ -1,1 +1,53 @@
-fn main() {}
+//! `cargo xtask`: kvlink's developer commands.
+//!
+//! Run through the alias in `.cargo/config.toml`
+//! (`cargo xtask` = `cargo run --quiet --package xtask --`).
+//!
+//! * `cargo xtask ci` runs every CI step (fmt, dependency rule, clippy per
+//!   feature set, tests, docs), keeps going after a failure, prints a summary
+//!   and exits non-zero if any step failed.
+//! * `cargo xtask ci --step <name>` runs only the named step(s);
+//!   `cargo xtask ci --list` lists them.
+//!
+//! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
+//! the runner, [`deps`] checks the crate dependency rule.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod ci;
+mod cmd;
+mod deps;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// kvlink developer commands.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The developer commands. To add one (e.g. `bench`): add a variant here with
+/// its own `clap::Args` struct, put the work in its own module, and add the
+/// arm to the `match` in [`main`].
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs.
+    Ci(ci::CiArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Ci(args) => ci::run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}

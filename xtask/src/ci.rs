@@ -1,0 +1,175 @@
+//! `cargo xtask ci`: the step table and the runner.
+//!
+//! Steps run in order; each gets a header line and a timing line, a failure
+//! does not stop the run, and the last lines are the summary
+//! (`xtask ci: N passed, M failed`, then the failed step names if any).
+
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use crate::{cmd, deps};
+
+/// Crates left out of the workspace-wide clippy (all features), test and doc
+/// steps: RDMA needs system libraries that are not always installed.
+const EXCLUDED: &[&str] = &["--exclude", "transport-rdma"];
+
+/// Clippy is run once per feature set: `(step suffix, cargo clippy args)`.
+/// Each row becomes the step `clippy:<suffix>`; `--step clippy` runs them all.
+const CLIPPY_FEATURE_SETS: &[(&str, &[&str])] = &[
+    ("default", &["--workspace", "--all-targets"]),
+    ("kv-worker-no-default", &["-p", "kv-worker", "--no-default-features", "--all-targets"]),
+    ("all-features", &["--workspace", "--all-targets", "--all-features", "--exclude", "transport-rdma"]),
+];
+
+/// Arguments of `cargo xtask ci`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CiArgs {
+    /// Run only this step (repeatable). A group name such as `clippy` selects
+    /// all its steps. See `--list` for the names.
+    #[arg(long = "step", value_name = "NAME")]
+    steps: Vec<String>,
+    /// List the steps and the command each runs, then exit.
+    #[arg(long)]
+    list: bool,
+}
+
+/// What a step does.
+#[derive(Debug)]
+enum Action {
+    /// `cargo <args>` with inherited output, plus extra environment.
+    Cargo { args: Vec<&'static str>, env: Vec<(&'static str, OsString)> },
+    /// The crate dependency rule (see [`deps`]).
+    DependencyRule,
+}
+
+/// One CI step.
+#[derive(Debug)]
+struct Step {
+    /// Unique name, used by `--step` and in the summary.
+    name: String,
+    /// Group name (`clippy` for the clippy steps; otherwise the name itself).
+    group: &'static str,
+    action: Action,
+}
+
+impl Step {
+    fn cargo(name: &str, group: &'static str, args: Vec<&'static str>) -> Self {
+        Self { name: name.to_owned(), group, action: Action::Cargo { args, env: Vec::new() } }
+    }
+
+    /// How the step is shown in its header and in `--list`.
+    fn describe(&self) -> String {
+        match &self.action {
+            Action::Cargo { args, env } => {
+                let env: String =
+                    env.iter().map(|(key, value)| format!("{key}={:?} ", value.to_string_lossy())).collect();
+                format!("{env}cargo {}", args.join(" "))
+            }
+            Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
+        }
+    }
+
+    fn run(&self, root: &Path) -> Result<()> {
+        match &self.action {
+            Action::Cargo { args, env } => {
+                let mut command = cmd::cargo(root, args, true);
+                command.envs(env.iter().map(|(key, value)| (key, value)));
+                cmd::run_inherited(command, &self.describe())
+            }
+            Action::DependencyRule => deps::check(root),
+        }
+    }
+}
+
+/// All steps, in run order.
+fn steps() -> Vec<Step> {
+    let mut steps = vec![
+        Step::cargo("fmt", "fmt", vec!["fmt", "--all", "--", "--check"]),
+        Step { name: "deps".to_owned(), group: "deps", action: Action::DependencyRule },
+    ];
+    for (suffix, feature_args) in CLIPPY_FEATURE_SETS {
+        let mut args = vec!["clippy"];
+        args.extend_from_slice(feature_args);
+        args.extend_from_slice(&["--", "-D", "warnings"]);
+        steps.push(Step::cargo(&format!("clippy:{suffix}"), "clippy", args));
+    }
+    let mut test = vec!["test", "--workspace"];
+    test.extend_from_slice(EXCLUDED);
+    test.push("--no-fail-fast");
+    steps.push(Step::cargo("test", "test", test));
+
+    let mut doc = vec!["doc", "--workspace", "--no-deps"];
+    doc.extend_from_slice(EXCLUDED);
+    // Keep whatever RUSTDOCFLAGS the caller set, and deny warnings on top.
+    let mut rustdocflags = std::env::var_os("RUSTDOCFLAGS").unwrap_or_default();
+    if !rustdocflags.is_empty() {
+        rustdocflags.push(" ");
+    }
+    rustdocflags.push("-D warnings");
+    steps.push(Step {
+        name: "doc".to_owned(),
+        group: "doc",
+        action: Action::Cargo { args: doc, env: vec![("RUSTDOCFLAGS", rustdocflags)] },
+    });
+    steps
+}
+
+/// Keeps the steps named by `--step` (by name or group), all if none given.
+fn select(all: Vec<Step>, wanted: &[String]) -> Result<Vec<Step>> {
+    if wanted.is_empty() {
+        return Ok(all);
+    }
+    for name in wanted {
+        if !all.iter().any(|step| step.name == *name || step.group == name) {
+            let known: Vec<&str> = all.iter().map(|step| step.name.as_str()).collect();
+            bail!("unknown step `{name}`; steps are: {} (and the group `clippy`)", known.join(", "));
+        }
+    }
+    Ok(all.into_iter().filter(|step| wanted.iter().any(|name| step.name == *name || step.group == name)).collect())
+}
+
+fn seconds(duration: Duration) -> String {
+    format!("{:.1}s", duration.as_secs_f64())
+}
+
+/// Runs `cargo xtask ci`.
+pub(crate) fn run(args: &CiArgs) -> Result<ExitCode> {
+    let steps = select(steps(), &args.steps)?;
+    if args.list {
+        for step in &steps {
+            println!("{:<28} {}", step.name, step.describe());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let root = cmd::workspace_root()?;
+    let total = steps.len();
+    let mut results: Vec<(&Step, Duration, bool)> = Vec::with_capacity(total);
+    for (index, step) in steps.iter().enumerate() {
+        println!("\n==> [{}/{total}] {}: {}", index + 1, step.name, step.describe());
+        let started = Instant::now();
+        let outcome = step.run(&root);
+        let elapsed = started.elapsed();
+        match &outcome {
+            Ok(()) => println!("<== {}: ok in {}", step.name, seconds(elapsed)),
+            Err(err) => println!("<== {}: FAILED in {}: {err:#}", step.name, seconds(elapsed)),
+        }
+        results.push((step, elapsed, outcome.is_ok()));
+    }
+
+    println!();
+    for (step, elapsed, ok) in &results {
+        println!("  {:<6} {:<28} {:>8}", if *ok { "ok" } else { "FAILED" }, step.name, seconds(*elapsed));
+    }
+    let failed: Vec<&str> = results.iter().filter(|(_, _, ok)| !ok).map(|(step, _, _)| step.name.as_str()).collect();
+    println!("xtask ci: {} passed, {} failed", total - failed.len(), failed.len());
+    if failed.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("failed: {}", failed.join(" "));
+        Ok(ExitCode::FAILURE)
+    }
+}
