@@ -1,0 +1,290 @@
+//! The port of `MooncakeConnectorScheduler`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, ReqId, SendUpdate};
+use tracing::{debug, warn};
+
+use crate::error::SchedError;
+use crate::request::{EngineRequest, RequestStatus};
+
+/// Scheduler-side state of the connector of one engine instance.
+///
+/// Between two calls of [`build_connector_meta`](Self::build_connector_meta)
+/// it collects the pulls to start (decode side) and the send-entry updates
+/// (prefill side); each build hands them to the worker and starts afresh. A
+/// later update for the same request within one step replaces the earlier one
+/// (e.g. [`SendUpdate::Expect`] then [`SendUpdate::Ready`] in one step is
+/// emitted as `Ready`).
+#[derive(Debug)]
+pub struct ConnectorScheduler {
+    role: KvRole,
+    side_channel_host: String,
+    side_channel_port: u16,
+    /// Pulls recorded since the last build (reference: `_reqs_need_recv`).
+    reqs_need_recv: BTreeMap<ReqId, RecvReqMeta>,
+    /// Send-entry updates recorded since the last build (reference:
+    /// `_reqs_need_send`).
+    reqs_need_send: BTreeMap<ReqId, SendUpdate>,
+    /// Requests for which an [`SendUpdate::Expect`] was recorded (pending or
+    /// already emitted) and no `Ready`/`Forget` yet: the worker holds (or is
+    /// about to hold) an entry only this scheduler can withdraw.
+    live_sends: BTreeSet<ReqId>,
+}
+
+impl ConnectorScheduler {
+    /// A scheduler for an instance of `role` whose side channel listens on
+    /// `side_channel_host:side_channel_port` (the base port; each worker adds
+    /// its tensor-parallel rank). The host and port are what a finished
+    /// prefill tells the proxy to forward to the decode instance.
+    pub fn new(role: KvRole, side_channel_host: impl Into<String>, side_channel_port: u16) -> Self {
+        Self {
+            role,
+            side_channel_host: side_channel_host.into(),
+            side_channel_port,
+            reqs_need_recv: BTreeMap::new(),
+            reqs_need_send: BTreeMap::new(),
+            live_sends: BTreeSet::new(),
+        }
+    }
+
+    /// This instance's role.
+    pub fn role(&self) -> KvRole {
+        self.role
+    }
+
+    /// Number of requests whose send entry was announced to the worker
+    /// ([`SendUpdate::Expect`]) and not yet resolved by `Ready` or `Forget`.
+    /// It drops back to zero once every such request has finished: nothing is
+    /// kept without an owner.
+    pub fn live_send_entries(&self) -> usize {
+        self.live_sends.len()
+    }
+
+    /// How many prompt tokens of `req` will be loaded from the remote
+    /// prefill instance beyond the `num_computed_tokens` already computed
+    /// locally (prefix cache), and whether they load asynchronously (between
+    /// scheduler steps).
+    ///
+    /// For a request with `do_remote_prefill`, all uncomputed prompt tokens
+    /// are pulled: `(prompt_len - num_computed_tokens, true)` when that is
+    /// positive. Otherwise `(0, false)`.
+    pub fn get_num_new_matched_tokens(&self, req: &EngineRequest, num_computed_tokens: usize) -> (usize, bool) {
+        debug!(
+            request_id = %req.request_id,
+            num_computed_tokens,
+            params = ?req.kv_transfer_params,
+            "get_num_new_matched_tokens"
+        );
+        if req.kv_transfer_params.as_ref().is_some_and(|p| p.do_remote_prefill) {
+            let count = req.prompt_len.saturating_sub(num_computed_tokens);
+            if count > 0 {
+                return (count, true);
+            }
+        }
+        (0, false)
+    }
+
+    /// Records what the worker must do for `req` now that the engine has
+    /// allocated its blocks.
+    ///
+    /// `unhashed_block_ids` are the blocks the engine just allocated that hold
+    /// no prefix-cached KV (vLLM's `blocks.get_unhashed_block_ids()`);
+    /// `num_external_tokens` is what [`get_num_new_matched_tokens`](Self::get_num_new_matched_tokens)
+    /// returned.
+    ///
+    /// - No params: nothing.
+    /// - `do_remote_prefill` (decode side): records a pull into
+    ///   `unhashed_block_ids`, or into no block at all when
+    ///   `num_external_tokens` is 0 (full prefix-cache hit: P must still be
+    ///   told so it frees its blocks). Params without `remote_host` or
+    ///   `remote_port` are logged and the request is computed locally. Either
+    ///   way `do_remote_prefill` is cleared: a request triggers at most one
+    ///   transfer.
+    /// - otherwise `do_remote_decode` (prefill side): announces the request to
+    ///   the worker ([`SendUpdate::Expect`]) so D may ask for it early.
+    ///
+    /// # Errors
+    ///
+    /// [`SchedError::RemotePrefillOnProducer`] for `do_remote_prefill` on a
+    /// [`KvRole::Producer`], [`SchedError::RemoteDecodeOnConsumer`] for
+    /// `do_remote_decode` on a [`KvRole::Consumer`] (the reference records the
+    /// latter, but a consumer's metadata never carries sends, so the entry
+    /// could never reach a worker). Nothing is changed on error.
+    pub fn update_state_after_alloc(
+        &mut self,
+        req: &mut EngineRequest,
+        unhashed_block_ids: &[BlockId],
+        num_external_tokens: usize,
+    ) -> Result<(), SchedError> {
+        let request_id = &req.request_id;
+        debug!(
+            %request_id,
+            num_external_tokens,
+            params = ?req.kv_transfer_params,
+            "update_state_after_alloc"
+        );
+        let Some(params) = req.kv_transfer_params.as_mut() else {
+            return Ok(());
+        };
+
+        if params.do_remote_prefill {
+            if self.role == KvRole::Producer {
+                return Err(SchedError::RemotePrefillOnProducer { role: self.role, request_id: request_id.clone() });
+            }
+            let local_block_ids = if num_external_tokens > 0 { unhashed_block_ids.to_vec() } else { Vec::new() };
+            self.record_recv(request_id, params, local_block_ids);
+            // Only one KV transfer per request.
+            params.do_remote_prefill = false;
+        } else if params.do_remote_decode {
+            if self.role == KvRole::Consumer {
+                return Err(SchedError::RemoteDecodeOnConsumer { role: self.role, request_id: request_id.clone() });
+            }
+            debug!(%request_id, "announcing send entry");
+            self.live_sends.insert(request_id.clone());
+            self.reqs_need_send.insert(request_id.clone(), SendUpdate::Expect);
+        }
+        Ok(())
+    }
+
+    /// The metadata of this step: the pulls (unless this instance is a
+    /// [`KvRole::Producer`]) and the send-entry updates (unless it is a
+    /// [`KvRole::Consumer`]) recorded since the previous call. Both pending
+    /// sets are cleared.
+    pub fn build_connector_meta(&mut self) -> ConnectorMetadata {
+        let recvs = std::mem::take(&mut self.reqs_need_recv);
+        let sends = std::mem::take(&mut self.reqs_need_send);
+        let meta = ConnectorMetadata {
+            reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },
+            reqs_to_send: if self.role.sends() { sends } else { BTreeMap::new() },
+        };
+        if !meta.is_empty() {
+            debug!(
+                recv = ?meta.reqs_to_recv.keys().collect::<Vec<_>>(),
+                send = ?meta.reqs_to_send.keys().collect::<Vec<_>>(),
+                "build_connector_meta"
+            );
+        }
+        meta
+    }
+
+    /// Decides, once `req` has finished, whether its blocks (`block_ids`)
+    /// are freed now or held until the decode instance has pulled them.
+    ///
+    /// Returns `(delay_free_blocks, params to return to the proxy)`:
+    ///
+    /// - No params: `(false, None)`.
+    /// - `do_remote_prefill` still set (decode side; the request was aborted
+    ///   before it was ever scheduled): records a pull of no block so P is
+    ///   told to free its blocks (logged and skipped if the params lack
+    ///   `remote_host`/`remote_port`), clears `do_remote_prefill`,
+    ///   `(false, None)`.
+    /// - Not `do_remote_decode`, or not [`RequestStatus::FinishedLengthCapped`]
+    ///   (stopped early, aborted, ignored): `(false, None)`; if a send entry
+    ///   was announced for the request it is withdrawn with
+    ///   [`SendUpdate::Forget`] (the reference leaks it).
+    /// - `do_remote_decode` and length capped (the normal end of a prefill):
+    ///   with blocks, records [`SendUpdate::Ready`] and delays their free;
+    ///   without, records [`SendUpdate::Forget`]. Returns the params that
+    ///   point D at this instance: `do_remote_prefill`, this side channel's
+    ///   host and port.
+    ///
+    /// # Errors
+    ///
+    /// [`SchedError::RemotePrefillOnProducer`] when `do_remote_prefill` is
+    /// still set on a [`KvRole::Producer`];
+    /// [`SchedError::RemoteDecodeOnConsumer`] for a length-capped
+    /// `do_remote_decode` request on a [`KvRole::Consumer`]. Nothing is
+    /// changed on error.
+    pub fn request_finished(
+        &mut self,
+        req: &mut EngineRequest,
+        block_ids: &[BlockId],
+    ) -> Result<(bool, Option<KvTransferParams>), SchedError> {
+        let request_id = &req.request_id;
+        debug!(
+            %request_id,
+            status = ?req.status,
+            params = ?req.kv_transfer_params,
+            num_blocks = block_ids.len(),
+            "request_finished"
+        );
+        let Some(params) = req.kv_transfer_params.as_mut() else {
+            self.forget_if_live(request_id);
+            return Ok((false, None));
+        };
+
+        if params.do_remote_prefill {
+            // update_state_after_alloc never ran for this request: it was
+            // aborted before it was scheduled. Tell P (with no block) so it
+            // does not strand the prefill blocks.
+            if self.role == KvRole::Producer {
+                return Err(SchedError::RemotePrefillOnProducer { role: self.role, request_id: request_id.clone() });
+            }
+            self.record_recv(request_id, params, Vec::new());
+            params.do_remote_prefill = false;
+            self.forget_if_live(request_id);
+            return Ok((false, None));
+        }
+
+        if !params.do_remote_decode || req.status != RequestStatus::FinishedLengthCapped {
+            self.forget_if_live(request_id);
+            return Ok((false, None));
+        }
+
+        if self.role == KvRole::Consumer {
+            return Err(SchedError::RemoteDecodeOnConsumer { role: self.role, request_id: request_id.clone() });
+        }
+
+        self.live_sends.remove(request_id);
+        let delay_free_blocks = !block_ids.is_empty();
+        let update =
+            if delay_free_blocks { SendUpdate::Ready { block_ids: block_ids.to_vec() } } else { SendUpdate::Forget };
+        debug!(%request_id, delay_free_blocks, ?update, "prefill finished for remote decode");
+        self.reqs_need_send.insert(request_id.clone(), update);
+
+        Ok((
+            delay_free_blocks,
+            Some(KvTransferParams {
+                do_remote_prefill: true,
+                do_remote_decode: false,
+                remote_host: Some(self.side_channel_host.clone()),
+                remote_port: Some(self.side_channel_port),
+            }),
+        ))
+    }
+
+    /// Records a pull of `local_block_ids` from the side channel named in
+    /// `params`, or logs and skips it if the params name none.
+    fn record_recv(&mut self, request_id: &ReqId, params: &KvTransferParams, local_block_ids: Vec<BlockId>) {
+        match params.remote() {
+            Some((host, port)) => {
+                debug!(
+                    %request_id,
+                    remote_host = host,
+                    remote_port = port,
+                    num_blocks = local_block_ids.len(),
+                    "recording pull"
+                );
+                self.reqs_need_recv.insert(
+                    request_id.clone(),
+                    RecvReqMeta { local_block_ids, remote_host: host.to_owned(), remote_port: port },
+                );
+            }
+            None => warn!(
+                %request_id,
+                ?params,
+                "invalid kv_transfer_params: do_remote_prefill without remote_host and remote_port; \
+                 this request will not use KV transfer"
+            ),
+        }
+    }
+
+    /// Withdraws the send entry announced for `request_id`, if any.
+    fn forget_if_live(&mut self, request_id: &ReqId) {
+        if self.live_sends.remove(request_id) {
+            debug!(%request_id, "request finished without delay-free: forgetting its send entry");
+            self.reqs_need_send.insert(request_id.clone(), SendUpdate::Forget);
+        }
+    }
+}

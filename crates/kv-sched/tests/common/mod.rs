@@ -1,0 +1,71 @@
+//! Builders shared by the integration tests.
+
+#![allow(dead_code, unreachable_pub)]
+
+use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, ReqId, SendUpdate};
+use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
+
+/// The remote prefill instance's side channel, as the proxy forwards it to D.
+pub const P_HOST: &str = "10.0.0.1";
+/// The remote prefill instance's side-channel base port.
+pub const P_PORT: u16 = 8998;
+/// The side channel of the instance under test.
+pub const HERE_HOST: &str = "10.0.0.9";
+/// The side-channel base port of the instance under test.
+pub const HERE_PORT: u16 = 7100;
+
+pub fn sched(role: KvRole) -> ConnectorScheduler {
+    ConnectorScheduler::new(role, HERE_HOST, HERE_PORT)
+}
+
+pub fn params(prefill: bool, decode: bool, host: Option<&str>, port: Option<u16>) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_prefill: prefill,
+        do_remote_decode: decode,
+        remote_host: host.map(str::to_owned),
+        remote_port: port,
+    }
+}
+
+/// D side: pull this request's KV from P.
+pub fn pull_from_p() -> KvTransferParams {
+    params(true, false, Some(P_HOST), Some(P_PORT))
+}
+
+/// D side, after the pull was recorded (`do_remote_prefill` cleared).
+pub fn pulled_from_p() -> KvTransferParams {
+    params(false, false, Some(P_HOST), Some(P_PORT))
+}
+
+/// P side: prefill here, decode elsewhere.
+pub fn decode_elsewhere() -> KvTransferParams {
+    params(false, true, None, None)
+}
+
+/// What a finished prefill tells the proxy: pull from the instance under test.
+pub fn points_here() -> KvTransferParams {
+    params(true, false, Some(HERE_HOST), Some(HERE_PORT))
+}
+
+pub fn req(id: &str, prompt_len: usize, status: RequestStatus, params: Option<KvTransferParams>) -> EngineRequest {
+    EngineRequest { request_id: ReqId::from(id), prompt_len, status, kv_transfer_params: params }
+}
+
+pub fn recv_from_p(blocks: &[BlockId]) -> RecvReqMeta {
+    RecvReqMeta { local_block_ids: blocks.to_vec(), remote_host: P_HOST.to_owned(), remote_port: P_PORT }
+}
+
+pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> ConnectorMetadata {
+    ConnectorMetadata {
+        reqs_to_recv: recvs.into_iter().map(|(id, m)| (ReqId::from(id), m)).collect(),
+        reqs_to_send: sends.into_iter().map(|(id, u)| (ReqId::from(id), u)).collect(),
+    }
+}
+
+pub fn empty() -> ConnectorMetadata {
+    ConnectorMetadata::default()
+}
+
+pub fn ready(blocks: &[BlockId]) -> SendUpdate {
+    SendUpdate::Ready { block_ids: blocks.to_vec() }
+}
