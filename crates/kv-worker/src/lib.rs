@@ -1,2 +1,44 @@
-//! placeholder while the worker is written
+//! The connector worker: what runs next to each model worker of a prefill (P)
+//! or decode (D) instance.
+//!
+//! - registers the engine's KV cache ([`RegisteredCache`], or an
+//!   [`OwnedKvCache`] the library allocates) with a data-plane transport,
+//!   picked from `mooncake_protocol` among the transports compiled in
+//!   (features `tcp`, default);
+//! - on P, serves the side channel: D's transfer requests wait until the
+//!   request is ready (bounded by the lease), are planned into coalesced
+//!   writes, written with [`kv_proto::BatchWriter::batch_write`], and answered
+//!   with one outcome per request;
+//! - on D, [`Worker::start_load_kv`] groups pulls by P, sends one transfer
+//!   request per P over a reused connection, and reports each request as
+//!   received or failed (never left hanging) through [`Worker::get_finished`].
+//!
+//! The bookkeeping ([`SenderCore`], [`ReceiverCore`]) is sans-IO and driven
+//! with explicit time; the tokio parts are a thin driver around it.
+//!
+//! What this crate must never do: report a request received whose bytes
+//! were not all written; wait without a bound; let a peer's bad input panic
+//! the process; leave a task running after the worker is gone. `unsafe` code
+//! lives only in `cache.rs` (library-allocated memory).
+
+mod cache;
+mod config;
+mod error;
 pub mod in_memory;
+mod layout;
+pub mod pattern;
+pub mod plan;
+mod receiver;
+mod sender;
+mod side_channel;
+pub mod transport;
+mod worker;
+
+pub use cache::{AllocError, OwnedKvCache};
+pub use config::WorkerConfig;
+pub use error::WorkerError;
+pub use layout::{CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache};
+pub use receiver::{PullBatch, ReceiverCore, RecvFinished, SideChannelAddr};
+pub use sender::{Claim, SenderCore};
+pub use side_channel::{SideChannelCodec, SideChannelError};
+pub use worker::{Finished, Worker};

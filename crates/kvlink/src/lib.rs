@@ -1,1 +1,17 @@
-//! placeholder
+//! The library behind the `kvlink` command: a minimal simulated engine
+//! (scheduler + worker + block allocator per instance) that drives requests
+//! through the real kvlink crates exactly as an inference engine would, and
+//! verifies every byte that arrives.
+//!
+//! It exists for the demo, the bench and the end-to-end tests; it never
+//! bypasses the library (no private path to the transports or the cores)
+//! and never touches the network except through the workers.
+
+pub mod blocks;
+pub mod engine;
+mod fill;
+pub mod runner;
+pub mod stats;
+
+pub use blocks::{BlockPattern, BlockPool};
+pub use engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};

@@ -1,0 +1,98 @@
+//! The worker's settings: vLLM's transfer config plus the bounds kvlink adds.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use kv_proto::{EngineId, KvRole, KvTransferConfig, Protocol, DEFAULT_MAX_FRAME_LEN};
+
+/// Everything a [`crate::Worker`] needs to know besides its cache.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Producer (P), consumer (D) or both.
+    pub role: KvRole,
+    /// This engine's id (sent in the side-channel hello).
+    pub engine_id: EngineId,
+    /// Data-plane transport (`mooncake_protocol`).
+    pub protocol: Protocol,
+    /// Transfers P runs at once (`num_workers`).
+    pub num_workers: usize,
+    /// Transfer requests P admits at once, waiting ones included; further
+    /// requests wait on their connection (back-pressure).
+    pub queue_depth: usize,
+    /// Address the side-channel listener binds (P).
+    pub side_channel_bind: IpAddr,
+    /// Side-channel base port of this data-parallel rank; the listener binds
+    /// `base + tp_rank`. Port 0 with `tp_rank` 0 picks a free port (tests).
+    pub side_channel_base_port: u16,
+    /// Tensor-parallel rank of this worker.
+    pub tp_rank: u16,
+    /// P's lease on a finished request's blocks, and its bound on waiting for
+    /// a request D asks for before it is ready.
+    pub abort_request_timeout: Duration,
+    /// D's bound on one pull: from sending the transfer request to P's reply.
+    pub transfer_timeout: Duration,
+    /// Bound on connecting and on the hello exchange, both sides.
+    pub connect_timeout: Duration,
+    /// Bound on one side-channel frame body.
+    pub max_frame_len: usize,
+    /// Address the data-plane listener binds.
+    pub data_listen: SocketAddr,
+    /// Host advertised in the data endpoint (default: the bound address).
+    pub data_advertise_host: Option<String>,
+    /// Data-plane bound on one stalled read, write or acknowledgement.
+    pub data_io_timeout: Duration,
+}
+
+impl WorkerConfig {
+    /// A config for `role` with kvlink's defaults, everything on loopback and
+    /// ports picked by the OS (tests, the demo).
+    pub fn loopback(role: KvRole, engine_id: &str) -> Self {
+        Self {
+            role,
+            engine_id: EngineId::new(engine_id),
+            protocol: Protocol::Tcp,
+            num_workers: kv_proto::DEFAULT_NUM_WORKERS,
+            queue_depth: 4 * kv_proto::DEFAULT_NUM_WORKERS,
+            side_channel_bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            side_channel_base_port: 0,
+            tp_rank: 0,
+            abort_request_timeout: kv_proto::DEFAULT_ABORT_REQUEST_TIMEOUT,
+            transfer_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(5),
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            data_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            data_advertise_host: None,
+            data_io_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// A config from vLLM's transfer config, for worker `tp_rank` of
+    /// data-parallel rank `dp_rank` in a `tp_size`-way tensor-parallel group.
+    /// Listeners bind `bind` (the side channel on the reference's port rule,
+    /// the data plane on a free port).
+    pub fn from_transfer_config(
+        config: &KvTransferConfig,
+        bind: IpAddr,
+        dp_rank: u16,
+        tp_size: u16,
+        tp_rank: u16,
+    ) -> Result<Self, crate::WorkerError> {
+        let base =
+            config.side_channel_base_port(dp_rank, tp_size).filter(|base| base.checked_add(tp_rank).is_some()).ok_or(
+                crate::WorkerError::PortOverflow { bootstrap_port: config.bootstrap_port, dp_rank, tp_size, tp_rank },
+            )?;
+        Ok(Self {
+            role: config.kv_role,
+            engine_id: config.engine_id.clone(),
+            protocol: config.protocol,
+            num_workers: config.num_workers,
+            queue_depth: 4 * config.num_workers,
+            side_channel_bind: bind,
+            side_channel_base_port: base,
+            tp_rank,
+            abort_request_timeout: config.abort_request_timeout,
+            data_listen: SocketAddr::new(bind, 0),
+            ..Self::loopback(config.kv_role, config.engine_id.as_str())
+        })
+    }
+}

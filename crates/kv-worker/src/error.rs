@@ -1,0 +1,60 @@
+//! The worker's errors.
+
+use std::net::SocketAddr;
+
+use kv_proto::{Protocol, TransportError};
+
+use crate::layout::LayoutError;
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The configured transport is not compiled into this build.
+    #[error(
+        "mooncake_protocol = \"{protocol}\" is not compiled into this build; enable kv-worker's \"{feature}\" feature"
+    )]
+    TransportNotCompiled {
+        /// The protocol asked for.
+        protocol: Protocol,
+        /// The feature that compiles it in.
+        feature: &'static str,
+    },
+    /// The writer handed in speaks another protocol than configured.
+    #[error("configured mooncake_protocol is {configured}, the writer speaks {writer}")]
+    ProtocolMismatch {
+        /// From the config.
+        configured: Protocol,
+        /// The writer's.
+        writer: Protocol,
+    },
+    /// The side-channel port does not fit in 16 bits.
+    #[error("side-channel port {bootstrap_port} + {dp_rank} * {tp_size} + {tp_rank} exceeds 65535")]
+    PortOverflow {
+        /// Bootstrap (or base) port.
+        bootstrap_port: u16,
+        /// Data-parallel rank.
+        dp_rank: u16,
+        /// Tensor-parallel size.
+        tp_size: u16,
+        /// Tensor-parallel rank.
+        tp_rank: u16,
+    },
+    /// The side-channel listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The cache layout is inconsistent.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The transport failed to start or register memory.
+    #[error("transport: {0}")]
+    Transport(#[source] TransportError),
+    /// Other socket error.
+    #[error("I/O: {0}")]
+    Io(#[source] std::io::Error),
+}

@@ -1,0 +1,339 @@
+//! The worker: the engine-facing API and the tokio driver around the sans-IO
+//! sender and receiver cores.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use kv_proto::{BatchWriter, BlockId, ConnectorMetadata, Endpoint, Hello, ReqId, XferRequest};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::cache::OwnedKvCache;
+use crate::config::WorkerConfig;
+use crate::layout::RegisteredCache;
+use crate::receiver::{PullBatch, ReceiverCore, SideChannelAddr};
+use crate::sender::SenderCore;
+use crate::side_channel::client::{ClientSettings, SideChannelClient};
+use crate::side_channel::server;
+use crate::WorkerError;
+
+/// What finished since the last [`Worker::get_finished`]; each request is
+/// reported once.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// P: requests whose blocks may be freed (sent, failed, or lease ended).
+    pub sending: BTreeSet<ReqId>,
+    /// D: requests whose KV is entirely in local memory.
+    pub receiving: BTreeSet<ReqId>,
+    /// D: requests whose pull failed, with the blocks that hold no valid KV.
+    /// The engine recomputes or fails them.
+    pub failed_receiving: BTreeMap<ReqId, Vec<BlockId>>,
+}
+
+impl Finished {
+    /// Whether nothing finished.
+    pub fn is_empty(&self) -> bool {
+        self.sending.is_empty() && self.receiving.is_empty() && self.failed_receiving.is_empty()
+    }
+}
+
+/// State shared by the worker's tasks.
+pub(crate) struct Shared {
+    pub(crate) config: WorkerConfig,
+    pub(crate) cache: RegisteredCache,
+    pub(crate) writer: Arc<dyn BatchWriter>,
+    pub(crate) sender: Mutex<SenderCore>,
+    pub(crate) sender_changed: Notify,
+    /// Signalled whenever an outcome becomes available to `get_finished`.
+    pub(crate) finished_changed: Notify,
+    pub(crate) receiver: Mutex<ReceiverCore>,
+    pub(crate) admission: Arc<Semaphore>,
+    pub(crate) transfer_slots: Semaphore,
+    pub(crate) clients: Mutex<HashMap<SideChannelAddr, Arc<SideChannelClient>>>,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) tracker: TaskTracker,
+    /// Keeps library-allocated memory alive as long as any task may touch it.
+    _owned_cache: Option<Arc<OwnedKvCache>>,
+}
+
+impl Shared {
+    pub(crate) fn lock_sender(&self) -> MutexGuard<'_, SenderCore> {
+        // A panic while holding the lock leaves plain bookkeeping behind; keep serving.
+        self.sender.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn lock_receiver(&self) -> MutexGuard<'_, ReceiverCore> {
+        self.receiver.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn client(self: &Arc<Self>, peer: &SideChannelAddr) -> Arc<SideChannelClient> {
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        clients
+            .entry(peer.clone())
+            .or_insert_with(|| {
+                let settings = ClientSettings {
+                    hello: Hello {
+                        engine_id: self.config.engine_id.clone(),
+                        protocol: self.writer.protocol(),
+                        layout: self.cache.layout(),
+                    },
+                    connect_timeout: self.config.connect_timeout,
+                    max_frame_len: self.config.max_frame_len,
+                };
+                SideChannelClient::new(peer.clone(), settings, self.cancel.clone(), self.tracker.clone())
+            })
+            .clone()
+    }
+}
+
+/// A connector worker: serves pulls of this instance's KV (P) and pulls KV
+/// from prefill instances (D), per its role.
+///
+/// Engine calls ([`Worker::start_load_kv`], [`Worker::get_finished`]) are
+/// synchronous and never block on the network; the work runs on the tokio
+/// runtime the worker was started in. Dropping the worker (or
+/// [`Worker::shutdown`]) stops every task it started and closes its sockets.
+pub struct Worker {
+    shared: Arc<Shared>,
+    side_channel: Option<SocketAddr>,
+    endpoint: Endpoint,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Worker {
+    /// Starts a worker over a cache the library allocated, with the transport
+    /// `config.protocol` names.
+    pub async fn start(config: WorkerConfig, cache: Arc<OwnedKvCache>) -> Result<Self, WorkerError> {
+        let writer = crate::transport::open(&config).await?;
+        let registered = cache.registered().clone();
+        // SAFETY: the regions are `cache`'s own allocations, kept alive by the
+        // worker's shared state (and so by every task) and by the writer's
+        // shutdown path (`Drop` shuts the writer down before releasing them);
+        // the writer was created here and is not shared with anyone else.
+        unsafe { Self::start_inner(config, registered, writer, Some(cache)).await }
+    }
+
+    /// Starts a worker over engine-owned memory and a given writer.
+    ///
+    /// # Safety
+    ///
+    /// Every region of `cache` must stay valid for reads and writes until
+    /// the writer is shut down and dropped (not merely this worker), and the
+    /// engine must follow [`BatchWriter::register_regions`]'s rule: it does
+    /// not read a block before it is reported received, nor write one that is
+    /// being sent.
+    pub async unsafe fn start_with_writer(
+        config: WorkerConfig,
+        cache: RegisteredCache,
+        writer: Arc<dyn BatchWriter>,
+    ) -> Result<Self, WorkerError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::start_inner(config, cache, writer, None).await }
+    }
+
+    async unsafe fn start_inner(
+        config: WorkerConfig,
+        cache: RegisteredCache,
+        writer: Arc<dyn BatchWriter>,
+        owned_cache: Option<Arc<OwnedKvCache>>,
+    ) -> Result<Self, WorkerError> {
+        if writer.protocol() != config.protocol {
+            return Err(WorkerError::ProtocolMismatch { configured: config.protocol, writer: writer.protocol() });
+        }
+        // SAFETY: the caller's contract covers the regions' validity.
+        unsafe { writer.register_regions(cache.regions()) }.map_err(WorkerError::Transport)?;
+        let endpoint = writer.endpoint();
+        let runtime = tokio::runtime::Handle::current();
+        let listener = if config.role.sends() {
+            let port = config.side_channel_base_port.checked_add(config.tp_rank).ok_or(WorkerError::PortOverflow {
+                bootstrap_port: config.side_channel_base_port,
+                dp_rank: 0,
+                tp_size: 0,
+                tp_rank: config.tp_rank,
+            })?;
+            let addr = SocketAddr::new(config.side_channel_bind, port);
+            Some(TcpListener::bind(addr).await.map_err(|source| WorkerError::Bind { addr, source })?)
+        } else {
+            None
+        };
+        let side_channel = listener.as_ref().map(TcpListener::local_addr).transpose().map_err(WorkerError::Io)?;
+        let shared = Arc::new(Shared {
+            sender: Mutex::new(SenderCore::new(config.abort_request_timeout)),
+            sender_changed: Notify::new(),
+            finished_changed: Notify::new(),
+            receiver: Mutex::new(ReceiverCore::new(config.tp_rank, config.transfer_timeout)),
+            admission: Arc::new(Semaphore::new(config.queue_depth.max(1))),
+            transfer_slots: Semaphore::new(config.num_workers.max(1)),
+            clients: Mutex::new(HashMap::new()),
+            cancel: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            config,
+            cache,
+            writer,
+            _owned_cache: owned_cache,
+        });
+        if let Some(listener) = listener {
+            shared.tracker.spawn(server::run_listener(shared.clone(), listener));
+        }
+        tracing::info!(
+            engine_id = %shared.config.engine_id,
+            role = %shared.config.role,
+            side_channel = ?side_channel,
+            data_endpoint = %endpoint,
+            regions = shared.cache.regions().len(),
+            block_len = shared.cache.block_len(),
+            "kvlink worker started"
+        );
+        Ok(Self { shared, side_channel, endpoint, runtime })
+    }
+
+    /// Where D workers reach this worker's side channel (P roles only).
+    pub fn side_channel_addr(&self) -> Option<SocketAddr> {
+        self.side_channel
+    }
+
+    /// This worker's data-plane endpoint.
+    pub fn data_endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The registered cache.
+    pub fn cache(&self) -> &RegisteredCache {
+        &self.shared.cache
+    }
+
+    /// Transfer requests P has admitted and not yet answered (waiting for
+    /// readiness or writing).
+    pub fn transfers_in_progress(&self) -> usize {
+        self.shared.config.queue_depth.max(1).saturating_sub(self.shared.admission.available_permits())
+    }
+
+    /// Applies one step's metadata: records send entries (P) and starts
+    /// pulls (D). Returns at once.
+    pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        let now = Instant::now();
+        if self.shared.config.role.sends() && !meta.reqs_to_send.is_empty() {
+            let mut sender = self.shared.lock_sender();
+            for (req, update) in &meta.reqs_to_send {
+                sender.handle_update(req, update, now);
+            }
+            drop(sender);
+            self.shared.sender_changed.notify_waiters();
+        }
+        if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
+            let batches = self.shared.lock_receiver().start(&meta.reqs_to_recv, now);
+            for batch in batches {
+                self.spawn_pull(batch);
+            }
+        }
+    }
+
+    fn spawn_pull(&self, batch: PullBatch) {
+        let shared = self.shared.clone();
+        let _guard = self.runtime.enter();
+        self.shared.tracker.spawn(async move {
+            let PullBatch { xfer_id, peer, requests } = batch;
+            let request = XferRequest {
+                xfer_id,
+                endpoint: shared.writer.endpoint(),
+                region_base_addrs: shared.cache.base_addrs(),
+                requests,
+            };
+            let client = shared.client(&peer);
+            let timeout = shared.config.transfer_timeout;
+            let result = tokio::select! {
+                () = shared.cancel.cancelled() => Err("decode worker shutting down".to_owned()),
+                r = tokio::time::timeout(timeout, client.request(request)) => match r {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("no reply from {peer} within {timeout:?}")),
+                },
+            };
+            let mut receiver = shared.lock_receiver();
+            match result {
+                Ok(reply) => receiver.handle_reply(&reply),
+                Err(reason) => receiver.handle_batch_failed(xfer_id, &reason),
+            }
+            drop(receiver);
+            shared.finished_changed.notify_waiters();
+        });
+    }
+
+    /// Requests finished since the last call (the reference's `get_finished`,
+    /// plus the failed pulls it never reported). Also frees P's entries whose
+    /// lease ended.
+    pub fn get_finished(&self) -> Finished {
+        let now = Instant::now();
+        let mut finished = Finished::default();
+        if self.shared.config.role.sends() {
+            let mut sender = self.shared.lock_sender();
+            sender.handle_timeout(now);
+            finished.sending = sender.poll_finished();
+        }
+        if self.shared.config.role.receives() {
+            let mut receiver = self.shared.lock_receiver();
+            receiver.handle_timeout(now);
+            let done = receiver.poll_finished();
+            finished.receiving = done.received;
+            finished.failed_receiving = done.failed;
+        }
+        finished
+    }
+
+    /// Waits until something finished or `timeout` passed, then returns what
+    /// [`Worker::get_finished`] returns (possibly empty). For engine loops
+    /// that have nothing else to do: no polling, no busy-waiting.
+    pub async fn next_finished(&self, timeout: std::time::Duration) -> Finished {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let changed = self.shared.finished_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let finished = self.get_finished();
+            if !finished.is_empty() {
+                return finished;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return self.get_finished();
+            }
+        }
+    }
+
+    /// Stops every task, closes every socket and shuts the transport down;
+    /// returns when all of it is done.
+    pub async fn shutdown(self) {
+        let shared = self.shared.clone();
+        drop(self);
+        shared.tracker.close();
+        shared.tracker.wait().await;
+        shared.writer.shutdown().await;
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+        self.shared.tracker.close();
+        // Owned memory must outlive the transport's tasks: release it only
+        // after the writer is shut down.
+        let shared = self.shared.clone();
+        self.runtime.spawn(async move {
+            shared.tracker.wait().await;
+            shared.writer.shutdown().await;
+        });
+    }
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("engine_id", &self.shared.config.engine_id)
+            .field("role", &self.shared.config.role)
+            .field("side_channel", &self.side_channel)
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}

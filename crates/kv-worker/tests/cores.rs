@@ -1,0 +1,183 @@
+//! The sender and receiver cores, driven without sockets and with explicit time.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kv_proto::{Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
+use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
+use rstest::rstest;
+
+const LEASE: Duration = Duration::from_secs(480);
+
+fn r(id: &str) -> ReqId {
+    ReqId::new(id)
+}
+
+fn ready(blocks: &[u32]) -> SendUpdate {
+    SendUpdate::Ready { block_ids: blocks.to_vec() }
+}
+
+/// Applies updates at `t0`, then claims at `t0 + after`.
+#[rstest]
+#[case::unknown_request_is_refused_not_done(&[], Duration::ZERO, Claim::Unknown)]
+#[case::expected_but_not_finished_waits(&[SendUpdate::Expect], Duration::ZERO, Claim::NotReady)]
+#[case::ready_is_claimed_with_its_blocks(&[SendUpdate::Expect, ready(&[4, 5])], Duration::ZERO, Claim::Ready(vec![4, 5]))]
+#[case::ready_without_expect_is_claimed(&[ready(&[1])], Duration::ZERO, Claim::Ready(vec![1]))]
+#[case::ready_just_before_lease_end(&[ready(&[1])], LEASE - Duration::from_millis(1), Claim::Ready(vec![1]))]
+#[case::lease_ended_frees_blocks(&[ready(&[1])], LEASE, Claim::Expired)]
+#[case::forgotten_before_ready_is_unknown(&[SendUpdate::Expect, SendUpdate::Forget], Duration::ZERO, Claim::Unknown)]
+#[case::expect_after_ready_keeps_ready(&[ready(&[3]), SendUpdate::Expect], Duration::ZERO, Claim::Ready(vec![3]))]
+fn sender_claims(#[case] updates: &[SendUpdate], #[case] after: Duration, #[case] expected: Claim) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    for u in updates {
+        core.handle_update(&r("a"), u, t0);
+    }
+    assert_eq!(core.claim(&r("a"), t0 + after), expected);
+}
+
+#[test]
+fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    core.handle_update(&r("a"), &ready(&[1, 2]), t0);
+    assert_eq!(core.claim(&r("a"), t0), Claim::Ready(vec![1, 2]));
+    assert_eq!(core.claim(&r("a"), t0), Claim::InFlight, "a second pull does not send it twice");
+    assert!(core.handle_timeout(t0 + 2 * LEASE).is_empty(), "an in-flight request has no lease");
+    assert!(core.poll_finished().is_empty());
+    core.complete(&r("a"));
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), vec![r("a")]);
+    assert!(core.poll_finished().is_empty(), "reported once");
+    assert_eq!(core.claim(&r("a"), t0), Claim::Unknown, "sent requests are gone");
+    assert!(core.is_empty());
+}
+
+#[test]
+fn lease_expiry_is_reported_as_finished_sending() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    core.handle_update(&r("a"), &ready(&[1]), t0);
+    core.handle_update(&r("b"), &ready(&[2]), t0 + Duration::from_secs(10));
+    core.handle_update(&r("c"), &SendUpdate::Expect, t0);
+    assert_eq!(core.next_deadline(), Some(t0 + LEASE));
+    assert_eq!(core.handle_timeout(t0 + LEASE), vec![r("a")]);
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), vec![r("a")]);
+    assert_eq!(core.len(), 2, "b is still leased, c still owned by the scheduler");
+    assert_eq!(core.next_deadline(), Some(t0 + LEASE + Duration::from_secs(10)));
+}
+
+#[test]
+fn forget_drops_the_entry_without_reporting_it() {
+    // Defect 3 of the reference: an entry for a request that finished
+    // without delay-free was kept forever.
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    core.handle_update(&r("a"), &SendUpdate::Expect, t0);
+    core.handle_update(&r("a"), &SendUpdate::Forget, t0);
+    assert!(core.is_empty());
+    assert!(core.poll_finished().is_empty(), "the engine freed those blocks itself");
+}
+
+fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
+    RecvReqMeta { local_block_ids: blocks.to_vec(), remote_host: host.into(), remote_port: port }
+}
+
+fn reqs(items: &[(&str, RecvReqMeta)]) -> BTreeMap<ReqId, RecvReqMeta> {
+    items.iter().map(|(id, m)| (r(id), m.clone())).collect()
+}
+
+#[test]
+fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
+    let mut core = ReceiverCore::new(2, Duration::from_secs(5));
+    let batches = core.start(
+        &reqs(&[("a", recv("p1", 8998, &[1])), ("b", recv("p2", 8998, &[2])), ("c", recv("p1", 8998, &[3, 4]))]),
+        Instant::now(),
+    );
+    assert_eq!(batches.len(), 2);
+    assert_eq!(batches[0].peer, SideChannelAddr { host: "p1".into(), port: 9000 });
+    assert_eq!(
+        batches[0].requests,
+        vec![
+            RequestBlocks { req_id: r("a"), block_ids: vec![1] },
+            RequestBlocks { req_id: r("c"), block_ids: vec![3, 4] }
+        ]
+    );
+    assert_eq!(batches[1].peer, SideChannelAddr { host: "p2".into(), port: 9000 });
+    assert_ne!(batches[0].xfer_id, batches[1].xfer_id);
+    assert_eq!(core.in_flight(), 3);
+}
+
+fn reply(xfer_id: u64, outcomes: &[(&str, Outcome)]) -> XferReply {
+    XferReply {
+        xfer_id,
+        outcomes: outcomes.iter().map(|(id, o)| RequestOutcome { req_id: r(id), outcome: o.clone() }).collect(),
+    }
+}
+
+fn failed(reason: &str) -> Outcome {
+    Outcome::Failed { reason: reason.into() }
+}
+
+/// One batch of requests a (blocks 1,2) and b (blocks 3), then `event`.
+#[rstest]
+#[case::all_done(Some(vec![("a", Outcome::Done), ("b", Outcome::Done)]), &["a", "b"], &[])]
+#[case::one_failed_by_prefill(Some(vec![("a", Outcome::Done), ("b", failed("unknown"))]), &["a"], &["b"])]
+#[case::outcome_missing_counts_as_failed(Some(vec![("a", Outcome::Done)]), &["a"], &["b"])]
+#[case::stray_outcome_ignored(Some(vec![("a", Outcome::Done), ("b", Outcome::Done), ("zzz", Outcome::Done)]), &["a", "b"], &[])]
+#[case::connection_failed(None, &[], &["a", "b"])]
+fn receiver_outcomes(
+    #[case] event: Option<Vec<(&str, Outcome)>>,
+    #[case] received: &[&str],
+    #[case] failed_reqs: &[&str],
+) {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2])), ("b", recv("p", 1, &[3]))]), t0);
+    let xfer_id = batches[0].xfer_id;
+    match event {
+        Some(outcomes) => core.handle_reply(&reply(xfer_id, &outcomes)),
+        None => core.handle_batch_failed(xfer_id, "connection refused"),
+    }
+    let done = core.poll_finished();
+    assert_eq!(done.received.iter().map(ReqId::as_str).collect::<Vec<_>>(), received);
+    assert_eq!(done.failed.keys().map(ReqId::as_str).collect::<Vec<_>>(), failed_reqs);
+    if failed_reqs.contains(&"a") {
+        assert_eq!(done.failed[&r("a")], vec![1, 2], "failed requests carry their block ids");
+    }
+    assert_eq!(core.in_flight(), 0);
+    assert!(core.poll_finished().received.is_empty(), "reported once");
+}
+
+#[test]
+fn a_pull_without_reply_fails_at_its_deadline_and_a_late_reply_is_ignored() {
+    // Defect 2 of the reference: a failed or silent pull was only logged.
+    let t0 = Instant::now();
+    let timeout = Duration::from_secs(5);
+    let mut core = ReceiverCore::new(0, timeout);
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[7]))]), t0);
+    assert_eq!(core.next_deadline(), Some(t0 + timeout));
+    core.handle_timeout(t0 + timeout - Duration::from_millis(1));
+    assert!(core.poll_finished().failed.is_empty());
+    core.handle_timeout(t0 + timeout);
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![7])]));
+    core.handle_reply(&reply(batches[0].xfer_id, &[("a", Outcome::Done)]));
+    let late = core.poll_finished();
+    assert!(late.received.is_empty() && late.failed.is_empty(), "each request is reported exactly once");
+}
+
+#[test]
+fn a_request_pulled_twice_while_in_flight_is_pulled_once() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let t0 = Instant::now();
+    assert_eq!(core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0).len(), 1);
+    assert!(core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0).is_empty());
+    assert_eq!(core.in_flight(), 1);
+}
+
+#[test]
+fn port_overflow_fails_the_request_at_once() {
+    let mut core = ReceiverCore::new(3, Duration::from_secs(5));
+    assert!(core.start(&reqs(&[("a", recv("p", u16::MAX, &[1]))]), Instant::now()).is_empty());
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![1])]));
+}

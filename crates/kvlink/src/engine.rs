@@ -1,0 +1,459 @@
+//! Simulated prefill and decode instances: each is a scheduler
+//! (`kv-sched`), a worker (`kv-worker`) and a block pool, driven through the
+//! flow of a disaggregated server step by step.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_proto::{BlockId, KvRole, KvTransferParams, ReqId};
+use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
+use kv_worker::{AllocError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
+
+use crate::blocks::{BlockPattern, BlockPool};
+use crate::fill;
+
+/// Why the simulated engine could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The scheduler refused a call.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The worker could not start.
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// The cache could not be allocated.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// Not enough free blocks.
+    #[error("{instance}: no room for {needed} blocks ({free} free)")]
+    OutOfBlocks {
+        /// Which instance.
+        instance: &'static str,
+        /// Blocks asked for.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A P worker has no side channel (not a producer).
+    #[error("prefill worker has no side channel")]
+    NoSideChannel,
+    /// Nothing finished within the bound while requests were in flight.
+    #[error("no request finished within {waited:?} ({in_flight} in flight)")]
+    Stalled {
+        /// The bound.
+        waited: Duration,
+        /// Requests in flight.
+        in_flight: usize,
+    },
+    /// The scheduler did not return transfer params for a finished request.
+    #[error("request {0}: prefill returned no transfer params")]
+    NoParams(ReqId),
+}
+
+/// A request to prefill on P.
+#[derive(Clone, Debug)]
+pub struct PromptSpec {
+    /// Request id.
+    pub id: ReqId,
+    /// Prompt length in tokens.
+    pub prompt_len: usize,
+    /// Seed of its KV pattern.
+    pub seed: u64,
+}
+
+/// A request to decode on D, with what P returned for it.
+#[derive(Clone, Debug)]
+pub struct PullSpec {
+    /// Request id.
+    pub id: ReqId,
+    /// Prompt length in tokens.
+    pub prompt_len: usize,
+    /// Seed of its KV pattern (to verify).
+    pub seed: u64,
+    /// The params P returned (`do_remote_prefill`, host, port).
+    pub params: KvTransferParams,
+    /// Tokens D already has in its prefix cache (block-aligned).
+    pub prefix_hit_tokens: usize,
+}
+
+fn blocks_for(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+/// A prefill instance: computes requests' KV and holds it for D.
+pub struct PrefillInstance {
+    sched: ConnectorScheduler,
+    worker: Worker,
+    cache: Arc<OwnedKvCache>,
+    pool: BlockPool,
+    held: HashMap<ReqId, Vec<BlockId>>,
+    write_patterns: bool,
+}
+
+impl PrefillInstance {
+    /// Allocates a cache of `shape`, starts a producer worker on it.
+    pub async fn start(
+        config: WorkerConfig,
+        shape: CacheShape,
+        pattern: BlockPattern,
+        seed: u64,
+    ) -> Result<Self, EngineError> {
+        let cache = Arc::new(OwnedKvCache::allocate(shape)?);
+        let worker = Worker::start(config, cache.clone()).await?;
+        let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
+        let sched = ConnectorScheduler::new(KvRole::Producer, addr.ip().to_string(), addr.port());
+        Ok(Self {
+            sched,
+            worker,
+            cache,
+            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            held: HashMap::new(),
+            write_patterns: true,
+        })
+    }
+
+    /// Where D reaches this instance's side channel.
+    pub fn side_channel(&self) -> Option<SocketAddr> {
+        self.worker.side_channel_addr()
+    }
+
+    /// The worker (for inspection).
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Whether prefill writes each request's KV pattern (off for a bench
+    /// that does not verify).
+    pub fn set_write_patterns(&mut self, on: bool) {
+        self.write_patterns = on;
+    }
+
+    /// The blocks held for a request.
+    pub fn blocks_of(&self, id: &ReqId) -> Option<&[BlockId]> {
+        self.held.get(id).map(Vec::as_slice)
+    }
+
+    /// Requests whose blocks are held for D.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_count()
+    }
+
+    /// One engine step in which `prompts` are scheduled, prefilled (KV
+    /// written) and finish by length cap; returns the params the proxy hands
+    /// to D for each.
+    pub fn prefill(&mut self, prompts: &[PromptSpec]) -> Result<Vec<(PromptSpec, KvTransferParams)>, EngineError> {
+        let block_size = self.cache.shape().block_size as usize;
+        let mut running = Vec::with_capacity(prompts.len());
+        for p in prompts {
+            let mut req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::Running,
+                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
+            };
+            let (external, _) = self.sched.get_num_new_matched_tokens(&req, 0);
+            let needed = blocks_for(p.prompt_len, block_size);
+            let free = self.pool.free_count();
+            let blocks =
+                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
+            self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
+            running.push((p.clone(), req, blocks));
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        let mut out = Vec::with_capacity(running.len());
+        for (spec, mut req, blocks) in running {
+            if self.write_patterns {
+                fill::fill_request(&self.cache, spec.seed, &blocks);
+            }
+            req.status = RequestStatus::FinishedLengthCapped;
+            let (delay_free, params) = self.sched.request_finished(&mut req, &blocks)?;
+            if delay_free {
+                self.held.insert(spec.id.clone(), blocks);
+            } else {
+                self.pool.free(&blocks);
+            }
+            let params = params.ok_or_else(|| EngineError::NoParams(spec.id.clone()))?;
+            out.push((spec, params));
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(out)
+    }
+
+    /// One engine step in which `prompts` are scheduled with remote decode
+    /// and still running (not finished): D may already ask for them.
+    pub fn schedule_only(&mut self, prompts: &[PromptSpec]) -> Result<(), EngineError> {
+        let block_size = self.cache.shape().block_size as usize;
+        for p in prompts {
+            let mut req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::Running,
+                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
+            };
+            let needed = blocks_for(p.prompt_len, block_size);
+            let free = self.pool.free_count();
+            let blocks =
+                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
+            self.sched.update_state_after_alloc(&mut req, &blocks, 0)?;
+            self.held.insert(p.id.clone(), blocks);
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(())
+    }
+
+    /// Waits (bounded by `timeout`) until the worker has admitted a pull;
+    /// returns whether it did.
+    pub async fn wait_for_pull_waiting(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.worker.transfers_in_progress() == 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::task::yield_now().await;
+        }
+        true
+    }
+
+    /// One engine step in which `prompts` are scheduled with remote decode
+    /// but then aborted (no delay-free): the worker must forget them.
+    pub fn schedule_then_abort(&mut self, prompts: &[PromptSpec]) -> Result<(), EngineError> {
+        let block_size = self.cache.shape().block_size as usize;
+        let mut running = Vec::new();
+        for p in prompts {
+            let mut req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::Running,
+                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
+            };
+            let needed = blocks_for(p.prompt_len, block_size);
+            let free = self.pool.free_count();
+            let blocks =
+                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
+            self.sched.update_state_after_alloc(&mut req, &blocks, 0)?;
+            running.push((req, blocks));
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        for (mut req, blocks) in running {
+            req.status = RequestStatus::FinishedAborted;
+            let (delay_free, _) = self.sched.request_finished(&mut req, &blocks)?;
+            debug_assert!(!delay_free);
+            self.pool.free(&blocks);
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(())
+    }
+
+    /// Frees the blocks of requests the worker reports finished sending;
+    /// returns them.
+    pub fn reap(&mut self) -> Vec<ReqId> {
+        let finished = self.worker.get_finished();
+        self.release(finished.sending)
+    }
+
+    /// Like [`PrefillInstance::reap`], waiting up to `timeout` for something to finish.
+    pub async fn reap_wait(&mut self, timeout: Duration) -> Vec<ReqId> {
+        let finished = self.worker.next_finished(timeout).await;
+        self.release(finished.sending)
+    }
+
+    fn release(&mut self, sending: impl IntoIterator<Item = ReqId>) -> Vec<ReqId> {
+        let mut freed = Vec::new();
+        for req in sending {
+            if let Some(blocks) = self.held.remove(&req) {
+                self.pool.free(&blocks);
+            }
+            freed.push(req);
+        }
+        freed
+    }
+
+    /// Stops the worker and waits for its tasks.
+    pub async fn shutdown(self) {
+        self.worker.shutdown().await;
+    }
+}
+
+/// How a pull ended on D.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// Received, and every byte verified unless verification is off.
+    Received {
+        /// The request.
+        id: ReqId,
+        /// Blocks received.
+        blocks: usize,
+        /// Whether the bytes were checked.
+        verified: bool,
+        /// Time from the pull's start to its report.
+        latency: Duration,
+    },
+    /// Reported received but a block holds wrong bytes.
+    Corrupt {
+        /// The request.
+        id: ReqId,
+        /// First wrong (region, block).
+        at: (u32, BlockId),
+    },
+    /// Reported failed by the worker (the engine would recompute).
+    Failed {
+        /// The request.
+        id: ReqId,
+        /// Blocks that hold no valid KV.
+        blocks: Vec<BlockId>,
+    },
+}
+
+struct Pulling {
+    seed: u64,
+    blocks: Vec<BlockId>,
+    first_position: u32,
+    started: Instant,
+}
+
+/// A decode instance: pulls requests' KV from prefill instances and
+/// verifies it.
+pub struct DecodeInstance {
+    sched: ConnectorScheduler,
+    worker: Worker,
+    cache: Arc<OwnedKvCache>,
+    pool: BlockPool,
+    pulling: HashMap<ReqId, Pulling>,
+    verify: bool,
+}
+
+impl DecodeInstance {
+    /// Allocates a cache of `shape`, starts a consumer worker on it.
+    pub async fn start(
+        config: WorkerConfig,
+        shape: CacheShape,
+        pattern: BlockPattern,
+        seed: u64,
+    ) -> Result<Self, EngineError> {
+        let cache = Arc::new(OwnedKvCache::allocate(shape)?);
+        let worker = Worker::start(config, cache.clone()).await?;
+        let sched = ConnectorScheduler::new(KvRole::Consumer, "127.0.0.1", 0);
+        Ok(Self {
+            sched,
+            worker,
+            cache,
+            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            pulling: HashMap::new(),
+            verify: true,
+        })
+    }
+
+    /// The worker (for inspection).
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Whether received KV is verified byte by byte (on by default).
+    pub fn set_verify(&mut self, on: bool) {
+        self.verify = on;
+    }
+
+    /// The blocks a pull in flight lands in.
+    pub fn blocks_of(&self, id: &ReqId) -> Option<&[BlockId]> {
+        self.pulling.get(id).map(|p| p.blocks.as_slice())
+    }
+
+    /// Pulls in flight.
+    pub fn pulling(&self) -> usize {
+        self.pulling.len()
+    }
+
+    /// Free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_count()
+    }
+
+    /// One engine step in which `pulls` are scheduled: blocks allocated for
+    /// what the prefix cache lacks, pulls started.
+    pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
+        let block_size = self.cache.shape().block_size as usize;
+        let mut started = Vec::with_capacity(pulls.len());
+        for p in pulls {
+            let mut req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::Waiting,
+                kv_transfer_params: Some(p.params.clone()),
+            };
+            let (external, _load_async) = self.sched.get_num_new_matched_tokens(&req, p.prefix_hit_tokens);
+            let total_blocks = blocks_for(p.prompt_len, block_size);
+            let cached_blocks = (p.prefix_hit_tokens / block_size).min(total_blocks);
+            let needed = if external > 0 { total_blocks - cached_blocks } else { 0 };
+            let free = self.pool.free_count();
+            let blocks =
+                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "decode", needed, free })?;
+            self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
+            started.push((
+                p.id.clone(),
+                Pulling { seed: p.seed, blocks, first_position: cached_blocks as u32, started: Instant::now() },
+            ));
+        }
+        self.pulling.extend(started);
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(())
+    }
+
+    /// One engine step in which requests are aborted before they were
+    /// scheduled: P is told (empty block list) so it frees.
+    pub fn abort_unscheduled(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
+        for p in pulls {
+            let mut req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::FinishedAborted,
+                kv_transfer_params: Some(p.params.clone()),
+            };
+            self.sched.request_finished(&mut req, &[])?;
+            self.pulling.insert(
+                p.id.clone(),
+                Pulling { seed: p.seed, blocks: Vec::new(), first_position: 0, started: Instant::now() },
+            );
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for pulls to finish; verifies and frees what did.
+    pub async fn complete(&mut self, timeout: Duration) -> Vec<Completion> {
+        let finished = self.worker.next_finished(timeout).await;
+        let mut out = Vec::with_capacity(finished.receiving.len() + finished.failed_receiving.len());
+        for id in finished.receiving {
+            let Some(p) = self.pulling.remove(&id) else { continue };
+            let latency = p.started.elapsed();
+            let checked = if self.verify {
+                fill::verify_request(&self.cache, p.seed, &p.blocks, p.first_position)
+            } else {
+                Ok(())
+            };
+            match checked {
+                Ok(()) => out.push(Completion::Received { id, blocks: p.blocks.len(), verified: self.verify, latency }),
+                Err(at) => out.push(Completion::Corrupt { id, at }),
+            }
+            self.pool.free(&p.blocks);
+        }
+        for (id, blocks) in finished.failed_receiving {
+            if let Some(p) = self.pulling.remove(&id) {
+                self.pool.free(&p.blocks);
+            }
+            out.push(Completion::Failed { id, blocks });
+        }
+        out
+    }
+
+    /// Stops the worker and waits for its tasks.
+    pub async fn shutdown(self) {
+        self.worker.shutdown().await;
+    }
+}
