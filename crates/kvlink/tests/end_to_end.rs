@@ -41,6 +41,16 @@ fn pull(spec: &PromptSpec, params: KvTransferParams, prefix_hit_tokens: usize) -
     PullSpec { id: spec.id.clone(), prompt_len: spec.prompt_len, seed: spec.seed, params, prefix_hit_tokens }
 }
 
+/// The params a proxy would hand D for a request on the P at `addr`.
+fn params_pointing_at(addr: std::net::SocketAddr) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_prefill: true,
+        do_remote_decode: false,
+        remote_host: Some(addr.ip().to_string()),
+        remote_port: Some(addr.port()),
+    }
+}
+
 /// Waits until `n` completions arrived (bounded).
 async fn completions(d: &mut DecodeInstance, n: usize) -> Vec<Completion> {
     let mut out = Vec::new();
@@ -130,12 +140,7 @@ async fn abort_on_decode_before_scheduling_frees_prefill() {
 async fn request_unknown_to_prefill_fails_on_decode_never_done() {
     let (p, mut d) = (prefill(BlockPattern::Contiguous).await, decode(BlockPattern::Contiguous).await);
     let addr = p.side_channel().unwrap();
-    let params = KvTransferParams {
-        do_remote_prefill: true,
-        do_remote_decode: false,
-        remote_host: Some(addr.ip().to_string()),
-        remote_port: Some(addr.port()),
-    };
+    let params = params_pointing_at(addr);
     let ghost = prompt(7, 64);
     d.schedule(&[pull(&ghost, params, 0)]).unwrap();
     let got = completions(&mut d, 1).await;
@@ -149,13 +154,8 @@ async fn prefill_gone_mid_flight_fails_the_pull_within_its_bound() {
     // Scheduled with remote decode but never finished: D's pull waits on P...
     let spec = prompt(1, 64);
     let addr = p.side_channel().unwrap();
-    p.schedule_only(&[spec.clone()]).unwrap();
-    let params = KvTransferParams {
-        do_remote_prefill: true,
-        do_remote_decode: false,
-        remote_host: Some(addr.ip().to_string()),
-        remote_port: Some(addr.port()),
-    };
+    p.schedule_only(std::slice::from_ref(&spec)).unwrap();
+    let params = params_pointing_at(addr);
     d.schedule(&[pull(&spec, params, 0)]).unwrap();
     assert!(p.wait_for_pull_waiting(BOUND).await, "prefill admitted the pull");
     // ...and P goes away while it waits.
@@ -172,13 +172,8 @@ async fn silent_prefill_fails_the_pull_at_the_transfer_timeout() {
     let mut d = DecodeInstance::start(config, shape(400), BlockPattern::Contiguous, 1).await.unwrap();
     let spec = prompt(1, 64);
     let addr = p.side_channel().unwrap();
-    p.schedule_only(&[spec.clone()]).unwrap();
-    let params = KvTransferParams {
-        do_remote_prefill: true,
-        do_remote_decode: false,
-        remote_host: Some(addr.ip().to_string()),
-        remote_port: Some(addr.port()),
-    };
+    p.schedule_only(std::slice::from_ref(&spec)).unwrap();
+    let params = params_pointing_at(addr);
     d.schedule(&[pull(&spec, params, 0)]).unwrap();
     let got = completions(&mut d, 1).await;
     assert!(matches!(&got[0], Completion::Failed { .. }), "{got:?}");
