@@ -6,6 +6,8 @@
 //! * `cargo xtask ci` runs every CI step (fmt, dependency rule, clippy per
 //!   feature set, tests, docs), keeps going after a failure, prints a summary
 //!   and exits non-zero if any step failed.
+//! * `cargo xtask bench` builds kvlink in release mode and measures the
+//!   performance targets as ratios against iperf3 on loopback.
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
 //!
@@ -13,6 +15,7 @@
 //! the runner, [`deps`] checks the crate dependency rule.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod bench;
 mod ci;
 mod cmd;
 mod deps;
@@ -36,12 +39,15 @@ struct Cli {
 enum Command {
     /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs.
     Ci(ci::CiArgs),
+    /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Ci(args) => ci::run(&args),
+        Command::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(code) => code,
