@@ -242,3 +242,15 @@ async fn layout_mismatch_fails_fast_naming_both_sides() {
     let got = completions(&mut d, 1).await;
     assert!(matches!(&got[0], Completion::Failed { .. }), "{got:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_the_side_channel_and_the_data_plane() {
+    let p = prefill(BlockPattern::Contiguous).await;
+    let side_channel = p.side_channel().unwrap();
+    let data: std::net::SocketAddr = p.worker().data_endpoint().address.parse().unwrap();
+    tokio::net::TcpStream::connect(side_channel).await.expect("side channel serves before shutdown");
+    tokio::net::TcpStream::connect(data).await.expect("data plane serves before shutdown");
+    p.shutdown().await;
+    assert!(tokio::net::TcpStream::connect(side_channel).await.is_err(), "side channel closed");
+    assert!(tokio::net::TcpStream::connect(data).await.is_err(), "data plane closed");
+}
