@@ -1,0 +1,60 @@
+//! [`TcpConfig`]: where to listen and every bound the transport keeps.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+/// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
+pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
+
+/// Configuration of a [`crate::TcpTransport`]. Every wait the transport makes
+/// is bounded by one of these durations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Where the data-plane listener binds (default `127.0.0.1:0`: loopback,
+    /// any free port).
+    pub listen_addr: SocketAddr,
+    /// Host put in the advertised [`kv_proto::Endpoint`] (default: the bound
+    /// IP). Set it when binding a wildcard address such as `0.0.0.0`.
+    pub advertise_host: Option<String>,
+    /// Bound on establishing an outgoing connection, name resolution
+    /// included (default 5 s).
+    pub connect_timeout: Duration,
+    /// Bound on any single stalled read, write or acknowledgement wait, on
+    /// either side (default 30 s). Progress restarts the clock, so a large
+    /// batch on a slow link is not cut off.
+    pub io_timeout: Duration,
+    /// How long the receiver keeps a connection on which no batch is in
+    /// progress (default 120 s). Senders learn it at connection set-up and
+    /// retire pooled connections after half of it.
+    pub idle_timeout: Duration,
+    /// Bound on the ops of one incoming batch (peer input; default
+    /// [`DEFAULT_MAX_OPS_PER_BATCH`]). A larger batch closes the connection;
+    /// a sender learns the bound at connection set-up and fails such a batch
+    /// before sending it. Outgoing batches have no cap of their own.
+    ///
+    /// A connection buffers a batch's op list (16 bytes per op) as it
+    /// arrives, so the receiver's op-list memory is bounded by
+    /// `max_connections × max_ops_per_batch × 16` bytes, reached only by peers
+    /// that actually send that much; lower either bound to lower it.
+    pub max_ops_per_batch: u64,
+    /// Idle outgoing connections kept per peer for reuse (default 4).
+    pub max_idle_conns_per_peer: usize,
+    /// Bound on concurrently served incoming connections (default 1024);
+    /// connections past it are closed at once.
+    pub max_connections: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            listen_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            advertise_host: None,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(120),
+            max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
+            max_idle_conns_per_peer: 4,
+            max_connections: 1024,
+        }
+    }
+}

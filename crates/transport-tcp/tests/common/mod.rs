@@ -1,0 +1,210 @@
+//! Helpers shared by the transport-tcp integration tests: registered test
+//! buffers, byte patterns, and a raw client speaking the wire by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_proto::{BatchWriter, MemoryRegion, WriteOp};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use transport_tcp::wire::{
+    encode_op, Accept, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, MAX_REASON_LEN, REPLY_HEADER_LEN,
+};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// Upper bound on any single wait in these tests (never reached when things work).
+pub const BOUND: Duration = Duration::from_secs(20);
+
+const ALIGN: usize = 4096;
+
+/// A zeroed, page-aligned allocation.
+pub struct TestBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl TestBuf {
+    pub fn new(len: usize) -> Self {
+        let layout = Layout::from_size_align(len, ALIGN).unwrap();
+        // SAFETY: `len` > 0 in every test, so the layout is not zero-sized.
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).expect("allocation failed");
+        Self { ptr, len }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr().expose_provenance() as u64
+    }
+
+    pub fn end(&self) -> u64 {
+        self.addr() + self.len as u64
+    }
+
+    pub fn region(&self) -> MemoryRegion {
+        MemoryRegion::new(self.addr(), self.len as u64)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation is `len` bytes, live until drop; tests read
+        // only while no transfer into it is in flight.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn is_zero(&self) -> bool {
+        self.bytes().iter().all(|&b| b == 0)
+    }
+}
+
+impl Drop for TestBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len, ALIGN).unwrap();
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+/// A transport and its one registered buffer; the transport is dropped first.
+pub struct Node {
+    pub transport: Arc<TcpTransport>,
+    pub buf: TestBuf,
+}
+
+impl Node {
+    pub async fn new(config: TcpConfig, len: usize) -> Self {
+        let transport = TcpTransport::bind(config).await.unwrap();
+        let buf = TestBuf::new(len);
+        // SAFETY: `buf` lives in the returned Node, which drops the transport
+        // first; tests read it only after the batches into it completed.
+        unsafe { transport.register_regions(&[buf.region()]) }.unwrap();
+        Self { transport, buf }
+    }
+
+    pub async fn with_defaults(len: usize) -> Self {
+        Self::new(TcpConfig::default(), len).await
+    }
+}
+
+pub fn pattern(seed: u64, i: usize) -> u8 {
+    ((i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(0x9E37_79B9)) % 251) as u8
+}
+
+/// Fills the source ranges of `ops` (inside `src`) with per-op patterns.
+pub fn fill(src: &mut TestBuf, ops: &[WriteOp]) {
+    let base = src.addr();
+    for (k, op) in ops.iter().enumerate() {
+        let off = (op.src - base) as usize;
+        for (i, b) in src.bytes_mut()[off..off + op.len as usize].iter_mut().enumerate() {
+            *b = pattern(k as u64, i);
+        }
+    }
+}
+
+/// Checks the destination ranges of `ops` (inside `dst`) hold their patterns.
+pub fn check(dst: &TestBuf, ops: &[WriteOp]) {
+    let base = dst.addr();
+    for (k, op) in ops.iter().enumerate() {
+        let off = (op.dst - base) as usize;
+        let got = &dst.bytes()[off..off + op.len as usize];
+        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(k as u64, i)), "op {k} landed wrong");
+    }
+}
+
+/// `count` ops of `len` bytes between the starts of two buffers.
+pub fn ops(src: &TestBuf, dst: &TestBuf, count: usize, len: usize) -> Vec<WriteOp> {
+    (0..count)
+        .map(|k| WriteOp { src: src.addr() + (k * len) as u64, dst: dst.addr() + (k * len) as u64, len: len as u64 })
+        .collect()
+}
+
+/// A new, well-behaved sender writes a patterned batch into `victim` and
+/// checks it landed: the listener still serves.
+pub async fn assert_still_serves(victim: &Node) {
+    let mut sender = Node::with_defaults(1 << 16).await;
+    let dst_off = 32 * 1024;
+    let ops: Vec<WriteOp> = (0..8)
+        .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + dst_off + k * 1024, len: 1024 })
+        .collect();
+    fill(&mut sender.buf, &ops);
+    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &ops))
+        .await
+        .expect("well-behaved batch timed out")
+        .expect("well-behaved batch failed");
+    check(&victim.buf, &ops);
+}
+
+/// A raw client speaking the data-plane wire by hand.
+pub struct RawClient {
+    pub stream: TcpStream,
+}
+
+impl RawClient {
+    pub async fn connect(node: &Node) -> Self {
+        let stream = TcpStream::connect(node.transport.local_addr()).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        Self { stream }
+    }
+
+    /// Connects and completes the preamble exchange.
+    pub async fn handshaken(node: &Node) -> (Self, Accept) {
+        let mut client = Self::connect(node).await;
+        client.send(&Preamble::current().encode()).await;
+        let accept = client.accept().await;
+        (client, accept)
+    }
+
+    pub async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.unwrap();
+    }
+
+    pub async fn accept(&mut self) -> Accept {
+        let mut b = [0u8; ACCEPT_LEN];
+        tokio::time::timeout(BOUND, self.stream.read_exact(&mut b)).await.unwrap().unwrap();
+        Accept::decode(&b).unwrap()
+    }
+
+    /// Sends a batch header, its op list and `payload`.
+    pub async fn batch(&mut self, batch_id: u64, ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) {
+        let mut bytes = BatchHeader { batch_id, op_count: ops.len() as u64, total_bytes }.encode().to_vec();
+        for &(dst, len) in ops {
+            bytes.extend_from_slice(&encode_op(dst, len));
+        }
+        bytes.extend_from_slice(payload);
+        self.send(&bytes).await;
+    }
+
+    /// Reads one reply (header and reason).
+    pub async fn reply(&mut self) -> (ReplyHeader, String) {
+        let mut h = [0u8; REPLY_HEADER_LEN];
+        tokio::time::timeout(BOUND, self.stream.read_exact(&mut h)).await.unwrap().unwrap();
+        let header = ReplyHeader::decode(&h);
+        assert!(header.reason_len as usize <= MAX_REASON_LEN);
+        let mut reason = vec![0u8; header.reason_len as usize];
+        tokio::time::timeout(BOUND, self.stream.read_exact(&mut reason)).await.unwrap().unwrap();
+        (header, String::from_utf8(reason).unwrap())
+    }
+
+    /// Reads until the receiver closes the connection (EOF or reset) and
+    /// returns what came before; panics if it stays open past `BOUND`.
+    pub async fn until_closed(&mut self) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        tokio::time::timeout(BOUND, async {
+            loop {
+                match self.stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                }
+            }
+        })
+        .await
+        .expect("the receiver kept a hostile connection open");
+        got
+    }
+}

@@ -1,0 +1,336 @@
+//! Hostile peers on both sides of the wire: a raw client feeding the
+//! receiver bad input, and fake receivers answering a sender badly. Each bad
+//! connection costs only itself: the listener keeps serving well-behaved
+//! writers, nothing lands outside a valid batch, and every wait is bounded.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_still_serves, Node, RawClient, BOUND};
+use kv_proto::{BatchWriter, Endpoint, Protocol, TransportError, WriteOp};
+use rstest::rstest;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use transport_tcp::wire::{
+    encode_op, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ReplyStatus, ACCEPT_LEN,
+    MAX_REASON_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
+};
+use transport_tcp::TcpConfig;
+
+/// Small bounds, so the stalling cases end quickly.
+fn victim_config() -> TcpConfig {
+    TcpConfig {
+        io_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(300),
+        max_ops_per_batch: 1024,
+        ..TcpConfig::default()
+    }
+}
+
+const VICTIM_LEN: usize = 1 << 16;
+
+/// Completes the preamble exchange on a raw connection.
+async fn handshake(client: &mut RawClient) {
+    client.send(&Preamble::current().encode()).await;
+    let accept = client.accept().await;
+    assert_eq!(accept.status, AcceptStatus::Accepted);
+    assert_eq!(accept.max_ops_per_batch, 1024);
+}
+
+/// What the raw client does wrong.
+#[derive(Clone, Copy, Debug)]
+enum Abuse {
+    /// Bytes that are not a preamble.
+    Garbage,
+    /// A preamble of another version.
+    BadVersion,
+    /// A preamble with flags this build does not know.
+    UnknownFlags,
+    /// Part of a preamble, then the write side closed.
+    TruncatedPreamble,
+    /// Connects and says nothing.
+    Silent,
+    /// Completes the preamble exchange, then says nothing.
+    IdleAfterPreamble,
+    /// Part of a batch header, then the write side closed.
+    TruncatedHeader,
+    /// One op more than the receiver's limit.
+    TooManyOps,
+    /// An op count of u64::MAX.
+    HugeOpCount,
+    /// Op lengths that do not add up to the header's total.
+    SumMismatch,
+    /// Op lengths whose sum overflows u64.
+    SumOverflows,
+    /// Part of the op list, then the write side closed.
+    TruncatedOpList,
+    /// Part of the payload, then the write side closed.
+    TruncatedPayload,
+    /// Part of the payload, then silence.
+    StalledPayload,
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_client_costs_only_its_connection(
+    #[values(
+        Abuse::Garbage,
+        Abuse::BadVersion,
+        Abuse::UnknownFlags,
+        Abuse::TruncatedPreamble,
+        Abuse::Silent,
+        Abuse::IdleAfterPreamble,
+        Abuse::TruncatedHeader,
+        Abuse::TooManyOps,
+        Abuse::HugeOpCount,
+        Abuse::SumMismatch,
+        Abuse::SumOverflows,
+        Abuse::TruncatedOpList,
+        Abuse::TruncatedPayload,
+        Abuse::StalledPayload
+    )]
+    abuse: Abuse,
+) {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let base = victim.buf.addr();
+    let mut client = RawClient::connect(&victim).await;
+    // What the receiver must answer before closing, if anything.
+    let mut expect_accept = None;
+    let mut expect_reply = None;
+    match abuse {
+        Abuse::Garbage => client.send(&[0x42; 64]).await,
+        Abuse::BadVersion => {
+            client.send(&Preamble { version: 99, flags: 0 }.encode()).await;
+            expect_accept = Some(AcceptStatus::UnsupportedVersion);
+        }
+        Abuse::UnknownFlags => {
+            client.send(&Preamble { version: VERSION, flags: 0x8000 }.encode()).await;
+            expect_accept = Some(AcceptStatus::UnsupportedFlags);
+        }
+        Abuse::TruncatedPreamble => {
+            client.send(&Preamble::current().encode()[..3]).await;
+            client.stream.shutdown().await.unwrap();
+        }
+        Abuse::Silent => {}
+        Abuse::IdleAfterPreamble => handshake(&mut client).await,
+        Abuse::TruncatedHeader => {
+            handshake(&mut client).await;
+            client.send(&[1; 10]).await;
+            client.stream.shutdown().await.unwrap();
+        }
+        Abuse::TooManyOps => {
+            handshake(&mut client).await;
+            // The header alone: the receiver must refuse before reading ops.
+            client.send(&BatchHeader { batch_id: 7, op_count: 1025, total_bytes: 1025 }.encode()).await;
+            expect_reply = Some((7, ReplyStatus::ProtocolError));
+        }
+        Abuse::HugeOpCount => {
+            handshake(&mut client).await;
+            client.send(&BatchHeader { batch_id: 8, op_count: u64::MAX, total_bytes: 0 }.encode()).await;
+            expect_reply = Some((8, ReplyStatus::ProtocolError));
+        }
+        Abuse::SumMismatch => {
+            handshake(&mut client).await;
+            client.batch(9, &[(base, 100), (base + 200, 100)], 201, &[]).await;
+            expect_reply = Some((9, ReplyStatus::ProtocolError));
+        }
+        Abuse::SumOverflows => {
+            handshake(&mut client).await;
+            client.batch(10, &[(base, u64::MAX), (base, 2)], 1, &[]).await;
+            expect_reply = Some((10, ReplyStatus::ProtocolError));
+        }
+        Abuse::TruncatedOpList => {
+            handshake(&mut client).await;
+            let mut bytes = BatchHeader { batch_id: 11, op_count: 4, total_bytes: 64 }.encode().to_vec();
+            bytes.extend_from_slice(&encode_op(base, 16));
+            bytes.extend_from_slice(&[0; 8]);
+            client.send(&bytes).await;
+            client.stream.shutdown().await.unwrap();
+        }
+        Abuse::TruncatedPayload => {
+            handshake(&mut client).await;
+            client.batch(12, &[(base, 1000)], 1000, &[0xAB; 400]).await;
+            client.stream.shutdown().await.unwrap();
+        }
+        Abuse::StalledPayload => {
+            handshake(&mut client).await;
+            client.batch(13, &[(base, 1000)], 1000, &[0xAB; 400]).await;
+        }
+    }
+
+    let rest = client.until_closed().await;
+    if let Some(status) = expect_accept {
+        assert!(rest.len() >= ACCEPT_LEN, "no accept reply before closing: {rest:?}");
+        let accept = Accept::decode(rest[..ACCEPT_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(accept.status, status);
+        assert_eq!(accept.version, VERSION);
+    } else if let Some((batch_id, status)) = expect_reply {
+        assert!(rest.len() >= REPLY_HEADER_LEN, "no reply before closing: {rest:?}");
+        let reply = ReplyHeader::decode(rest[..REPLY_HEADER_LEN].try_into().unwrap());
+        assert_eq!((reply.batch_id, reply.status), (batch_id, status));
+        assert!(reply.reason_len > 0, "a protocol error names its reason");
+    } else {
+        assert!(rest.is_empty(), "unexpected bytes before closing: {rest:?}");
+    }
+    // Only the payload of a validated batch may land (here: at most the
+    // truncated or stalled payload's first bytes, at the start of the buffer).
+    let clean_from = match abuse {
+        Abuse::TruncatedPayload | Abuse::StalledPayload => 400,
+        _ => 0,
+    };
+    assert!(victim.buf.bytes()[clean_from..].iter().all(|&b| b == 0), "bad input wrote to memory");
+    assert_still_serves(&victim).await;
+}
+
+/// A refused batch is discarded whole and leaves the connection usable; an
+/// empty batch is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_batch_keeps_the_connection_usable() {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let base = victim.buf.addr();
+    let end = victim.buf.end();
+    let (mut client, _) = RawClient::handshaken(&victim).await;
+
+    let below = base - 4;
+    for (batch_id, bad) in
+        [(1, (end - 8, 16)), (2, (end, 1)), (3, (u64::MAX - 4, 8)), (4, (below, 8)), (5, (0x1000, 4))]
+    {
+        let ops = [(base, 16), bad];
+        let total = 16 + bad.1;
+        client.batch(batch_id, &ops, total, &vec![0xCD; total as usize]).await;
+        let (reply, reason) = client.reply().await;
+        assert_eq!((reply.batch_id, reply.status), (batch_id, ReplyStatus::Refused));
+        assert!(reason.contains("op 1"), "reason {reason:?} names no op");
+        assert!(victim.buf.is_zero(), "a refused batch wrote bytes");
+    }
+
+    client.batch(20, &[], 0, &[]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
+    client.batch(21, &[(base + 100, 3), (base + 10, 2)], 5, &[1, 2, 3, 4, 5]).await;
+    let (reply, reason) = client.reply().await;
+    assert_eq!((reply.batch_id, reply.status, reason.as_str()), (21, ReplyStatus::Ok, ""));
+    assert_eq!(&victim.buf.bytes()[100..103], &[1, 2, 3]);
+    assert_eq!(&victim.buf.bytes()[10..12], &[4, 5]);
+}
+
+/// Many hostile connections at once, then a well-behaved writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_of_garbage_connections_does_not_stop_the_listener() {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let mut clients = Vec::new();
+    for i in 0..32u8 {
+        let mut client = RawClient::connect(&victim).await;
+        client.send(&[i; PREAMBLE_LEN]).await;
+        clients.push(client);
+    }
+    for client in &mut clients {
+        client.until_closed().await;
+    }
+    assert_still_serves(&victim).await;
+}
+
+/// What a fake receiver answers a real sender.
+#[derive(Clone, Copy, Debug)]
+enum FakeReceiver {
+    /// Not a kvlink listener: answers the preamble with junk.
+    NotKvlink,
+    /// Speaks another version.
+    OtherVersion,
+    /// Accepts, then acknowledges another batch.
+    WrongBatchId,
+    /// Accepts, then sends a reason longer than allowed.
+    OversizedReason,
+    /// Accepts, then reports a protocol error.
+    ProtocolError,
+    /// Accepts, reads everything, never acknowledges.
+    NeverAcks,
+    /// Accepts, then closes before acknowledging.
+    ClosesBeforeAck,
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_survives_hostile_receivers(
+    #[values(
+        FakeReceiver::NotKvlink,
+        FakeReceiver::OtherVersion,
+        FakeReceiver::WrongBatchId,
+        FakeReceiver::OversizedReason,
+        FakeReceiver::ProtocolError,
+        FakeReceiver::NeverAcks,
+        FakeReceiver::ClosesBeforeAck
+    )]
+    fake: FakeReceiver,
+) {
+    let config = TcpConfig {
+        io_timeout: Duration::from_millis(300),
+        connect_timeout: Duration::from_millis(2000),
+        ..TcpConfig::default()
+    };
+    let sender = Node::new(config, 1 << 16).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut preamble = [0u8; PREAMBLE_LEN];
+        s.read_exact(&mut preamble).await.unwrap();
+        let accept =
+            |version, status| Accept { version, status, max_ops_per_batch: 1 << 20, idle_timeout_ms: 60_000 }.encode();
+        match fake {
+            FakeReceiver::NotKvlink => {
+                s.write_all(&[b'H'; ACCEPT_LEN]).await.unwrap();
+                return;
+            }
+            FakeReceiver::OtherVersion => {
+                s.write_all(&accept(VERSION + 1, AcceptStatus::UnsupportedVersion)).await.unwrap();
+                return;
+            }
+            _ => s.write_all(&accept(VERSION, AcceptStatus::Accepted)).await.unwrap(),
+        }
+        // Read the whole batch: header (24) + one op (16) + 64 payload bytes.
+        let mut batch = [0u8; 24 + 16 + 64];
+        s.read_exact(&mut batch).await.unwrap();
+        let batch_id = u64::from_le_bytes(batch[..8].try_into().unwrap());
+        match fake {
+            FakeReceiver::WrongBatchId => {
+                s.write_all(&encode_reply(batch_id + 1, ReplyStatus::Ok, "")).await.unwrap();
+            }
+            FakeReceiver::OversizedReason => {
+                let header =
+                    ReplyHeader { batch_id, status: ReplyStatus::Refused, reason_len: (MAX_REASON_LEN + 1) as u32 };
+                s.write_all(&header.encode()).await.unwrap();
+            }
+            FakeReceiver::ProtocolError => {
+                s.write_all(&encode_reply(batch_id, ReplyStatus::ProtocolError, "nope")).await.unwrap();
+            }
+            FakeReceiver::NeverAcks => {
+                // Hold the connection open until the sender gives up.
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest).await;
+            }
+            FakeReceiver::ClosesBeforeAck => {}
+            FakeReceiver::NotKvlink | FakeReceiver::OtherVersion => unreachable!(),
+        }
+    });
+    let peer = Endpoint { protocol: Protocol::Tcp, address, details: Vec::new() };
+    let ops = [WriteOp { src: sender.buf.addr(), dst: 0x1000, len: 64 }];
+    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&peer, &ops)).await.expect("unbounded wait");
+    let err = result.expect_err("a hostile receiver's batch succeeded");
+    let expected = match fake {
+        FakeReceiver::NotKvlink => matches!(err, TransportError::Connect { .. }),
+        FakeReceiver::OtherVersion => {
+            matches!(&err, TransportError::Protocol { reason, .. } if reason.contains(&format!("version {}", VERSION + 1)))
+        }
+        FakeReceiver::WrongBatchId | FakeReceiver::OversizedReason | FakeReceiver::ProtocolError => {
+            matches!(err, TransportError::Protocol { .. })
+        }
+        FakeReceiver::NeverAcks => matches!(err, TransportError::Timeout { .. }),
+        FakeReceiver::ClosesBeforeAck => matches!(err, TransportError::PeerClosed { .. }),
+    };
+    assert!(expected, "{fake:?}: unexpected error {err:?}");
+    assert_eq!(sender.transport.idle_connections(), 0, "a failed connection was pooled");
+    drop(sender);
+    server.await.unwrap();
+}

@@ -1,0 +1,156 @@
+//! Connection handling of the sender: pooling and reuse, the peer's op
+//! limit, reconnecting to a restarted peer, endpoints and shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use common::{check, fill, ops, Node, BOUND};
+use kv_proto::{BatchWriter, Protocol, TransportError};
+use tokio::net::TcpStream;
+use tokio::task::JoinSet;
+use transport_tcp::{TcpConfig, TcpTransport};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_batches_reuse_one_connection() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let b = Node::with_defaults(1 << 16).await;
+    for round in 0..3 {
+        let batch = ops(&a.buf, &b.buf, 16, 1024 + round);
+        fill(&mut a.buf, &batch);
+        a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+        check(&b.buf, &batch);
+    }
+    assert_eq!(a.transport.connections_opened(), 1);
+    assert_eq!(a.transport.idle_connections(), 1);
+    assert_eq!(b.transport.connections_accepted(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_keep_at_most_the_idle_bound() {
+    let config = TcpConfig { max_idle_conns_per_peer: 2, ..TcpConfig::default() };
+    let mut a = Node::new(config, 1 << 20).await;
+    let b = Node::with_defaults(1 << 20).await;
+    let all = ops(&a.buf, &b.buf, 8 * 128, 1024);
+    fill(&mut a.buf, &all);
+    let mut tasks = JoinSet::new();
+    for chunk in all.chunks(128) {
+        let (writer, endpoint, chunk) = (Arc::clone(&a.transport), b.transport.endpoint(), chunk.to_vec());
+        tasks.spawn(async move { writer.batch_write(&endpoint, &chunk).await });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.unwrap().unwrap();
+    }
+    check(&b.buf, &all);
+    assert!(a.transport.idle_connections() <= 2, "{} idle connections", a.transport.idle_connections());
+    assert!(a.transport.connections_opened() <= 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_pooling_when_the_idle_bound_is_zero() {
+    let config = TcpConfig { max_idle_conns_per_peer: 0, ..TcpConfig::default() };
+    let mut a = Node::new(config, 1 << 16).await;
+    let b = Node::with_defaults(1 << 16).await;
+    let batch = ops(&a.buf, &b.buf, 4, 1024);
+    fill(&mut a.buf, &batch);
+    for _ in 0..2 {
+        a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    }
+    check(&b.buf, &batch);
+    assert_eq!(a.transport.connections_opened(), 2);
+    assert_eq!(a.transport.idle_connections(), 0);
+}
+
+/// A batch above the peer's op limit fails before a byte is sent, and the
+/// connection stays pooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_above_the_peers_op_limit_fails_fast() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let b = Node::new(TcpConfig { max_ops_per_batch: 8, ..TcpConfig::default() }, 1 << 16).await;
+    let nine = ops(&a.buf, &b.buf, 9, 256);
+    fill(&mut a.buf, &nine);
+    let err = a.transport.batch_write(&b.transport.endpoint(), &nine).await.unwrap_err();
+    match err {
+        TransportError::Refused { reason, .. } => assert!(reason.contains("limit of 8"), "{reason}"),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert!(b.buf.is_zero());
+    a.transport.batch_write(&b.transport.endpoint(), &nine[..8]).await.unwrap();
+    check(&b.buf, &nine[..8]);
+    assert_eq!(a.transport.connections_opened(), 1);
+}
+
+/// The peer restarts on the same port: the pooled connection is stale, and
+/// the next batch goes through on a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_the_peer_restarted_on_the_same_port() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let b = Node::with_defaults(1 << 16).await;
+    let endpoint = b.transport.endpoint();
+    let batch = ops(&a.buf, &b.buf, 8, 512);
+    fill(&mut a.buf, &batch);
+    a.transport.batch_write(&endpoint, &batch).await.unwrap();
+    assert_eq!(a.transport.idle_connections(), 1);
+
+    b.transport.shutdown().await;
+    let restarted =
+        TcpTransport::bind(TcpConfig { listen_addr: b.transport.local_addr(), ..TcpConfig::default() }).await.unwrap();
+    assert_eq!(restarted.endpoint(), endpoint);
+    // SAFETY: `b.buf` outlives `restarted` (dropped at the end of this test,
+    // before `b`); the shut-down `b.transport` no longer touches it.
+    unsafe { restarted.register_regions(&[b.buf.region()]) }.unwrap();
+    let second: Vec<_> = batch.iter().map(|op| kv_proto::WriteOp { dst: op.dst + 8192, ..*op }).collect();
+    tokio::time::timeout(BOUND, a.transport.batch_write(&endpoint, &second)).await.unwrap().unwrap();
+    check(&b.buf, &second);
+    assert_eq!(a.transport.connections_opened(), 2);
+    drop(restarted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_name_the_bound_or_advertised_host() {
+    let plain = TcpTransport::bind(TcpConfig::default()).await.unwrap();
+    let endpoint = plain.endpoint();
+    assert_eq!(endpoint.protocol, Protocol::Tcp);
+    assert_eq!(endpoint.address, plain.local_addr().to_string());
+    assert!(endpoint.details.is_empty());
+
+    let v6 =
+        TcpTransport::bind(TcpConfig { advertise_host: Some("::1".to_owned()), ..TcpConfig::default() }).await.unwrap();
+    assert_eq!(v6.endpoint().address, format!("[::1]:{}", v6.local_addr().port()));
+
+    // A name is resolved by the sender.
+    let mut a = Node::with_defaults(1 << 16).await;
+    let named = TcpConfig { advertise_host: Some("localhost".to_owned()), ..TcpConfig::default() };
+    let b = Node::new(named, 1 << 16).await;
+    assert_eq!(b.transport.endpoint().address, format!("localhost:{}", b.transport.local_addr().port()));
+    let batch = ops(&a.buf, &b.buf, 4, 100);
+    fill(&mut a.buf, &batch);
+    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    check(&b.buf, &batch);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_the_listener_and_pooled_connections() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let b = Node::with_defaults(1 << 16).await;
+    let batch = ops(&a.buf, &b.buf, 2, 64);
+    fill(&mut a.buf, &batch);
+    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    let addr: SocketAddr = b.transport.local_addr();
+    a.transport.shutdown().await;
+    assert_eq!(a.transport.idle_connections(), 0);
+    b.transport.shutdown().await;
+    assert!(TcpStream::connect(addr).await.is_err(), "the listener still accepts after shutdown");
+    let err = a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap_err();
+    assert!(matches!(err, TransportError::Shutdown), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binding_a_taken_port_fails() {
+    let first = TcpTransport::bind(TcpConfig::default()).await.unwrap();
+    let taken = TcpConfig { listen_addr: first.local_addr(), ..TcpConfig::default() };
+    let err = TcpTransport::bind(taken).await.unwrap_err();
+    assert!(matches!(err, TransportError::Io { .. }), "{err:?}");
+}
