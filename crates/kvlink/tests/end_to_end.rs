@@ -254,3 +254,19 @@ async fn shutdown_closes_the_side_channel_and_the_data_plane() {
     assert!(tokio::net::TcpStream::connect(side_channel).await.is_err(), "side channel closed");
     assert!(tokio::net::TcpStream::connect(data).await.is_err(), "data plane closed");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_worker_stops_its_tasks_and_closes_its_sockets() {
+    let p = prefill(BlockPattern::Contiguous).await;
+    let side_channel = p.side_channel().unwrap();
+    let data: std::net::SocketAddr = p.worker().data_endpoint().address.parse().unwrap();
+    drop(p);
+    // Drop cancels at once; the listeners close as their tasks observe it.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    for addr in [side_channel, data] {
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            assert!(tokio::time::Instant::now() < deadline, "{addr} still accepts after the worker was dropped");
+            tokio::task::yield_now().await;
+        }
+    }
+}
