@@ -145,25 +145,30 @@ impl PrefillInstance {
         self.pool.free_count()
     }
 
+    /// Schedules one request with `do_remote_decode`: blocks allocated, the
+    /// scheduler told (its metadata goes out with the step).
+    fn admit(&mut self, p: &PromptSpec) -> Result<(EngineRequest, Vec<BlockId>), EngineError> {
+        let mut req = EngineRequest {
+            request_id: p.id.clone(),
+            prompt_len: p.prompt_len,
+            status: RequestStatus::Running,
+            kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
+        };
+        let (external, _) = self.sched.get_num_new_matched_tokens(&req, 0);
+        let needed = blocks_for(p.prompt_len, self.cache.shape().block_size as usize);
+        let free = self.pool.free_count();
+        let blocks = self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
+        self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
+        Ok((req, blocks))
+    }
+
     /// One engine step in which `prompts` are scheduled, prefilled (KV
     /// written) and finish by length cap; returns the params the proxy hands
     /// to D for each.
     pub fn prefill(&mut self, prompts: &[PromptSpec]) -> Result<Vec<(PromptSpec, KvTransferParams)>, EngineError> {
-        let block_size = self.cache.shape().block_size as usize;
         let mut running = Vec::with_capacity(prompts.len());
         for p in prompts {
-            let mut req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::Running,
-                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
-            };
-            let (external, _) = self.sched.get_num_new_matched_tokens(&req, 0);
-            let needed = blocks_for(p.prompt_len, block_size);
-            let free = self.pool.free_count();
-            let blocks =
-                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
-            self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
+            let (req, blocks) = self.admit(p)?;
             running.push((p.clone(), req, blocks));
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
@@ -189,19 +194,8 @@ impl PrefillInstance {
     /// One engine step in which `prompts` are scheduled with remote decode
     /// and still running (not finished): D may already ask for them.
     pub fn schedule_only(&mut self, prompts: &[PromptSpec]) -> Result<(), EngineError> {
-        let block_size = self.cache.shape().block_size as usize;
         for p in prompts {
-            let mut req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::Running,
-                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
-            };
-            let needed = blocks_for(p.prompt_len, block_size);
-            let free = self.pool.free_count();
-            let blocks =
-                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
-            self.sched.update_state_after_alloc(&mut req, &blocks, 0)?;
+            let (_, blocks) = self.admit(p)?;
             self.held.insert(p.id.clone(), blocks);
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
@@ -224,21 +218,9 @@ impl PrefillInstance {
     /// One engine step in which `prompts` are scheduled with remote decode
     /// but then aborted (no delay-free): the worker must forget them.
     pub fn schedule_then_abort(&mut self, prompts: &[PromptSpec]) -> Result<(), EngineError> {
-        let block_size = self.cache.shape().block_size as usize;
-        let mut running = Vec::new();
+        let mut running = Vec::with_capacity(prompts.len());
         for p in prompts {
-            let mut req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::Running,
-                kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
-            };
-            let needed = blocks_for(p.prompt_len, block_size);
-            let free = self.pool.free_count();
-            let blocks =
-                self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
-            self.sched.update_state_after_alloc(&mut req, &blocks, 0)?;
-            running.push((req, blocks));
+            running.push(self.admit(p)?);
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
         for (mut req, blocks) in running {

@@ -270,3 +270,18 @@ async fn dropping_a_worker_stops_its_tasks_and_closes_its_sockets() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_aborted_on_prefill_is_forgotten_and_its_pull_fails() {
+    // Defect 3 of the reference, end to end: the send entry of a request that
+    // finished without delay-free is dropped, so a pull for it fails at once
+    // instead of waiting on an entry nobody owns.
+    let mut p = prefill(BlockPattern::Contiguous).await;
+    let mut d = decode(BlockPattern::Contiguous).await;
+    let spec = prompt(1, 64);
+    p.schedule_then_abort(std::slice::from_ref(&spec)).unwrap();
+    assert_eq!((p.held(), p.free_blocks()), (0, 400));
+    d.schedule(&[pull(&spec, params_pointing_at(p.side_channel().unwrap()), 0)]).unwrap();
+    let got = completions(&mut d, 1).await;
+    assert!(matches!(&got[0], Completion::Failed { id, .. } if *id == spec.id), "{got:?}");
+}
