@@ -102,6 +102,8 @@ pub struct Worker {
     side_channel: Option<SocketAddr>,
     endpoint: Endpoint,
     runtime: tokio::runtime::Handle,
+    /// Whether `Drop` must shut the transport down (false once `shutdown` runs).
+    shutdown_on_drop: bool,
 }
 
 impl Worker {
@@ -188,7 +190,7 @@ impl Worker {
             block_len = shared.cache.block_len(),
             "kvlink worker started"
         );
-        Ok(Self { shared, side_channel, endpoint, runtime })
+        Ok(Self { shared, side_channel, endpoint, runtime, shutdown_on_drop: true })
     }
 
     /// Where D workers reach this worker's side channel (P roles only).
@@ -304,10 +306,11 @@ impl Worker {
 
     /// Stops every task, closes every socket and shuts the transport down;
     /// returns when all of it is done.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         let shared = self.shared.clone();
+        // This call waits for the tasks itself; `Drop` need not hand that to the runtime.
+        self.shutdown_on_drop = false;
         drop(self);
-        shared.tracker.close();
         shared.tracker.wait().await;
         shared.writer.shutdown().await;
     }
@@ -317,6 +320,9 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.shared.cancel.cancel();
         self.shared.tracker.close();
+        if !self.shutdown_on_drop {
+            return;
+        }
         // Owned memory must outlive the transport's tasks: release it only
         // after the writer is shut down.
         let shared = self.shared.clone();

@@ -82,6 +82,13 @@ fn blocks_for(tokens: usize, block_size: usize) -> usize {
     tokens.div_ceil(block_size)
 }
 
+/// Allocates a cache of `shape` and starts a worker on it.
+async fn start_worker(config: WorkerConfig, shape: CacheShape) -> Result<(Arc<OwnedKvCache>, Worker), EngineError> {
+    let cache = Arc::new(OwnedKvCache::allocate(shape)?);
+    let worker = Worker::start(config, cache.clone()).await?;
+    Ok((cache, worker))
+}
+
 /// A prefill instance: computes requests' KV and holds it for D.
 pub struct PrefillInstance {
     sched: ConnectorScheduler,
@@ -100,8 +107,7 @@ impl PrefillInstance {
         pattern: BlockPattern,
         seed: u64,
     ) -> Result<Self, EngineError> {
-        let cache = Arc::new(OwnedKvCache::allocate(shape)?);
-        let worker = Worker::start(config, cache.clone()).await?;
+        let (cache, worker) = start_worker(config, shape).await?;
         let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
         let sched = ConnectorScheduler::new(KvRole::Producer, addr.ip().to_string(), addr.port());
         Ok(Self {
@@ -319,8 +325,7 @@ impl DecodeInstance {
         pattern: BlockPattern,
         seed: u64,
     ) -> Result<Self, EngineError> {
-        let cache = Arc::new(OwnedKvCache::allocate(shape)?);
-        let worker = Worker::start(config, cache.clone()).await?;
+        let (cache, worker) = start_worker(config, shape).await?;
         let sched = ConnectorScheduler::new(KvRole::Consumer, "127.0.0.1", 0);
         Ok(Self {
             sched,

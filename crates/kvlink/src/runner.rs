@@ -143,13 +143,11 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             return Err(EngineError::Stalled { waited: opts.stall_timeout, in_flight: decode.pulling() });
         }
         for c in completions {
-            let index: usize = match &c {
-                Completion::Received { id, .. } | Completion::Corrupt { id, .. } | Completion::Failed { id, .. } => {
-                    id.as_str().trim_start_matches("req-").parse().unwrap_or(0)
-                }
-            };
+            // The warm-up drains before the first measured request starts, so
+            // the first `warmup` completions are exactly the warm-up's.
+            let is_warmup = finished < opts.warmup;
             finished += 1;
-            if index < opts.warmup {
+            if is_warmup {
                 continue;
             }
             progress.inc(1);
