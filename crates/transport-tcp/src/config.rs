@@ -39,6 +39,15 @@ pub struct TcpConfig {
     pub max_ops_per_batch: u64,
     /// Idle outgoing connections kept per peer for reuse (default 4).
     pub max_idle_conns_per_peer: usize,
+    /// Connections one large batch is spread over (default 2). A batch of at
+    /// least [`TcpConfig::parallel_min_bytes`] is cut into this many parts of
+    /// about equal bytes, each written on its own pooled connection at once;
+    /// the batch succeeds when every part is acknowledged. One stream is
+    /// bound by one core's copy rate; 1 disables splitting.
+    pub parallel_streams: usize,
+    /// Smallest batch, in payload bytes, that is spread over
+    /// [`TcpConfig::parallel_streams`] connections (default 16 MiB).
+    pub parallel_min_bytes: u64,
     /// Bound on concurrently served incoming connections (default 1024);
     /// connections past it are closed at once.
     pub max_connections: usize,
@@ -55,6 +64,8 @@ impl Default for TcpConfig {
             max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
             max_idle_conns_per_peer: 4,
             max_connections: 1024,
+            parallel_streams: 2,
+            parallel_min_bytes: 16 << 20,
         }
     }
 }

@@ -81,12 +81,22 @@
 //! it still turns out closed by the peer, the batch is sent once more on a
 //! new connection (writes are idempotent). A connection that failed in any
 //! other way is dropped, and the next batch reconnects.
+//!
+//! A batch of at least `parallel_min_bytes` is cut into
+//! `parallel_streams` parts of about equal bytes, each written by its own
+//! task on its own pooled connection, so the copies run on several cores;
+//! the batch succeeds when every part is acknowledged. To keep a bad batch
+//! refused whole, the sender first checks every destination against the
+//! regions the receiver advertises in its endpoint details (16 bytes per
+//! region: address and length, little-endian); a peer that advertises none
+//! is written on one connection. The receiver still checks every part.
 
 mod client;
 mod config;
 mod io;
 mod memory;
 mod server;
+mod split;
 mod transport;
 pub mod wire;
 

@@ -117,6 +117,11 @@ impl LocalMemory {
         self.write().regions.insert(regions)
     }
 
+    /// The registered regions, sorted by address.
+    pub(crate) fn regions(&self) -> Vec<MemoryRegion> {
+        self.read().regions.regions().to_vec()
+    }
+
     /// Ends all access: once this returns, no byte of any region is read or
     /// written by this transport.
     pub(crate) fn close(&self) {

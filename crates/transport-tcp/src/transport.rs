@@ -17,6 +17,7 @@ use crate::client::{self, Pool};
 use crate::config::TcpConfig;
 use crate::memory::{LocalMemory, SourceError};
 use crate::server;
+use crate::split;
 
 /// State shared by the transport handle, the accept loop and the connection
 /// tasks. The tasks hold it, never the [`TcpTransport`], so dropping the last
@@ -154,7 +155,9 @@ impl BatchWriter for TcpTransport {
     }
 
     fn endpoint(&self) -> Endpoint {
-        self.endpoint.clone()
+        // Advertise the registered regions so a sender spreading a batch over
+        // several connections can refuse a bad batch whole (see `split`).
+        Endpoint { details: split::encode_regions(&self.shared.memory.regions()), ..self.endpoint.clone() }
     }
 
     async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
@@ -179,10 +182,50 @@ impl BatchWriter for TcpTransport {
         if ops.is_empty() {
             return Ok(());
         }
+        let streams =
+            split::stream_count(sources.total(), shared.config.parallel_streams, shared.config.parallel_min_bytes);
+        let peer_regions = if streams > 1 { split::decode_regions(&peer.details) } else { None };
+        let written = async {
+            let Some(peer_regions) = peer_regions else {
+                return client::write_batch(shared, &peer.address, &sources).await;
+            };
+            if let Some((index, op)) = split::first_outside(ops, &peer_regions) {
+                return Err(TransportError::Refused {
+                    peer: peer.to_string(),
+                    reason: format!(
+                        "op {index}: destination {:#x}+{} is outside the regions the peer advertises",
+                        op.dst, op.len
+                    ),
+                });
+            }
+            // Each part on its own task, so the parts' copies run on several
+            // cores; every part is awaited, so on return none is still writing.
+            let tasks: Vec<_> = split::split_by_bytes(ops, sources.total(), streams)
+                .into_iter()
+                .map(|part| {
+                    let shared = Arc::clone(&self.shared);
+                    let address = peer.address.clone();
+                    self.shared.tracker.spawn(async move {
+                        let sources = shared.memory.sources(&part).map_err(|_| TransportError::Shutdown)?;
+                        client::write_batch(&shared, &address, &sources).await
+                    })
+                })
+                .collect();
+            let mut result = Ok(());
+            for task in tasks {
+                let outcome = task.await.unwrap_or_else(|join| {
+                    Err(TransportError::Io { peer: peer.to_string(), source: std::io::Error::other(join) })
+                });
+                if result.is_ok() {
+                    result = outcome;
+                }
+            }
+            result
+        };
         tokio::select! {
             biased;
             () = shared.token.cancelled() => Err(TransportError::Shutdown),
-            result = client::write_batch(shared, &peer.address, &sources) => result,
+            result = written => result,
         }
     }
 

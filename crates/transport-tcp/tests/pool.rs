@@ -97,10 +97,10 @@ async fn reconnects_after_the_peer_restarted_on_the_same_port() {
     b.transport.shutdown().await;
     let restarted =
         TcpTransport::bind(TcpConfig { listen_addr: b.transport.local_addr(), ..TcpConfig::default() }).await.unwrap();
-    assert_eq!(restarted.endpoint(), endpoint);
     // SAFETY: `b.buf` outlives `restarted` (dropped at the end of this test,
     // before `b`); the shut-down `b.transport` no longer touches it.
     unsafe { restarted.register_regions(&[b.buf.region()]) }.unwrap();
+    assert_eq!(restarted.endpoint(), endpoint, "same address, same advertised regions");
     let second: Vec<_> = batch.iter().map(|op| kv_proto::WriteOp { dst: op.dst + 8192, ..*op }).collect();
     tokio::time::timeout(BOUND, a.transport.batch_write(&endpoint, &second)).await.unwrap().unwrap();
     check(&b.buf, &second);
