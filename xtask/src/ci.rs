@@ -97,7 +97,8 @@ fn steps() -> Vec<Step> {
         args.extend_from_slice(&["--", "-D", "warnings"]);
         steps.push(Step::cargo(&format!("clippy:{suffix}"), "clippy", args));
     }
-    let mut test = vec!["test", "--workspace"];
+    // All features, so every compiled-in transport runs the conformance suite.
+    let mut test = vec!["test", "--workspace", "--all-features"];
     test.extend_from_slice(EXCLUDED);
     test.push("--no-fail-fast");
     steps.push(Step::cargo("test", "test", test));

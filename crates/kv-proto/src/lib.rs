@@ -17,6 +17,7 @@
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
 
+pub mod auth;
 mod codec;
 mod config;
 mod frame;

@@ -2,7 +2,9 @@
 //! worker (server).
 //!
 //! A connection opens with [`Hello`] from D and a [`HelloReply`] from P that
-//! checks what must agree before any request is served; then D sends
+//! checks what must agree before any request is served (when P requires a
+//! shared secret, a challenge and [`SideMessage::AuthProof`] come between,
+//! see [`crate::auth`]); then D sends
 //! [`XferRequest`]s and P answers each with an [`XferReply`] carrying one
 //! outcome per request, matched by `xfer_id` (replies may come out of order).
 
@@ -36,6 +38,9 @@ pub struct CacheLayout {
 /// First message on a side-channel connection, from D.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
+    /// Fresh random value P's authentication proof must cover (see
+    /// [`crate::auth`]); unused when P requires no authentication.
+    pub client_nonce: crate::auth::Nonce,
     /// D's engine id.
     pub engine_id: EngineId,
     /// D's data-plane transport.
@@ -51,6 +56,14 @@ pub enum HelloReply {
     Accepted {
         /// P's engine id.
         engine_id: EngineId,
+    },
+    /// P requires the shared secret: it proves it knows it, and D must
+    /// answer with [`SideMessage::AuthProof`] before anything else.
+    Challenge {
+        /// Fresh random value D's proof must cover.
+        server_nonce: crate::auth::Nonce,
+        /// [`crate::auth::server_proof`] over both nonces.
+        server_proof: crate::auth::Proof,
     },
     /// Something disagrees; the reason names both values. P closes the
     /// connection after sending it.
@@ -120,10 +133,12 @@ pub struct XferReply {
 pub enum SideMessage {
     /// D → P, first.
     Hello(Hello),
-    /// P → D, answer to `Hello`.
+    /// P → D, answer to `Hello` (and, after a challenge, to `AuthProof`).
     HelloReply(HelloReply),
     /// D → P.
     XferRequest(XferRequest),
     /// P → D.
     XferReply(XferReply),
+    /// D → P, answer to [`HelloReply::Challenge`]: [`crate::auth::client_proof`].
+    AuthProof(crate::auth::Proof),
 }

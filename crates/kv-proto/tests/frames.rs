@@ -11,6 +11,7 @@ use rstest::rstest;
 
 fn hello() -> SideMessage {
     SideMessage::Hello(Hello {
+        client_nonce: [9; 32],
         engine_id: EngineId::new("decode-0"),
         protocol: Protocol::Tcp,
         layout: CacheLayout { kind: LayoutKind::SplitKv, region_count: 64, block_len: 65536 },
@@ -48,6 +49,8 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 #[rstest]
 #[case::hello(hello())]
 #[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p") }))]
+#[case::hello_challenge(SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] }))]
+#[case::auth_proof(SideMessage::AuthProof([3; 32]))]
 #[case::hello_rejected(SideMessage::HelloReply(HelloReply::Rejected { reason: "block_len 1 vs 2".into() }))]
 #[case::xfer_request(xfer_request())]
 #[case::xfer_reply(xfer_reply())]

@@ -41,6 +41,31 @@ pub struct WorkerConfig {
     pub data_advertise_host: Option<String>,
     /// Data-plane bound on one stalled read, write or acknowledgement.
     pub data_io_timeout: Duration,
+    /// Shared secret of the side channel. When set, P challenges every D and
+    /// D requires P to prove it too (see `kv_proto::auth`); a peer without it
+    /// is refused before any transfer request is read.
+    pub auth_secret: Option<AuthSecret>,
+}
+
+/// A side-channel shared secret; never printed.
+#[derive(Clone)]
+pub struct AuthSecret(std::sync::Arc<[u8]>);
+
+impl AuthSecret {
+    /// Wraps the secret bytes.
+    pub fn new(secret: impl AsRef<[u8]>) -> Self {
+        Self(secret.as_ref().into())
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AuthSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuthSecret(..)")
+    }
 }
 
 impl WorkerConfig {
@@ -63,6 +88,7 @@ impl WorkerConfig {
             data_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             data_advertise_host: None,
             data_io_timeout: Duration::from_secs(30),
+            auth_secret: None,
         }
     }
 

@@ -4,7 +4,7 @@
 //! - registers the engine's KV cache ([`RegisteredCache`], or an
 //!   [`OwnedKvCache`] the library allocates) with a data-plane transport,
 //!   picked from `mooncake_protocol` among the transports compiled in
-//!   (features `tcp`, default);
+//!   (features `tcp`, default, and `quic`);
 //! - on P, serves the side channel: D's transfer requests wait until the
 //!   request is ready (bounded by the lease), are planned into coalesced
 //!   writes, written with [`kv_proto::BatchWriter::batch_write`], and answered
@@ -26,6 +26,7 @@ mod config;
 mod error;
 pub mod in_memory;
 mod layout;
+mod nonce;
 pub mod pattern;
 pub mod plan;
 mod receiver;
@@ -35,7 +36,7 @@ pub mod transport;
 mod worker;
 
 pub use cache::{AllocError, OwnedKvCache};
-pub use config::WorkerConfig;
+pub use config::{AuthSecret, WorkerConfig};
 pub use error::WorkerError;
 pub use layout::{CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache};
 pub use receiver::{PullBatch, ReceiverCore, RecvFinished, SideChannelAddr};

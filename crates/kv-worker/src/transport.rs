@@ -23,6 +23,19 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 transport_tcp::TcpTransport::bind(tcp).await.map_err(WorkerError::Transport)?;
             Ok(writer)
         }
+        #[cfg(feature = "quic")]
+        Protocol::Quic => {
+            let quic = transport_quic::QuicConfig {
+                listen_addr: config.data_listen,
+                advertise_host: config.data_advertise_host.clone(),
+                connect_timeout: config.connect_timeout,
+                io_timeout: config.data_io_timeout,
+                ..transport_quic::QuicConfig::default()
+            };
+            let writer: Arc<dyn BatchWriter> =
+                transport_quic::QuicTransport::bind(quic).await.map_err(WorkerError::Transport)?;
+            Ok(writer)
+        }
         other => Err(WorkerError::TransportNotCompiled { protocol: other, feature: feature_of(other) }),
     }
 }
@@ -41,6 +54,9 @@ pub fn compiled_in() -> Vec<Protocol> {
     let mut protocols = Vec::new();
     if cfg!(feature = "tcp") {
         protocols.push(Protocol::Tcp);
+    }
+    if cfg!(feature = "quic") {
+        protocols.push(Protocol::Quic);
     }
     protocols
 }

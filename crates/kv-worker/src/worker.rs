@@ -77,12 +77,14 @@ impl Shared {
             .or_insert_with(|| {
                 let settings = ClientSettings {
                     hello: Hello {
+                        client_nonce: [0; kv_proto::auth::AUTH_TAG_LEN], // fresh per connection
                         engine_id: self.config.engine_id.clone(),
                         protocol: self.writer.protocol(),
                         layout: self.cache.layout(),
                     },
                     connect_timeout: self.config.connect_timeout,
                     max_frame_len: self.config.max_frame_len,
+                    auth_secret: self.config.auth_secret.clone(),
                 };
                 SideChannelClient::new(peer.clone(), settings, self.cancel.clone(), self.tracker.clone())
             })

@@ -27,6 +27,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(10);
 enum Backend {
     InMemory,
     Tcp,
+    Quic,
 }
 
 /// Makes writers of one backend that reach each other.
@@ -42,6 +43,7 @@ impl Harness {
         let compiled = match backend {
             Backend::InMemory => true,
             Backend::Tcp => cfg!(feature = "tcp"),
+            Backend::Quic => cfg!(feature = "quic"),
         };
         compiled.then(|| Self { backend, network: InMemoryNetwork::new(), next: 0 })
     }
@@ -62,6 +64,17 @@ impl Harness {
             }
             #[cfg(not(feature = "tcp"))]
             Backend::Tcp => unreachable!("Harness::new refuses backends that are not compiled in"),
+            #[cfg(feature = "quic")]
+            Backend::Quic => {
+                let config = transport_quic::QuicConfig {
+                    connect_timeout: CONNECT_TIMEOUT,
+                    io_timeout: IO_TIMEOUT,
+                    ..transport_quic::QuicConfig::default()
+                };
+                transport_quic::QuicTransport::bind(config).await.unwrap()
+            }
+            #[cfg(not(feature = "quic"))]
+            Backend::Quic => unreachable!("Harness::new refuses backends that are not compiled in"),
         }
     }
 
@@ -83,7 +96,7 @@ impl Harness {
     fn failure_bound(&self) -> Duration {
         match self.backend {
             Backend::InMemory => Duration::from_secs(5),
-            Backend::Tcp => 2 * (CONNECT_TIMEOUT + IO_TIMEOUT),
+            Backend::Tcp | Backend::Quic => 2 * (CONNECT_TIMEOUT + IO_TIMEOUT),
         }
     }
 }
@@ -253,6 +266,7 @@ async fn write_and_check(a: &mut Node, b: &Node, ops: &[WriteOp]) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_names_the_writers_protocol(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -265,6 +279,7 @@ async fn endpoint_names_the_writers_protocol(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_op(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -278,6 +293,7 @@ async fn single_op(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_ops(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -293,6 +309,7 @@ async fn many_ops(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scattered_ops(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -316,6 +333,7 @@ async fn scattered_ops(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_length_ops_and_empty_batch(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -339,6 +357,7 @@ async fn zero_length_ops_and_empty_batch(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_batch_of_small_ops(#[case] backend: Backend) {
     const COUNT: usize = 200_000;
@@ -357,6 +376,7 @@ async fn huge_batch_of_small_ops(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_ops(#[case] backend: Backend) {
     const MIB: usize = 1 << 20;
@@ -392,6 +412,7 @@ enum BadDst {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn destination_out_of_range_is_refused_whole(
     #[case] backend: Backend,
@@ -430,6 +451,7 @@ async fn destination_out_of_range_is_refused_whole(
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_out_of_range_is_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -450,6 +472,7 @@ async fn source_out_of_range_is_refused(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_protocol_and_bad_address_are_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -472,6 +495,7 @@ async fn wrong_protocol_and_bad_address_are_refused(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_regions_are_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -495,6 +519,7 @@ enum Gone {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writing_to_a_gone_peer_fails_within_the_bound(
     #[case] backend: Backend,
@@ -540,6 +565,7 @@ fn assert_dead_peer_error(result: Result<(), TransportError>) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shut_down_writer_refuses_work(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -560,6 +586,7 @@ async fn a_shut_down_writer_refuses_work(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_to_one_peer(#[case] backend: Backend) {
     const BATCHES: usize = 8;
@@ -589,6 +616,7 @@ async fn concurrent_batches_to_one_peer(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_peers_into_one_receiver(#[case] backend: Backend) {
     const SENDERS: usize = 4;
@@ -631,6 +659,7 @@ async fn concurrent_peers_into_one_receiver(#[case] backend: Backend) {
 #[rstest]
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writing_to_itself(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures_util::{SinkExt, StreamExt};
+use kv_proto::auth;
 use kv_proto::{FrameCodec, Hello, HelloReply, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -12,6 +13,8 @@ use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::config::AuthSecret;
+use crate::nonce;
 use crate::receiver::SideChannelAddr;
 use crate::side_channel::SideChannelCodec;
 
@@ -23,6 +26,7 @@ pub(crate) struct ClientSettings {
     pub(crate) hello: Hello,
     pub(crate) connect_timeout: std::time::Duration,
     pub(crate) max_frame_len: usize,
+    pub(crate) auth_secret: Option<AuthSecret>,
 }
 
 /// A handle on one prefill worker's side channel.
@@ -83,16 +87,45 @@ impl SideChannelClient {
             .map_err(|e| format!("cannot connect to prefill side channel {}: {e}", self.peer))?;
         let _ = stream.set_nodelay(true);
         let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(self.settings.max_frame_len)));
-        framed.send(SideMessage::Hello(self.settings.hello.clone())).await.map_err(|e| e.to_string())?;
-        match framed.next().await {
-            Some(Ok(SideMessage::HelloReply(HelloReply::Accepted { engine_id }))) => {
+        let client_nonce = nonce::fresh().ok_or("no OS randomness for the side-channel nonce")?;
+        let hello = Hello { client_nonce, ..self.settings.hello.clone() };
+        framed.send(SideMessage::Hello(hello)).await.map_err(|e| e.to_string())?;
+        let mut reply = self.next_reply(&mut framed).await?;
+        if let HelloReply::Challenge { server_nonce, server_proof } = reply {
+            let Some(secret) = &self.settings.auth_secret else {
+                return Err(format!(
+                    "prefill {} requires the side-channel shared secret; none is configured here",
+                    self.peer
+                ));
+            };
+            let expected = auth::server_proof(secret.bytes(), &client_nonce, &server_nonce);
+            if !auth::proofs_match(&expected, &server_proof) {
+                tracing::error!(peer = %self.peer, "prefill failed to prove the side-channel shared secret");
+                return Err(format!("prefill {} failed to prove the shared secret", self.peer));
+            }
+            let proof = auth::client_proof(secret.bytes(), &server_nonce, &client_nonce);
+            framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| e.to_string())?;
+            reply = self.next_reply(&mut framed).await?;
+        } else if self.settings.auth_secret.is_some() && matches!(reply, HelloReply::Accepted { .. }) {
+            tracing::error!(peer = %self.peer, "prefill did not authenticate");
+            return Err(format!("prefill {} did not authenticate (no shared secret configured there?)", self.peer));
+        }
+        match reply {
+            HelloReply::Accepted { engine_id } => {
                 tracing::debug!(peer = %self.peer, peer_engine = %engine_id, "side channel connected");
                 Ok(framed)
             }
-            Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { reason }))) => {
+            HelloReply::Rejected { reason } => {
                 tracing::error!(peer = %self.peer, %reason, "prefill refused this decode instance");
                 Err(format!("prefill {} refused: {reason}", self.peer))
             }
+            HelloReply::Challenge { .. } => Err(format!("{} challenged twice", self.peer)),
+        }
+    }
+
+    async fn next_reply(&self, framed: &mut Framed<TcpStream, SideChannelCodec>) -> Result<HelloReply, String> {
+        match framed.next().await {
+            Some(Ok(SideMessage::HelloReply(reply))) => Ok(reply),
             Some(Ok(_)) => Err(format!("{} sent something other than a hello reply", self.peer)),
             Some(Err(e)) => Err(format!("{}: {e}", self.peer)),
             None => Err(format!("{} closed the connection during hello", self.peer)),

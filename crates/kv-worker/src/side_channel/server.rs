@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
+use kv_proto::auth;
 use kv_proto::{
     FrameCodec, Hello, HelloReply, Outcome, ReqId, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest,
 };
@@ -13,6 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::codec::Framed;
 
+use crate::config::AuthSecret;
+use crate::nonce;
 use crate::plan::{plan_request, PlanGeometry};
 use crate::sender::Claim;
 use crate::side_channel::SideChannelCodec;
@@ -73,6 +76,9 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) -> Result<(), 
         Ok(Some(Ok(SideMessage::Hello(hello)))) => hello,
         Ok(Some(Ok(other))) => return Err(format!("expected hello, got {}", message_name(&other))),
     };
+    if let Some(secret) = &shared.config.auth_secret {
+        authenticate(&shared, secret, &hello, &mut framed).await?;
+    }
     if let Err(reason) = check_hello(&shared, &hello) {
         tracing::error!(peer_engine = %hello.engine_id, %reason, "refusing decode instance");
         let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
@@ -131,12 +137,49 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) -> Result<(), 
     result
 }
 
+/// Challenges D to prove the shared secret (and proves it to D); refuses
+/// the connection unless D's proof matches.
+async fn authenticate(
+    shared: &Shared,
+    secret: &AuthSecret,
+    hello: &Hello,
+    framed: &mut Framed<TcpStream, SideChannelCodec>,
+) -> Result<(), String> {
+    let Some(server_nonce) = nonce::fresh() else {
+        let reason = "no OS randomness for the side-channel nonce".to_owned();
+        let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
+        return Err(reason);
+    };
+    let server_proof = auth::server_proof(secret.bytes(), &hello.client_nonce, &server_nonce);
+    framed
+        .send(SideMessage::HelloReply(HelloReply::Challenge { server_nonce, server_proof }))
+        .await
+        .map_err(|e| e.to_string())?;
+    let answer = tokio::time::timeout(shared.config.connect_timeout, framed.next())
+        .await
+        .map_err(|_| format!("no authentication proof within {:?}", shared.config.connect_timeout))?;
+    let proof = match answer {
+        Some(Ok(SideMessage::AuthProof(proof))) => proof,
+        Some(Ok(other)) => return Err(format!("expected an authentication proof, got {}", message_name(&other))),
+        Some(Err(e)) => return Err(e.to_string()),
+        None => return Err("closed during authentication".to_owned()),
+    };
+    if !auth::proofs_match(&auth::client_proof(secret.bytes(), &server_nonce, &hello.client_nonce), &proof) {
+        tracing::error!(peer_engine = %hello.engine_id, "decode instance failed side-channel authentication");
+        let reason = "side-channel authentication failed".to_owned();
+        let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
+        return Err(reason);
+    }
+    Ok(())
+}
+
 fn message_name(msg: &SideMessage) -> &'static str {
     match msg {
         SideMessage::Hello(_) => "hello",
         SideMessage::HelloReply(_) => "hello reply",
         SideMessage::XferRequest(_) => "transfer request",
         SideMessage::XferReply(_) => "transfer reply",
+        SideMessage::AuthProof(_) => "authentication proof",
     }
 }
 

@@ -1,0 +1,444 @@
+//! The only module of this crate that touches raw memory.
+//!
+//! Registered regions live in a [`LocalMemory`]. Nothing outside this module
+//! turns an address into memory: the sender gets a [`Sources`] (every source
+//! range checked) and the receiver a [`Destinations`] (every destination range
+//! checked, lengths summed against the header), and only those two types move
+//! bytes. They copy with `ptr::copy_nonoverlapping` between registered memory
+//! and quinn's buffers ([`Bytes`]): the sender gathers source ranges into the
+//! chunk quinn then owns and sends (the one copy `SendStream::write` would
+//! make), the receiver copies each received chunk straight into its
+//! destinations (the one copy `RecvStream::read` would make). No Rust
+//! reference to registered memory is ever created, and the payload is never
+//! staged beyond those copies.
+//!
+//! Why raw copies rather than a `&mut [u8]` handed to `RecvStream::read`: a
+//! slice of registered memory would have to live across an `.await`, so the
+//! lock below would be held across network waits and [`LocalMemory::close`]
+//! (called from `Drop`) could block for an I/O timeout; and peers write into
+//! that memory concurrently, which a Rust reference must not observe. Here
+//! every access is a short synchronous copy with no `.await` inside.
+//!
+//! Architecture Invariant: every raw access happens while the state's read
+//! lock is held and `closed` is false. [`LocalMemory::close`] (called by
+//! `shutdown` and by the transport's `Drop`) takes the write lock, so once it
+//! returns no access is in progress and none can start, and the caller may
+//! free its regions. Regions are never removed before that, so a range checked
+//! once stays valid for the whole batch.
+
+use std::ptr;
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use bytes::Bytes;
+use kv_proto::{MemoryRegion, RegionError, RegionSet, WriteOp};
+
+use crate::wire::{decode_op, OP_LEN};
+
+/// Registered regions plus the flag that ends all access to them.
+#[derive(Debug, Default)]
+pub(crate) struct LocalMemory {
+    state: RwLock<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    regions: RegionSet,
+    closed: bool,
+}
+
+/// Why a batch's sources cannot be sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SourceError {
+    /// A source range is outside every region (or longer than `usize`).
+    Outside {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The lengths, up to this op's, add up to more than `u64::MAX`.
+    TotalOverflows {
+        /// Start address of the op that overflows the total.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The memory is closed (the transport is shut down).
+    Closed,
+}
+
+/// Why a peer's op list cannot be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DestinationError {
+    /// The ops' lengths do not add up to the header's total (`None`: the sum
+    /// overflows `u64`): a protocol error.
+    LengthMismatch {
+        /// The header's total.
+        declared: u64,
+        /// The ops' sum.
+        sum: Option<u64>,
+    },
+    /// Op `index` falls outside every region: the batch is refused.
+    Outside {
+        /// Index of the first such op.
+        index: usize,
+        /// Its destination.
+        dst: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The memory is closed (the transport is shut down).
+    Closed,
+}
+
+/// An access attempted after [`LocalMemory::close`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the transport's memory is closed (shut down)")]
+pub(crate) struct MemoryClosed;
+
+impl LocalMemory {
+    /// An empty, open set of regions.
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds regions (sources of our batches, destinations of peers' batches).
+    ///
+    /// # Safety
+    ///
+    /// Each region must be valid for reads and writes until [`Self::close`]
+    /// has returned (the transport calls it from `shutdown` and `Drop`).
+    pub(crate) unsafe fn register(&self, regions: &[MemoryRegion]) -> Result<(), RegionError> {
+        self.write().regions.insert(regions)
+    }
+
+    /// The registered regions, sorted by address.
+    pub(crate) fn regions(&self) -> Vec<MemoryRegion> {
+        self.read().regions.regions().to_vec()
+    }
+
+    /// Ends all access: once this returns, no byte of any region is read or
+    /// written by this transport.
+    pub(crate) fn close(&self) {
+        self.write().closed = true;
+    }
+
+    /// Checks every op's source range; the returned [`Sources`] can then
+    /// gather the payload.
+    pub(crate) fn sources<'m, 'o>(&'m self, ops: &'o [WriteOp]) -> Result<Sources<'m, 'o>, SourceError> {
+        let state = self.read();
+        if state.closed {
+            return Err(SourceError::Closed);
+        }
+        let mut total = 0u64;
+        for op in ops {
+            if !state.regions.contains(op.src, op.len) || usize::try_from(op.len).is_err() {
+                return Err(SourceError::Outside { addr: op.src, len: op.len });
+            }
+            total = total.checked_add(op.len).ok_or(SourceError::TotalOverflows { addr: op.src, len: op.len })?;
+        }
+        Ok(Sources { mem: self, ops, total })
+    }
+
+    /// Checks a peer's op list: the lengths must add up to `declared` and
+    /// every destination must lie inside one registered region. On error the
+    /// list is handed back with the reason.
+    pub(crate) fn destinations(
+        &self,
+        list: Vec<[u8; OP_LEN]>,
+        declared: u64,
+    ) -> Result<Destinations<'_>, (Vec<[u8; OP_LEN]>, DestinationError)> {
+        let state = self.read();
+        if state.closed {
+            return Err((list, DestinationError::Closed));
+        }
+        let mut sum = Some(0u64);
+        let mut outside = None;
+        for (index, entry) in list.iter().enumerate() {
+            let (dst, len) = decode_op(entry);
+            sum = sum.and_then(|s| s.checked_add(len));
+            if outside.is_none() && (!state.regions.contains(dst, len) || usize::try_from(len).is_err()) {
+                outside = Some(DestinationError::Outside { index, dst, len });
+            }
+        }
+        if sum != Some(declared) {
+            return Err((list, DestinationError::LengthMismatch { declared, sum }));
+        }
+        match outside {
+            Some(err) => Err((list, err)),
+            None => Ok(Destinations { mem: self, list, total: declared }),
+        }
+    }
+}
+
+/// A run of `(address, length)` segments the payload moves through.
+trait Segments {
+    fn count(&self) -> usize;
+    fn segment(&self, i: usize) -> (u64, u64);
+}
+
+impl Segments for [WriteOp] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn segment(&self, i: usize) -> (u64, u64) {
+        self.get(i).map_or((0, 0), |op| (op.src, op.len))
+    }
+}
+
+impl Segments for [[u8; OP_LEN]] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn segment(&self, i: usize) -> (u64, u64) {
+        self.get(i).map_or((0, 0), decode_op)
+    }
+}
+
+/// Progress through the concatenation of a batch's segments.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cursor {
+    op: usize,
+    off: u64,
+    remaining: u64,
+}
+
+impl Cursor {
+    /// At the start of a payload of `total` bytes.
+    pub(crate) fn new(total: u64) -> Self {
+        Self { op: 0, off: 0, remaining: total }
+    }
+
+    /// Whether every byte has moved.
+    pub(crate) fn is_done(&self) -> bool {
+        self.remaining == 0
+    }
+
+    /// Bytes still to move.
+    pub(crate) fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// Calls `f(address, length)` for the next pieces of the segments, at
+    /// most `budget` bytes in all, and moves past them. Zero-length segments
+    /// are skipped. The lengths passed add up to `min(budget, remaining)`.
+    fn walk<S: Segments + ?Sized>(&mut self, segs: &S, budget: u64, mut f: impl FnMut(u64, usize)) {
+        let mut left = budget.min(self.remaining);
+        while left > 0 && self.op < segs.count() {
+            let (addr, len) = segs.segment(self.op);
+            let take = len.saturating_sub(self.off).min(left);
+            if take > 0 {
+                // `take` fits usize: every segment length was checked to.
+                f(addr.saturating_add(self.off), usize::try_from(take).unwrap_or(0));
+                self.off += take;
+                left -= take;
+                self.remaining -= take;
+            }
+            if self.off >= len {
+                self.op += 1;
+                self.off = 0;
+            }
+        }
+    }
+}
+
+/// Source ranges checked against the registered regions: the payload of one
+/// outgoing batch.
+#[derive(Debug)]
+pub(crate) struct Sources<'m, 'o> {
+    mem: &'m LocalMemory,
+    ops: &'o [WriteOp],
+    total: u64,
+}
+
+impl Sources<'_, '_> {
+    /// The ops.
+    pub(crate) fn ops(&self) -> &[WriteOp] {
+        self.ops
+    }
+
+    /// The payload's length.
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Copies the next `min(max, remaining)` payload bytes from `cursor` on
+    /// into a new chunk, advancing `cursor`.
+    pub(crate) fn gather(&self, cursor: &mut Cursor, max: usize) -> Result<Bytes, MemoryClosed> {
+        let state = self.mem.read();
+        if state.closed {
+            return Err(MemoryClosed);
+        }
+        let n = usize::try_from(cursor.remaining()).map_or(max, |r| r.min(max));
+        let mut out: Vec<u8> = Vec::with_capacity(n);
+        let spare = out.spare_capacity_mut();
+        let mut filled = 0usize;
+        cursor.walk(self.ops, n as u64, |addr, len| {
+            let Some(slot) = spare.get_mut(filled..filled + len) else { return };
+            let src = ptr::with_exposed_provenance::<u8>(usize::try_from(addr).unwrap_or(0));
+            // SAFETY: `[addr, addr + len)` is part of a source range that
+            // `LocalMemory::sources` checked to lie inside a registered
+            // region, which stays valid for reads while the read lock is held
+            // with `closed == false` (module invariant; the caller of
+            // `register` guarantees validity until `close`). `slot` is `len`
+            // bytes of this fresh Vec's spare capacity (bounds-checked by
+            // `get_mut`), a different allocation, so the ranges cannot overlap.
+            unsafe { ptr::copy_nonoverlapping(src, slot.as_mut_ptr().cast::<u8>(), len) };
+            filled += len;
+        });
+        drop(state);
+        // SAFETY: the first `filled` bytes of the spare capacity were
+        // initialized by the copies above, and `filled <= n <= capacity`.
+        unsafe { out.set_len(filled) };
+        Ok(Bytes::from(out))
+    }
+}
+
+/// A peer's op list, checked against the registered regions: where one
+/// incoming batch's payload lands.
+#[derive(Debug)]
+pub(crate) struct Destinations<'m> {
+    mem: &'m LocalMemory,
+    list: Vec<[u8; OP_LEN]>,
+    total: u64,
+}
+
+impl Destinations<'_> {
+    /// The payload's length.
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Copies the first `min(data.len(), remaining)` bytes of `data` into the
+    /// destinations from `cursor` on, advancing `cursor`; returns how many.
+    pub(crate) fn scatter(&self, cursor: &mut Cursor, data: &[u8]) -> Result<usize, MemoryClosed> {
+        let state = self.mem.read();
+        if state.closed {
+            return Err(MemoryClosed);
+        }
+        let mut taken = 0usize;
+        cursor.walk(self.list.as_slice(), data.len() as u64, |addr, len| {
+            let Some(src) = data.get(taken..taken + len) else { return };
+            let dst = ptr::with_exposed_provenance_mut::<u8>(usize::try_from(addr).unwrap_or(0));
+            // SAFETY: `[addr, addr + len)` is part of a destination range that
+            // `LocalMemory::destinations` checked to lie inside a registered
+            // region, which stays valid for writes while the read lock is held
+            // with `closed == false` (module invariant). `src` is a live,
+            // bounds-checked slice of a quinn buffer, never registered memory,
+            // so the ranges cannot overlap. No Rust reference to the
+            // destination exists; the caller of `register_regions` promised
+            // not to read it while the transfer is in flight.
+            unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
+            taken += len;
+        });
+        drop(state);
+        Ok(taken)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::encode_op;
+
+    fn mem_with(regions: &[MemoryRegion]) -> LocalMemory {
+        let m = LocalMemory::new();
+        // SAFETY: callers register either fake addresses they never move
+        // bytes through, or buffers that outlive `m`.
+        unsafe { m.register(regions) }.unwrap();
+        m
+    }
+
+    fn addr_of(buf: &[u8]) -> u64 {
+        buf.as_ptr().expose_provenance() as u64
+    }
+
+    fn addr_of_mut(buf: &mut [u8]) -> u64 {
+        buf.as_mut_ptr().expose_provenance() as u64
+    }
+
+    #[test]
+    fn destinations_check_sum_then_bounds() {
+        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
+        let list = vec![encode_op(0x1000, 0x10), encode_op(0x10f8, 0x10)];
+        let (list, err) = m.destinations(list, 0x20).unwrap_err();
+        assert_eq!(err, DestinationError::Outside { index: 1, dst: 0x10f8, len: 0x10 });
+        let (_, err) = m.destinations(list, 0x21).unwrap_err();
+        assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
+        let list = vec![encode_op(0x1000, u64::MAX), encode_op(0x1000, 2)];
+        let (_, err) = m.destinations(list, 1).unwrap_err();
+        assert_eq!(err, DestinationError::LengthMismatch { declared: 1, sum: None });
+        let ok = m.destinations(vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
+        assert_eq!(ok.total(), 0x100);
+        m.close();
+        assert_eq!(m.destinations(Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
+    }
+
+    #[test]
+    fn sources_are_checked() {
+        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
+        let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
+        assert_eq!(m.sources(&ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
+        assert_eq!(m.sources(&ops[..1]).unwrap().total(), 0x100);
+        m.close();
+        assert_eq!(m.sources(&ops[..1]).unwrap_err(), SourceError::Closed);
+    }
+
+    #[test]
+    fn gather_then_scatter_moves_every_byte_across_chunk_boundaries() {
+        let src: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; 2000];
+        let (s, d) = (addr_of(&src), addr_of_mut(&mut dst));
+        let m = mem_with(&[MemoryRegion::new(s, 1000), MemoryRegion::new(d, 2000)]);
+        let ops = [
+            WriteOp { src: s + 10, dst: d + 1500, len: 100 },
+            WriteOp { src: s + 500, dst: d, len: 0 },
+            WriteOp { src: s + 200, dst: d + 7, len: 333 },
+            WriteOp { src: s, dst: d + 1000, len: 1 },
+        ];
+        let sources = m.sources(&ops).unwrap();
+        let list: Vec<[u8; OP_LEN]> = ops.iter().map(|op| encode_op(op.dst, op.len)).collect();
+        let dests = m.destinations(list, sources.total()).unwrap();
+        let (mut out, mut inn) = (Cursor::new(sources.total()), Cursor::new(dests.total()));
+        let mut chunks = 0;
+        while !out.is_done() {
+            let chunk = sources.gather(&mut out, 37).unwrap();
+            assert!(chunk.len() <= 37 && !chunk.is_empty());
+            // Scatter in two uneven pieces.
+            let (a, b) = chunk.split_at(chunk.len() / 3);
+            assert_eq!(dests.scatter(&mut inn, a).unwrap(), a.len());
+            assert_eq!(dests.scatter(&mut inn, b).unwrap(), b.len());
+            chunks += 1;
+        }
+        assert!(inn.is_done());
+        assert_eq!(chunks, 434usize.div_ceil(37));
+        assert_eq!(dests.scatter(&mut inn, &[1, 2, 3]).unwrap(), 0, "nothing past the total");
+        drop((sources, dests));
+        m.close();
+        assert_eq!(&dst[1500..1600], &src[10..110]);
+        assert_eq!(&dst[7..340], &src[200..533]);
+        assert_eq!(dst[1000], src[0]);
+        assert!(dst[..7].iter().chain(&dst[340..1000]).chain(&dst[1001..1500]).all(|&b| b == 0));
+        dst[0] = 1; // the buffer stays ours
+    }
+
+    #[test]
+    fn closed_memory_moves_nothing() {
+        let src = vec![9u8; 64];
+        let m = mem_with(&[MemoryRegion::new(addr_of(&src), 64)]);
+        let ops = [WriteOp { src: addr_of(&src), dst: 0, len: 64 }];
+        let sources = m.sources(&ops).unwrap();
+        let mut cursor = Cursor::new(64);
+        m.close();
+        assert_eq!(sources.gather(&mut cursor, 64).unwrap_err(), MemoryClosed);
+        assert_eq!(cursor.remaining(), 64);
+    }
+}

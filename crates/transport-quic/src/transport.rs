@@ -1,0 +1,310 @@
+//! [`QuicTransport`]: the [`BatchWriter`] that ties endpoint, connections and
+//! memory together.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, TransportError, WriteOp};
+use quinn::crypto::rustls::QuicServerConfig;
+use quinn::{IdleTimeout, TransportConfig, VarInt};
+use rustls::crypto::CryptoProvider;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::client::{self, Connections};
+use crate::config::QuicConfig;
+use crate::details::{EndpointDetails, Fingerprint};
+use crate::memory::{LocalMemory, SourceError};
+use crate::server;
+use crate::tls;
+use crate::wire::CLOSE_SHUTDOWN;
+
+/// State shared by the transport handle, the accept loop and the connection
+/// and stream tasks. The tasks hold it, never the [`QuicTransport`], so
+/// dropping the last handle stops them.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: QuicConfig,
+    pub(crate) memory: LocalMemory,
+    pub(crate) token: CancellationToken,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) endpoint: quinn::Endpoint,
+    pub(crate) local_addr: SocketAddr,
+    pub(crate) provider: Arc<CryptoProvider>,
+    pub(crate) transport_config: Arc<TransportConfig>,
+    pub(crate) connections: Connections,
+    pub(crate) conn_limit: Arc<Semaphore>,
+    pub(crate) opened: AtomicU64,
+    pub(crate) accepted: AtomicU64,
+}
+
+/// A [`BatchWriter`] over QUIC: serves peers' batches into the registered
+/// memory and writes batches into peers' memory, over one UDP socket.
+///
+/// Created by [`QuicTransport::bind`] inside a tokio runtime, whose tasks it
+/// uses. [`BatchWriter::shutdown`] closes the endpoint and every connection
+/// and waits for the tasks; dropping the last handle closes them too, and no
+/// byte of registered memory is touched once the drop has returned.
+#[derive(Debug)]
+pub struct QuicTransport {
+    shared: Arc<Shared>,
+    address: String,
+    fingerprint: Fingerprint,
+}
+
+/// quinn's transport parameters from the configuration.
+fn transport_config(config: &QuicConfig) -> TransportConfig {
+    let mut t = TransportConfig::default();
+    t.max_concurrent_bidi_streams(VarInt::from_u32(config.max_concurrent_streams))
+        .max_concurrent_uni_streams(VarInt::from_u32(0))
+        .max_idle_timeout(Some(IdleTimeout::try_from(config.idle_timeout).unwrap_or(IdleTimeout::from(VarInt::MAX))))
+        .keep_alive_interval(None)
+        .stream_receive_window(VarInt::from_u32(config.stream_receive_window))
+        .receive_window(VarInt::from_u32(config.receive_window))
+        .send_window(config.send_window)
+        .datagram_receive_buffer_size(None);
+    t
+}
+
+/// The UDP socket, with the requested kernel buffers.
+fn bind_socket(addr: SocketAddr, buffer: usize) -> io::Result<std::net::UdpSocket> {
+    let socket =
+        socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    if let Err(error) = socket.set_recv_buffer_size(buffer) {
+        debug!(%addr, %error, "cannot size the UDP receive buffer");
+    }
+    if let Err(error) = socket.set_send_buffer_size(buffer) {
+        debug!(%addr, %error, "cannot size the UDP send buffer");
+    }
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+impl QuicTransport {
+    /// Makes a fresh self-signed certificate, binds the UDP socket and starts
+    /// accepting connections on the current tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`TransportError::Io`] if there is no tokio runtime, the certificate
+    /// or TLS configuration cannot be made, or the socket cannot be bound.
+    pub async fn bind(config: QuicConfig) -> Result<Arc<Self>, TransportError> {
+        let bind_error = |source| TransportError::Io { peer: config.listen_addr.to_string(), source };
+        tokio::runtime::Handle::try_current().map_err(|e| bind_error(io::Error::other(e)))?;
+        let identity = tls::generate_identity().map_err(|e| bind_error(io::Error::other(e)))?;
+        let provider = tls::provider();
+        let transport_config = Arc::new(transport_config(&config));
+        let crypto =
+            tls::server_crypto(Arc::clone(&provider), &identity).map_err(|e| bind_error(io::Error::other(e)))?;
+        let crypto = QuicServerConfig::try_from(crypto).map_err(|e| bind_error(io::Error::other(e)))?;
+        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server_config.transport_config(Arc::clone(&transport_config));
+        let socket = bind_socket(config.listen_addr, config.socket_buffer).map_err(bind_error)?;
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server_config),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )
+        .map_err(bind_error)?;
+        let local_addr = endpoint.local_addr().map_err(bind_error)?;
+        let address = match &config.advertise_host {
+            Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{}", local_addr.port()),
+            Some(host) => format!("{host}:{}", local_addr.port()),
+            None => {
+                if local_addr.ip().is_unspecified() {
+                    warn!(%local_addr, "listening on a wildcard address without advertise_host: peers get an unusable endpoint");
+                }
+                local_addr.to_string()
+            }
+        };
+        let shared = Arc::new(Shared {
+            memory: LocalMemory::new(),
+            token: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            endpoint,
+            local_addr,
+            provider,
+            transport_config,
+            connections: Connections::default(),
+            conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            opened: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            config,
+        });
+        shared.tracker.spawn(server::accept_loop(Arc::clone(&shared)));
+        debug!(%local_addr, %address, "data-plane QUIC endpoint bound");
+        Ok(Arc::new(Self { shared, address, fingerprint: identity.fingerprint }))
+    }
+
+    /// The address the UDP socket is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local_addr
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &QuicConfig {
+        &self.shared.config
+    }
+
+    /// The SHA-256 of this transport's certificate (advertised in its
+    /// endpoint details; senders pin it).
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// Outgoing connections opened so far (each completed its handshake).
+    pub fn connections_opened(&self) -> u64 {
+        self.shared.opened.load(Ordering::Relaxed)
+    }
+
+    /// Incoming connections accepted so far (each completed its handshake).
+    pub fn connections_accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Outgoing connections currently held open for reuse.
+    pub fn open_connections(&self) -> usize {
+        self.shared.connections.open()
+    }
+
+    /// Closes the endpoint and ends all memory access (shared by `shutdown`
+    /// and `Drop`).
+    fn close(&self) {
+        let shared = &*self.shared;
+        // Close first, so peers get the shutdown code rather than the
+        // implicit close of a connection whose task let go of it.
+        shared.endpoint.close(VarInt::from_u32(CLOSE_SHUTDOWN), b"shutdown");
+        shared.token.cancel();
+        // After this no task touches registered memory.
+        shared.memory.close();
+        shared.connections.clear();
+    }
+}
+
+impl Drop for QuicTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Checks that `address` has the `host:port` shape.
+fn check_address(address: &str) -> Result<(), String> {
+    let (host, port) = address.rsplit_once(':').ok_or("expected host:port")?;
+    if host.is_empty() {
+        return Err("empty host".to_owned());
+    }
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => Err(format!("bad port {port:?}")),
+        Ok(_) => Ok(()),
+    }
+}
+
+#[async_trait]
+impl BatchWriter for QuicTransport {
+    fn protocol(&self) -> Protocol {
+        Protocol::Quic
+    }
+
+    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
+        if self.shared.token.is_cancelled() {
+            return Err(TransportError::Shutdown);
+        }
+        // SAFETY: the caller guarantees (this method's contract) that each
+        // region is valid for reads and writes for as long as this writer
+        // lives; `Drop` closes the memory before the writer is gone, which is
+        // what `LocalMemory::register` requires.
+        unsafe { self.shared.memory.register(regions) }?;
+        Ok(())
+    }
+
+    fn endpoint(&self) -> Endpoint {
+        let details = EndpointDetails {
+            fingerprint: self.fingerprint,
+            max_ops_per_batch: self.shared.config.max_ops_per_batch,
+            regions: Some(self.shared.memory.regions()),
+        };
+        Endpoint { protocol: Protocol::Quic, address: self.address.clone(), details: details.encode() }
+    }
+
+    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
+        let shared = &*self.shared;
+        if shared.token.is_cancelled() {
+            return Err(TransportError::Shutdown);
+        }
+        let label = peer.to_string();
+        if peer.protocol != Protocol::Quic {
+            return Err(TransportError::WrongProtocol { peer: label, expected: Protocol::Quic, got: peer.protocol });
+        }
+        check_address(&peer.address).map_err(|reason| TransportError::BadEndpoint { peer: label.clone(), reason })?;
+        let details = EndpointDetails::decode(&peer.details)
+            .map_err(|e| TransportError::BadEndpoint { peer: label.clone(), reason: e.to_string() })?;
+        let sources = shared.memory.sources(ops).map_err(|error| match error {
+            SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
+                TransportError::SourceOutOfBounds { addr, len }
+            }
+            SourceError::Closed => TransportError::Shutdown,
+        })?;
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let count = ops.len() as u64;
+        if count > details.max_ops_per_batch {
+            return Err(TransportError::Refused {
+                peer: label,
+                reason: format!(
+                    "a batch of {count} ops exceeds the peer's limit of {} ops per batch",
+                    details.max_ops_per_batch
+                ),
+            });
+        }
+        // Refuse a batch the peer would refuse before sending a byte of it.
+        if let Some(regions) = details.region_set() {
+            if let Some((index, op)) = ops.iter().enumerate().find(|(_, op)| !regions.contains(op.dst, op.len)) {
+                return Err(TransportError::Refused {
+                    peer: label,
+                    reason: format!(
+                        "op {index}: destination {:#x}+{} is outside the regions the peer advertises",
+                        op.dst, op.len
+                    ),
+                });
+            }
+        }
+        tokio::select! {
+            biased;
+            () = shared.token.cancelled() => Err(TransportError::Shutdown),
+            result = client::write_batch(shared, &label, &peer.address, details.fingerprint, &sources) => result,
+        }
+    }
+
+    async fn shutdown(&self) {
+        self.close();
+        let shared = &*self.shared;
+        shared.tracker.close();
+        shared.tracker.wait().await;
+        // The close frames are already queued; quinn's endpoint driver keeps
+        // the socket for as long as connections drain, so nothing here waits
+        // for that.
+        debug!(local_addr = %shared.local_addr, "data-plane transport shut down");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_address;
+
+    #[test]
+    fn addresses_are_checked() {
+        assert!(check_address("127.0.0.1:9000").is_ok());
+        assert!(check_address("[::1]:9000").is_ok());
+        assert!(check_address("decode-0.example:9000").is_ok());
+        for bad in ["", "host", ":9000", "host:", "host:0", "host:70000", "mem://x"] {
+            assert!(check_address(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}

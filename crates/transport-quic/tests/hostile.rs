@@ -1,0 +1,296 @@
+//! Hostile peers on both sides of the wire: a raw QUIC client (pinned to the
+//! victim's certificate) feeding the receiver bad streams, and fake receivers
+//! answering a sender badly. Each bad stream costs only itself: the same
+//! connection and other senders keep being served, nothing lands outside the
+//! bad batch's own (valid) destinations, and every wait is bounded.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_still_serves, check, fill, reply, request, FakeReceiver, Node, RawClient, BOUND};
+use kv_proto::{BatchWriter, TransportError, WriteOp};
+use rstest::rstest;
+use transport_quic::wire::{encode_reply, BatchHeader, ReplyStatus};
+use transport_quic::QuicConfig;
+
+/// Small bounds, so the stalling cases end quickly.
+fn victim_config() -> QuicConfig {
+    QuicConfig { io_timeout: Duration::from_millis(300), max_ops_per_batch: 1024, ..QuicConfig::default() }
+}
+
+const VICTIM_LEN: usize = 1 << 16;
+/// Bad batches aim below this offset of the victim's buffer; the valid batch
+/// after them lands above it.
+const BAD_AREA: usize = 16 * 1024;
+
+/// What the raw client does wrong on one stream.
+#[derive(Clone, Copy, Debug)]
+enum Abuse {
+    /// Bytes that are not a request (an op count far over the limit).
+    Garbage,
+    /// One op more than the receiver's limit.
+    TooManyOps,
+    /// An op count of u64::MAX.
+    HugeOpCount,
+    /// Op lengths that do not add up to the header's total.
+    SumMismatch,
+    /// Op lengths whose sum overflows u64.
+    SumOverflows,
+    /// A stream finished with no data at all.
+    EmptyStream,
+    /// Part of a header, then FIN.
+    TruncatedHeader,
+    /// Part of the op list, then FIN.
+    TruncatedOpList,
+    /// Part of the payload, then FIN.
+    TruncatedPayload,
+    /// More payload than the header announces.
+    ExtraPayload,
+    /// Part of a header, then silence.
+    StalledHeader,
+    /// Part of the op list, then silence.
+    StalledOpList,
+    /// Part of the payload, then silence.
+    StalledPayload,
+    /// A destination outside the registered region (refused, not an error).
+    OutsideRegions,
+    /// Part of the payload, then RESET_STREAM.
+    ResetMidPayload,
+    /// Part of the payload, then CONNECTION_CLOSE.
+    ClosedMidPayload,
+}
+
+/// What the receiver must answer on the bad stream.
+#[derive(Debug, PartialEq)]
+enum Expect {
+    ProtocolError,
+    Refused,
+    NoOkReply,
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_stream_costs_only_itself(
+    #[values(
+        Abuse::Garbage,
+        Abuse::TooManyOps,
+        Abuse::HugeOpCount,
+        Abuse::SumMismatch,
+        Abuse::SumOverflows,
+        Abuse::EmptyStream,
+        Abuse::TruncatedHeader,
+        Abuse::TruncatedOpList,
+        Abuse::TruncatedPayload,
+        Abuse::ExtraPayload,
+        Abuse::StalledHeader,
+        Abuse::StalledOpList,
+        Abuse::StalledPayload,
+        Abuse::OutsideRegions,
+        Abuse::ResetMidPayload,
+        Abuse::ClosedMidPayload
+    )]
+    abuse: Abuse,
+) {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let base = victim.buf.addr();
+    let client = RawClient::connect(&victim).await;
+    let (mut send, mut recv) = client.stream().await;
+    let header = |op_count: u64, total_bytes: u64| BatchHeader { op_count, total_bytes }.encode().to_vec();
+    // Whether bytes of the bad batch may land (inside its valid destinations).
+    let mut partial = false;
+    let mut expect = Expect::ProtocolError;
+    let mut finish = true;
+    let bytes: Vec<u8> = match abuse {
+        Abuse::Garbage => vec![0x42; 64],
+        Abuse::TooManyOps => [header(1025, 0), vec![0; 16 * 8]].concat(),
+        Abuse::HugeOpCount => header(u64::MAX, 0),
+        Abuse::SumMismatch => request(&[(base, 10), (base + 10, 20)], 100, &[7; 30]),
+        Abuse::SumOverflows => request(&[(base, u64::MAX), (base, 2)], 1, &[7]),
+        Abuse::EmptyStream => Vec::new(),
+        Abuse::TruncatedHeader => vec![1; 10],
+        Abuse::TruncatedOpList => {
+            header(4, 64)[..].iter().chain(&request(&[(base, 32), (base + 32, 32)], 0, &[])[16..]).copied().collect()
+        }
+        Abuse::TruncatedPayload => {
+            partial = true;
+            request(&[(base, 64)], 64, &[7; 32])
+        }
+        Abuse::ExtraPayload => {
+            partial = true;
+            request(&[(base, 64)], 64, &[7; 80])
+        }
+        Abuse::StalledHeader => {
+            finish = false;
+            vec![1; 5]
+        }
+        Abuse::StalledOpList => {
+            finish = false;
+            [header(4, 64), request(&[(base, 16)], 0, &[])[16..].to_vec()].concat()
+        }
+        Abuse::StalledPayload => {
+            finish = false;
+            partial = true;
+            request(&[(base, 64)], 64, &[7; 32])
+        }
+        Abuse::OutsideRegions => {
+            expect = Expect::Refused;
+            request(&[(base, 16), (victim.buf.end(), 16)], 32, &[7; 32])
+        }
+        Abuse::ResetMidPayload | Abuse::ClosedMidPayload => {
+            finish = false;
+            partial = true;
+            expect = Expect::NoOkReply;
+            request(&[(base, 64)], 64, &[7; 32])
+        }
+    };
+    // The receiver may stop the stream before all of it is written.
+    let _ = send.write_all(&bytes).await;
+    if finish {
+        let _ = send.finish();
+    }
+    match abuse {
+        Abuse::ResetMidPayload => {
+            send.reset(7u32.into()).unwrap();
+        }
+        Abuse::ClosedMidPayload => client.conn.close(7u32.into(), b"bye"),
+        _ => {}
+    }
+    let got = reply(&mut recv).await;
+    match expect {
+        Expect::ProtocolError => {
+            let (h, reason) = got.unwrap_or_else(|e| panic!("{abuse:?}: no reply: {e}"));
+            assert_eq!(h.status, ReplyStatus::ProtocolError, "{abuse:?}: {reason}");
+            assert!(!reason.is_empty());
+        }
+        Expect::Refused => {
+            let (h, reason) = got.unwrap();
+            assert_eq!(h.status, ReplyStatus::Refused);
+            assert!(reason.contains("op 1"), "{reason}");
+        }
+        Expect::NoOkReply => assert!(!matches!(got, Ok((ref h, _)) if h.status == ReplyStatus::Ok), "{got:?}"),
+    }
+    drop(send);
+    if !partial {
+        assert!(victim.buf.bytes()[..BAD_AREA].iter().all(|&b| b == 0), "{abuse:?}: bytes landed");
+    }
+
+    // The same connection still carries a valid batch, unless it was closed.
+    if !matches!(abuse, Abuse::ClosedMidPayload) {
+        let dst = base + BAD_AREA as u64;
+        let payload: Vec<u8> = (0..256).map(|i| common::pattern(99, i)).collect();
+        let (h, reason) = client.exchange(&request(&[(dst, 256)], 256, &payload)).await.unwrap();
+        assert_eq!(h.status, ReplyStatus::Ok, "{abuse:?}: {reason}");
+        assert_eq!(&victim.buf.bytes()[BAD_AREA..BAD_AREA + 256], &payload[..]);
+    }
+    assert_still_serves(&victim).await;
+    assert_eq!(victim.transport.connections_accepted(), 2, "the raw client's and the sender's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_datagrams_and_aborted_handshakes_cost_nothing() {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    for len in [1usize, 20, 1200, 1500] {
+        socket.send_to(&vec![0xc3; len], victim.transport.local_addr()).await.unwrap();
+    }
+    // A client that starts a handshake and vanishes.
+    let endpoint = common::client_endpoint();
+    let config = transport_quic::tls::pinned_client_config(victim.transport.fingerprint()).unwrap();
+    drop(endpoint.connect_with(config, victim.transport.local_addr(), transport_quic::wire::SERVER_NAME).unwrap());
+    endpoint.close(0u32.into(), b"");
+    assert_still_serves(&victim).await;
+}
+
+/// How a fake receiver answers a batch.
+#[derive(Clone, Copy, Debug)]
+enum BadReceiver {
+    /// Reads the batch and never answers.
+    NeverReplies,
+    /// Answers with a status this build does not know.
+    UnknownStatus,
+    /// Announces a reason longer than the limit.
+    OverlongReason,
+    /// Ends the stream part-way through the reply.
+    TruncatedReply,
+    /// Resets its side of the stream.
+    ResetsStream,
+    /// Closes the connection.
+    ClosesConnection,
+    /// Says "protocol error".
+    ReportsProtocolError,
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_receiver_fails_the_batch_within_the_bound(
+    #[values(
+        BadReceiver::NeverReplies,
+        BadReceiver::UnknownStatus,
+        BadReceiver::OverlongReason,
+        BadReceiver::TruncatedReply,
+        BadReceiver::ResetsStream,
+        BadReceiver::ClosesConnection,
+        BadReceiver::ReportsProtocolError
+    )]
+    bad: BadReceiver,
+) {
+    let config = QuicConfig { io_timeout: Duration::from_millis(300), ..QuicConfig::default() };
+    let mut sender = Node::new(config, 1 << 16).await;
+    let fake = FakeReceiver::kvlink();
+    let accepting = fake.endpoint.clone();
+    let server = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Some(incoming) = accepting.accept().await {
+            let Ok(conn) = incoming.await else { continue };
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                let _ = recv.read_to_end(1 << 20).await;
+                match bad {
+                    BadReceiver::NeverReplies => {}
+                    BadReceiver::UnknownStatus => {
+                        send.write_all(&encode_reply(ReplyStatus::Unknown(9), "?")).await.unwrap()
+                    }
+                    BadReceiver::OverlongReason => {
+                        let mut r = encode_reply(ReplyStatus::Ok, "");
+                        r[4..8].copy_from_slice(&5000u32.to_le_bytes());
+                        send.write_all(&r).await.unwrap();
+                        send.write_all(&[b'x'; 5000]).await.unwrap();
+                    }
+                    BadReceiver::TruncatedReply => {
+                        send.write_all(&[0, 0, 0]).await.unwrap();
+                        send.finish().unwrap();
+                    }
+                    BadReceiver::ResetsStream => send.reset(5u32.into()).unwrap(),
+                    BadReceiver::ClosesConnection => conn.close(9u32.into(), b"bye"),
+                    BadReceiver::ReportsProtocolError => {
+                        send.write_all(&encode_reply(ReplyStatus::ProtocolError, "nope")).await.unwrap();
+                        send.finish().unwrap();
+                    }
+                }
+                held.push((send, recv));
+            }
+        }
+    });
+    let ops: Vec<WriteOp> =
+        (0..4).map(|k| WriteOp { src: sender.buf.addr() + k * 4096, dst: 0x10_0000 + k * 4096, len: 4096 }).collect();
+    fill(&mut sender.buf, &ops);
+    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&fake.endpoint(), &ops))
+        .await
+        .expect("the batch did not fail within the bound");
+    let err = result.expect_err("a batch the receiver did not acknowledge succeeded");
+    let ok = match bad {
+        BadReceiver::NeverReplies => matches!(err, TransportError::Timeout { .. }),
+        BadReceiver::ClosesConnection => matches!(err, TransportError::PeerClosed { .. }),
+        _ => matches!(err, TransportError::Protocol { .. }),
+    };
+    assert!(ok, "{bad:?}: unexpected {err:?}");
+    // The sender still works with a real receiver.
+    let receiver = Node::with_defaults(1 << 16).await;
+    let good: Vec<WriteOp> =
+        ops.iter().map(|op| WriteOp { dst: receiver.buf.addr() + (op.dst - 0x10_0000), ..*op }).collect();
+    sender.transport.batch_write(&receiver.transport.endpoint(), &good).await.unwrap();
+    check(&receiver.buf, &good);
+    fake.endpoint.close(0u32.into(), b"done");
+    server.await.unwrap();
+}
