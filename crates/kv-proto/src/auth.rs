@@ -16,6 +16,28 @@
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+/// A shared secret; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthSecret(std::sync::Arc<[u8]>);
+
+impl AuthSecret {
+    /// Wraps the secret bytes.
+    pub fn new(secret: impl AsRef<[u8]>) -> Self {
+        Self(secret.as_ref().into())
+    }
+
+    /// The secret bytes (to key a MAC; never to log).
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AuthSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuthSecret(..)")
+    }
+}
+
 /// Bytes of a nonce and of a proof.
 pub const AUTH_TAG_LEN: usize = 32;
 

@@ -3,6 +3,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+pub use kv_proto::auth::AuthSecret;
 use kv_proto::{EngineId, KvRole, KvTransferConfig, Protocol, DEFAULT_MAX_FRAME_LEN};
 
 /// Everything a [`crate::Worker`] needs to know besides its cache.
@@ -41,31 +42,12 @@ pub struct WorkerConfig {
     pub data_advertise_host: Option<String>,
     /// Data-plane bound on one stalled read, write or acknowledgement.
     pub data_io_timeout: Duration,
-    /// Shared secret of the side channel. When set, P challenges every D and
-    /// D requires P to prove it too (see `kv_proto::auth`); a peer without it
-    /// is refused before any transfer request is read.
+    /// Shared secret of the side channel and the TCP data plane. When set,
+    /// each connection starts with a mutual challenge–response (see
+    /// `kv_proto::auth`); a peer without the secret is refused before any
+    /// transfer request or batch is read. (QUIC's data plane relies on its
+    /// pinned certificate instead: P only writes to the D it was told of.)
     pub auth_secret: Option<AuthSecret>,
-}
-
-/// A side-channel shared secret; never printed.
-#[derive(Clone)]
-pub struct AuthSecret(std::sync::Arc<[u8]>);
-
-impl AuthSecret {
-    /// Wraps the secret bytes.
-    pub fn new(secret: impl AsRef<[u8]>) -> Self {
-        Self(secret.as_ref().into())
-    }
-
-    pub(crate) fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for AuthSecret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AuthSecret(..)")
-    }
 }
 
 impl WorkerConfig {

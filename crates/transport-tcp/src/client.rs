@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use kv_proto::auth;
 use kv_proto::TransportError;
 use socket2::SockRef;
 use tokio::io::Interest;
@@ -17,10 +18,11 @@ use tracing::debug;
 
 use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{is_closed_error, Cursor, Sources};
+use crate::nonce;
 use crate::transport::Shared;
 use crate::wire::{
-    encode_op, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ReplyStatus, ACCEPT_LEN, BATCH_HEADER_LEN,
-    MAX_REASON_LEN, OP_LEN, REPLY_HEADER_LEN, VERSION,
+    encode_op, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ReplyStatus, ACCEPT_LEN, AUTH_OK,
+    AUTH_TAG_LEN, BATCH_HEADER_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
 };
 
 /// Header-and-op-list buffer capacity kept on a pooled connection; a larger
@@ -188,9 +190,18 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
     let mut stream = TcpStream::connect(peer).await.map_err(|e| connect_error(e.to_string()))?;
     stream.set_nodelay(true).map_err(|e| connect_error(format!("cannot set TCP_NODELAY: {e}")))?;
     let io_timeout = shared.config.io_timeout;
-    write_all(&mut stream, &Preamble::current().encode(), io_timeout, "preamble")
-        .await
-        .map_err(|e| connect_error(e.to_string()))?;
+    let secret = shared.config.auth_secret.as_ref();
+    let client_nonce = match secret {
+        Some(_) => nonce::fresh().ok_or_else(|| connect_error("no OS randomness for the nonce".to_owned()))?,
+        None => [0u8; AUTH_TAG_LEN],
+    };
+    let mut opening = Vec::with_capacity(PREAMBLE_LEN + AUTH_TAG_LEN);
+    let flags = if secret.is_some() { FLAG_AUTH } else { 0 };
+    opening.extend_from_slice(&Preamble { version: VERSION, flags }.encode());
+    if secret.is_some() {
+        opening.extend_from_slice(&client_nonce);
+    }
+    write_all(&mut stream, &opening, io_timeout, "preamble").await.map_err(|e| connect_error(e.to_string()))?;
     let mut reply = [0u8; ACCEPT_LEN];
     read_exact(&mut stream, &mut reply, io_timeout, "accept reply").await.map_err(|e| connect_error(e.to_string()))?;
     let accept = Accept::decode(&reply)
@@ -205,7 +216,41 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
             )))
         }
         AcceptStatus::UnsupportedFlags => return Err(protocol_error("peer refused the preamble flags".to_owned())),
+        AcceptStatus::AuthRequired => {
+            return Err(connect_error("peer requires the data-plane shared secret; none is configured here".to_owned()))
+        }
+        AcceptStatus::AuthUnavailable => {
+            return Err(connect_error(
+                "peer has no data-plane shared secret; refusing to write to an unauthenticated peer".to_owned(),
+            ))
+        }
         AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}"))),
+    }
+    if let Some(secret) = secret {
+        let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
+        read_exact(&mut stream, &mut challenge, io_timeout, "authentication challenge")
+            .await
+            .map_err(|e| connect_error(e.to_string()))?;
+        let (server_nonce, server_proof) = challenge.split_at(AUTH_TAG_LEN);
+        let mut server_nonce_arr = [0u8; AUTH_TAG_LEN];
+        server_nonce_arr.copy_from_slice(server_nonce);
+        let mut server_proof_arr = [0u8; AUTH_TAG_LEN];
+        server_proof_arr.copy_from_slice(server_proof);
+        let expected = auth::server_proof(secret.bytes(), &client_nonce, &server_nonce_arr);
+        if !auth::proofs_match(&expected, &server_proof_arr) {
+            return Err(connect_error("peer failed to prove the data-plane shared secret".to_owned()));
+        }
+        let proof = auth::client_proof(secret.bytes(), &server_nonce_arr, &client_nonce);
+        write_all(&mut stream, &proof, io_timeout, "authentication proof")
+            .await
+            .map_err(|e| connect_error(e.to_string()))?;
+        let mut verdict = [0u8; 1];
+        read_exact(&mut stream, &mut verdict, io_timeout, "authentication verdict")
+            .await
+            .map_err(|e| connect_error(e.to_string()))?;
+        if verdict[0] != AUTH_OK {
+            return Err(connect_error("peer refused our data-plane authentication".to_owned()));
+        }
     }
     Ok(Conn {
         stream,

@@ -3,6 +3,8 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_proto::auth::AuthSecret;
+
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
 
@@ -48,6 +50,10 @@ pub struct TcpConfig {
     /// Smallest batch, in payload bytes, that is spread over
     /// [`TcpConfig::parallel_streams`] connections (default 16 MiB).
     pub parallel_min_bytes: u64,
+    /// Shared secret (default none). When set, the receiver serves only
+    /// senders that prove it and the sender writes only to receivers that
+    /// prove it (challenge–response at connection set-up, see the crate docs).
+    pub auth_secret: Option<AuthSecret>,
     /// Bound on concurrently served incoming connections (default 1024);
     /// connections past it are closed at once.
     pub max_connections: usize,
@@ -64,6 +70,7 @@ impl Default for TcpConfig {
             max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
             max_idle_conns_per_peer: 4,
             max_connections: 1024,
+            auth_secret: None,
             parallel_streams: 2,
             parallel_min_bytes: 16 << 20,
         }

@@ -28,20 +28,31 @@
 //! preamble; the receiver answers with an accept reply:
 //!
 //! ```text
-//! preamble (sender → receiver, 8 bytes)
+//! preamble (sender → receiver, 8 bytes; 40 with FLAG_AUTH)
 //!  0      4         6       8
-//!  | KVLT | version | flags |
-//!           u16       u16      flags: 0 today; unknown bits are refused. A bit
-//!                              will request the optional authentication
-//!                              challenge, exchanged here before any batch.
+//!  | KVLT | version | flags | [client_nonce, 32 bytes, if flags has FLAG_AUTH]
+//!           u16       u16      flags: bit 0 FLAG_AUTH (the sender holds the
+//!                              shared secret); unknown bits are refused.
 //!
 //! accept (receiver → sender, 24 bytes)
 //!  0      4         6        8                   16                24
 //!  | KVLT | version | status | max_ops_per_batch | idle_timeout_ms |
 //!           u16       u16      u64                 u64
-//!  status: 0 accepted, 1 unsupported version, 2 unsupported flags (the
+//!  status: 0 accepted, 1 unsupported version, 2 unsupported flags,
+//!  3 the receiver requires the secret, 4 the receiver has no secret (the
 //!  receiver closes after a non-zero status; a bad magic is closed unanswered)
+//!
+//! authentication (only when both hold a secret, before any batch)
+//!  receiver → sender: server_nonce (32) | HMAC(secret, "kvlink-p", client_nonce, server_nonce) (32)
+//!  sender → receiver: HMAC(secret, "kvlink-d", server_nonce, client_nonce) (32)
+//!  receiver → sender: verdict u8 (0 ok; 1 refused, then close)
 //! ```
+//!
+//! The sender checks the receiver's proof before sending its own, so each
+//! side proves the secret to the other and a recorded exchange cannot be
+//! replayed (fresh nonces on both sides). A sender with a secret writes only
+//! to receivers that prove it; a receiver with one reads no batch from a
+//! sender that has not.
 //!
 //! Then any number of batches, one at a time per connection:
 //!
@@ -95,6 +106,7 @@ mod client;
 mod config;
 mod io;
 mod memory;
+mod nonce;
 mod server;
 mod split;
 mod transport;

@@ -12,16 +12,18 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kv_proto::auth::{self, AuthSecret};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
 use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{is_closed_error, Cursor, DestinationError, Destinations};
+use crate::nonce;
 use crate::transport::Shared;
 use crate::wire::{
-    encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyStatus, BATCH_HEADER_LEN, OP_LEN, PREAMBLE_LEN,
-    SUPPORTED_FLAGS, VERSION,
+    encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyStatus, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN,
+    BATCH_HEADER_LEN, FLAG_AUTH, OP_LEN, PREAMBLE_LEN, SUPPORTED_FLAGS, VERSION,
 };
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
@@ -52,8 +54,34 @@ enum ConnError {
     #[error("batch {batch_id}: op lengths add up to {}, the header says {declared}",
         .sum.map_or_else(|| "more than u64::MAX".to_owned(), |s| s.to_string()))]
     LengthMismatch { batch_id: u64, declared: u64, sum: Option<u64> },
+    #[error("data-plane authentication failed: {0}")]
+    AuthFailed(&'static str),
     #[error("the transport is shut down")]
     Closed,
+}
+
+/// Proves the shared secret to the sender and checks its proof; nothing of
+/// a batch is read before this returns `Ok`.
+async fn authenticate(
+    stream: &mut TcpStream,
+    secret: &AuthSecret,
+    client_nonce: &[u8; AUTH_TAG_LEN],
+    io_timeout: Duration,
+) -> Result<(), ConnError> {
+    let server_nonce = nonce::fresh().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
+    let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
+    challenge[..AUTH_TAG_LEN].copy_from_slice(&server_nonce);
+    challenge[AUTH_TAG_LEN..].copy_from_slice(&auth::server_proof(secret.bytes(), client_nonce, &server_nonce));
+    write_all(stream, &challenge, io_timeout, "authentication challenge").await?;
+    let mut proof = [0u8; AUTH_TAG_LEN];
+    read_exact(stream, &mut proof, io_timeout, "authentication proof").await?;
+    let ok = auth::proofs_match(&auth::client_proof(secret.bytes(), &server_nonce, client_nonce), &proof);
+    write_all(stream, &[if ok { AUTH_OK } else { AUTH_FAILED }], io_timeout, "authentication verdict").await?;
+    if ok {
+        Ok(())
+    } else {
+        Err(ConnError::AuthFailed("the sender's proof does not match the shared secret"))
+    }
 }
 
 /// How a connection ended without error.
@@ -129,13 +157,22 @@ impl Connection<'_> {
         let mut preamble = [0u8; PREAMBLE_LEN];
         read_exact(stream, &mut preamble, io_timeout, "preamble").await?;
         let preamble = Preamble::decode(&preamble).map_err(ConnError::BadMagic)?;
+        let announced_auth = preamble.flags & FLAG_AUTH != 0;
         let (status, refusal) = if preamble.version != VERSION {
             (AcceptStatus::UnsupportedVersion, Some(ConnError::UnsupportedVersion(preamble.version)))
         } else if preamble.flags & !SUPPORTED_FLAGS != 0 {
             (AcceptStatus::UnsupportedFlags, Some(ConnError::UnsupportedFlags(preamble.flags)))
+        } else if config.auth_secret.is_some() && !announced_auth {
+            (AcceptStatus::AuthRequired, Some(ConnError::AuthFailed("the sender has no shared secret")))
+        } else if config.auth_secret.is_none() && announced_auth {
+            (AcceptStatus::AuthUnavailable, Some(ConnError::AuthFailed("no shared secret is configured here")))
         } else {
             (AcceptStatus::Accepted, None)
         };
+        let mut client_nonce = [0u8; AUTH_TAG_LEN];
+        if refusal.is_none() && announced_auth {
+            read_exact(stream, &mut client_nonce, io_timeout, "authentication nonce").await?;
+        }
         let accept = Accept {
             version: VERSION,
             status,
@@ -146,8 +183,9 @@ impl Connection<'_> {
         if let Some(refusal) = refusal {
             return Err(refusal);
         }
-        // An authentication challenge, when a preamble flag asks for one,
-        // goes here: before any batch is read.
+        if let Some(secret) = &config.auth_secret {
+            authenticate(stream, secret, &client_nonce, io_timeout).await?;
+        }
 
         loop {
             let mut probe = [0u8; 1];

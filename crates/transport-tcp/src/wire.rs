@@ -9,9 +9,17 @@
 pub const MAGIC: [u8; 4] = *b"KVLT";
 /// The data-plane wire version this build speaks.
 pub const VERSION: u16 = 1;
-/// Preamble flags this build understands (none yet; a bit will announce the
-/// optional authentication challenge).
-pub const SUPPORTED_FLAGS: u16 = 0;
+/// Preamble flag: the sender holds the shared secret and sends its nonce
+/// ([`AUTH_TAG_LEN`] bytes) right after the preamble.
+pub const FLAG_AUTH: u16 = 1;
+/// Preamble flags this build understands.
+pub const SUPPORTED_FLAGS: u16 = FLAG_AUTH;
+/// Bytes of a nonce, a proof, and so of the challenge (nonce then proof) is twice this.
+pub const AUTH_TAG_LEN: usize = kv_proto::auth::AUTH_TAG_LEN;
+/// Verdict byte after the sender's proof: accepted.
+pub const AUTH_OK: u8 = 0;
+/// Verdict byte after the sender's proof: refused (the receiver then closes).
+pub const AUTH_FAILED: u8 = 1;
 
 /// Bytes of the [`Preamble`].
 pub const PREAMBLE_LEN: usize = 8;
@@ -95,6 +103,12 @@ pub enum AcceptStatus {
     UnsupportedVersion,
     /// The sender asked for flags the receiver does not know; it closes.
     UnsupportedFlags,
+    /// The receiver requires the shared secret and the sender did not
+    /// announce it; it closes.
+    AuthRequired,
+    /// The sender announced the shared secret but the receiver has none; it
+    /// closes (a sender with a secret writes only to authenticated peers).
+    AuthUnavailable,
     /// A status this build does not know.
     Unknown(u16),
 }
@@ -106,6 +120,8 @@ impl AcceptStatus {
             AcceptStatus::Accepted => 0,
             AcceptStatus::UnsupportedVersion => 1,
             AcceptStatus::UnsupportedFlags => 2,
+            AcceptStatus::AuthRequired => 3,
+            AcceptStatus::AuthUnavailable => 4,
             AcceptStatus::Unknown(c) => c,
         }
     }
@@ -116,6 +132,8 @@ impl AcceptStatus {
             0 => AcceptStatus::Accepted,
             1 => AcceptStatus::UnsupportedVersion,
             2 => AcceptStatus::UnsupportedFlags,
+            3 => AcceptStatus::AuthRequired,
+            4 => AcceptStatus::AuthUnavailable,
             c => AcceptStatus::Unknown(c),
         }
     }
