@@ -5,7 +5,8 @@ use std::collections::BTreeSet;
 use kv_proto::BlockId;
 
 /// How a pool hands out block ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum BlockPattern {
     /// Lowest run of consecutive free blocks (best case: one op per region).
     Contiguous,

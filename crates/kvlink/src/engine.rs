@@ -3,13 +3,14 @@
 //! flow of a disaggregated server step by step.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_proto::{BlockId, KvRole, KvTransferParams, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
 use kv_worker::{AllocError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
+use serde::{Deserialize, Serialize};
 
 use crate::blocks::{BlockPattern, BlockPool};
 use crate::fill;
@@ -53,7 +54,7 @@ pub enum EngineError {
 }
 
 /// A request to prefill on P.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PromptSpec {
     /// Request id.
     pub id: ReqId,
@@ -100,16 +101,31 @@ pub struct PrefillInstance {
 }
 
 impl PrefillInstance {
-    /// Allocates a cache of `shape`, starts a producer worker on it.
+    /// Allocates a cache of `shape`, starts a producer worker on it. The
+    /// params it returns name the side channel's bound address.
     pub async fn start(
         config: WorkerConfig,
         shape: CacheShape,
         pattern: BlockPattern,
         seed: u64,
     ) -> Result<Self, EngineError> {
+        Self::start_advertising(config, shape, pattern, seed, None).await
+    }
+
+    /// Like [`PrefillInstance::start`], but the params it returns name
+    /// `host` (when given) instead of the side channel's bound address: for a
+    /// side channel bound to a wildcard address, the address D reaches it at.
+    pub async fn start_advertising(
+        config: WorkerConfig,
+        shape: CacheShape,
+        pattern: BlockPattern,
+        seed: u64,
+        host: Option<IpAddr>,
+    ) -> Result<Self, EngineError> {
         let (cache, worker) = start_worker(config, shape).await?;
         let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
-        let sched = ConnectorScheduler::new(KvRole::Producer, addr.ip().to_string(), addr.port());
+        let host = host.unwrap_or(addr.ip());
+        let sched = ConnectorScheduler::new(KvRole::Producer, host.to_string(), addr.port());
         Ok(Self {
             sched,
             worker,
@@ -270,7 +286,8 @@ impl PrefillInstance {
 }
 
 /// How a pull ended on D.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
 pub enum Completion {
     /// Received, and every byte verified unless verification is off.
     Received {

@@ -5,12 +5,16 @@
 //!
 //! It exists for the demo, the bench and the end-to-end tests; it never
 //! bypasses the library (no private path to the transports or the cores)
-//! and never touches the network except through the workers.
+//! and never touches the network except through the workers, and, for a
+//! bench between two hosts, the bench's own control connection
+//! ([`control`], [`serve`]).
 
 pub mod blocks;
+pub mod control;
 pub mod engine;
 mod fill;
 pub mod runner;
+pub mod serve;
 pub mod stats;
 
 pub use blocks::{BlockPattern, BlockPool};

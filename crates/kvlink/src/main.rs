@@ -3,15 +3,18 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use std::io::IsTerminal;
+use std::net::IpAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kv_proto::{LayoutKind, Protocol};
+use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
 use kv_worker::CacheShape;
+use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
+use kvlink::serve::{ServeOptions, Server, ShapePins};
 use kvlink::BlockPattern;
 
 #[derive(Parser, Debug)]
@@ -30,8 +33,13 @@ enum Command {
         #[arg(long, default_value_t = 200)]
         requests: usize,
     },
-    /// Measure transfers between a prefill and a decode instance in this process.
+    /// Measure transfers between a prefill and a decode instance: both in
+    /// this process, or with --connect one here and one on a `kvlink serve` host.
     Bench(BenchArgs),
+    /// Serve one side of a bench between two hosts (like `ib_write_bw`'s
+    /// server): prefill (producer) or decode (consumer) for `kvlink bench
+    /// --connect` on the other host, with the cache shape it asks for.
+    Serve(ServeArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -51,8 +59,40 @@ enum ProtocolArg {
     Rdma,
 }
 
+impl From<ProtocolArg> for Protocol {
+    fn from(p: ProtocolArg) -> Self {
+        match p {
+            ProtocolArg::Tcp => Protocol::Tcp,
+            ProtocolArg::Quic => Protocol::Quic,
+            ProtocolArg::Rdma => Protocol::Rdma,
+        }
+    }
+}
+
+impl From<Layout> for LayoutKind {
+    fn from(l: Layout) -> Self {
+        match l {
+            Layout::Split => LayoutKind::SplitKv,
+            Layout::Fused => LayoutKind::Fused,
+            Layout::Mla => LayoutKind::Mla,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum RoleArg {
+    /// Serve prefill; the client runs decode and drives the bench.
+    Producer,
+    /// Serve decode; the client runs prefill and drives the bench.
+    Consumer,
+}
+
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
+    /// Run one side here and the other on the `kvlink serve` at HOST[:PORT]
+    /// (port 18998 by default); the server's --role decides which.
+    #[arg(long, value_name = "HOST[:PORT]")]
+    connect: Option<String>,
     /// Data-plane transport.
     #[arg(long, value_enum, default_value = "tcp")]
     protocol: ProtocolArg,
@@ -97,6 +137,50 @@ struct BenchArgs {
     json: bool,
 }
 
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// The side this host serves.
+    #[arg(long, value_enum, default_value = "producer")]
+    role: RoleArg,
+    /// Address the listeners bind; clients are told the address they
+    /// connected to, so the wildcard works across hosts.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+    listen: IpAddr,
+    /// Control port clients connect to (0: any free port).
+    #[arg(long, default_value_t = DEFAULT_CONTROL_PORT)]
+    control_port: u16,
+    /// Side-channel port of the prefill worker (0: any free port, per session).
+    #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    side_channel_port: u16,
+    /// Exit after this many sessions (default: serve until Ctrl-C).
+    #[arg(long, value_name = "N")]
+    sessions: Option<usize>,
+    /// Largest cache a client may ask for, GiB.
+    #[arg(long, default_value_t = 16)]
+    max_cache_gib: u64,
+    /// Refuse clients using another transport (default: the client's).
+    #[arg(long, value_enum)]
+    protocol: Option<ProtocolArg>,
+    /// Refuse clients with another layer count (default: the client's shape).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Refuse clients with another region layout.
+    #[arg(long, value_enum)]
+    layout: Option<Layout>,
+    /// Refuse clients with another block size.
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// Refuse clients with another KV head count.
+    #[arg(long)]
+    heads: Option<u32>,
+    /// Refuse clients with another head dimension.
+    #[arg(long)]
+    head_dim: Option<u32>,
+    /// Refuse clients with another element size.
+    #[arg(long)]
+    dtype_bytes: Option<u32>,
+}
+
 fn progress_bar(len: usize) -> ProgressBar {
     if !std::io::stdout().is_terminal() {
         return ProgressBar::hidden();
@@ -134,6 +218,9 @@ fn print_report(title: &str, r: &RunReport) {
         gib(r.peak_rss_bytes),
         gib(r.cache_bytes)
     );
+    if let (Some(peer), Some(cpu), Some(rss)) = (&r.peer, r.peer_cpu_seconds_per_gb, r.peer_peak_rss_bytes) {
+        println!("  server     {peer}: {cpu:.3} CPU s per GB, peak RSS {:.2} GiB", gib(rss));
+    }
 }
 
 async fn demo(requests: usize) -> anyhow::Result<bool> {
@@ -149,6 +236,7 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
         prefix_hit_every: 5,
         verify: true,
         stall_timeout: Duration::from_secs(30),
+        connect: None,
     };
     println!(
         "kvlink demo: prefill -> decode over loopback TCP, llama-3-8B-shaped cache \
@@ -168,18 +256,9 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
-    let protocol = match args.protocol {
-        ProtocolArg::Tcp => Protocol::Tcp,
-        ProtocolArg::Quic => Protocol::Quic,
-        ProtocolArg::Rdma => Protocol::Rdma,
-    };
-    let kind = match args.layout {
-        Layout::Split => LayoutKind::SplitKv,
-        Layout::Fused => LayoutKind::Fused,
-        Layout::Mla => LayoutKind::Mla,
-    };
+    let protocol = Protocol::from(args.protocol);
     let shape = CacheShape {
-        kind,
+        kind: args.layout.into(),
         num_layers: args.layers,
         num_blocks: 0,
         block_size: args.block_size,
@@ -187,8 +266,14 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         head_dim: args.head_dim,
         dtype_bytes: args.dtype_bytes,
     };
-    anyhow::ensure!(shape.block_len() > 0 && args.layers > 0, "the cache shape has no bytes");
     anyhow::ensure!(args.blocks_per_request > 0 && args.requests > 0, "nothing to move");
+    // The runner sizes the caches for the requests in flight; check that size now.
+    let num_blocks = args
+        .blocks_per_request
+        .checked_mul(args.in_flight.max(1))
+        .and_then(|n| u64::try_from(n).ok()?.checked_add(1))
+        .context("--blocks-per-request x --in-flight is too large")?;
+    check_shape(&CacheShape { num_blocks, ..shape }, u64::MAX)?;
     let opts = RunOptions {
         protocol,
         shape,
@@ -200,6 +285,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         prefix_hit_every: 0,
         verify: !args.no_verify,
         stall_timeout: Duration::from_secs(60),
+        connect: args.connect.clone(),
     };
     let bar = if args.json { ProgressBar::hidden() } else { progress_bar(args.requests) };
     let report = run(&opts, &bar).await?;
@@ -207,9 +293,13 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
+        let place = match &report.peer {
+            Some(peer) => format!(" ({} here, the other side on {peer})", report.side),
+            None => String::new(),
+        };
         print_report(
             &format!(
-                "kvlink bench: {protocol}, {} regions x {} B blocks, {} blocks/request, {:?} ids, {} in flight",
+                "kvlink bench: {protocol}, {} regions x {} B blocks, {} blocks/request, {:?} ids, {} in flight{place}",
                 shape.region_count(),
                 shape.block_len(),
                 args.blocks_per_request,
@@ -220,6 +310,59 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         );
     }
     Ok(report.failed == 0 && report.corrupt == 0)
+}
+
+/// A future that resolves on Ctrl-C or SIGTERM; the handlers are in place
+/// when this returns (before the ready line, so a signal right after it is
+/// a clean stop, not a kill).
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch Ctrl-C")?;
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
+    let opts = ServeOptions {
+        role: match args.role {
+            RoleArg::Producer => KvRole::Producer,
+            RoleArg::Consumer => KvRole::Consumer,
+        },
+        listen: args.listen,
+        control_port: args.control_port,
+        side_channel_port: args.side_channel_port,
+        sessions: args.sessions,
+        max_cache_bytes: args.max_cache_gib.saturating_mul(1 << 30),
+        pins: ShapePins {
+            protocol: args.protocol.map(Protocol::from),
+            kind: args.layout.map(LayoutKind::from),
+            num_layers: args.layers,
+            block_size: args.block_size,
+            num_kv_heads: args.heads,
+            head_dim: args.head_dim,
+            dtype_bytes: args.dtype_bytes,
+        },
+        idle_timeout: Duration::from_secs(300),
+    };
+    let stop = shutdown_signal()?;
+    let server = Server::bind(opts).await?;
+    println!("{}", server.ready_line());
+    let summary = server
+        .run(stop, |s| match (&s.outcome, s.admitted) {
+            (Ok(()), _) => println!("session from {}: {} requests, done", s.peer, s.requests),
+            (Err(reason), true) => println!("session from {}: {} requests, ended: {reason}", s.peer, s.requests),
+            (Err(reason), false) => println!("refused {}: {reason}", s.peer),
+        })
+        .await;
+    if summary.interrupted {
+        println!("stopped after {} sessions", summary.sessions);
+    }
+    Ok(true)
 }
 
 fn main() -> ExitCode {
@@ -239,6 +382,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Demo { requests } => demo(requests).await,
             Command::Bench(args) => bench(args).await,
+            Command::Serve(args) => serve(args).await,
         }
     });
     match result {

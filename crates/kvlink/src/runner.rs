@@ -1,17 +1,23 @@
-//! The transfer loop shared by `kvlink demo` and `kvlink bench`: a prefill
-//! and a decode instance in this process, requests pipelined through the
-//! full flow with a bounded number in flight.
+//! The transfer loop shared by `kvlink demo`, `kvlink bench` and `kvlink
+//! bench --connect`: requests pipelined through the full flow with a bounded
+//! number in flight, between a prefill and a decode side that are both in
+//! this process, or one here and one on a `kvlink serve` host.
 
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
-use kv_proto::{KvRole, Protocol, ReqId};
+use kv_proto::{BlockId, KvRole, KvTransferParams, Protocol, ReqId};
 use kv_worker::{plan::contiguous_runs, CacheShape, WorkerConfig};
 use serde::Serialize;
 
 use crate::blocks::BlockPattern;
+use crate::control::{ControlClient, ControlError, RemoteDecode, RemotePrefill};
 use crate::engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};
 use crate::stats::{peak_rss_bytes, process_cpu_time, Latencies};
+
+/// Bound on connecting to a `kvlink serve`.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -36,6 +42,19 @@ pub struct RunOptions {
     pub verify: bool,
     /// Bound on waiting for any request to finish.
     pub stall_timeout: Duration,
+    /// `HOST[:PORT]` of a `kvlink serve`: run the other side there.
+    pub connect: Option<String>,
+}
+
+/// Why a run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A local instance failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The session with the remote side failed.
+    #[error(transparent)]
+    Control(#[from] ControlError),
 }
 
 /// What happened.
@@ -69,48 +88,232 @@ pub struct RunReport {
     pub latency_ms_p99: f64,
     /// Write ops per request's batch (mean).
     pub ops_per_batch: f64,
-    /// Process CPU seconds (user + system) per GB moved.
+    /// CPU seconds (user + system) of this process per GB moved.
     pub cpu_seconds_per_gb: f64,
-    /// Peak resident set of the process, bytes.
+    /// Peak resident set of this process, bytes.
     pub peak_rss_bytes: u64,
-    /// Both caches, bytes (registered memory, part of the RSS when touched).
+    /// The caches in this process, bytes (registered memory, part of the
+    /// RSS when touched).
     pub cache_bytes: u64,
+    /// The `kvlink serve` that ran the other side (remote runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// The side this process ran: `prefill`, `decode` or `both`.
+    pub side: String,
+    /// The server's CPU seconds per GB moved (remote runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_cpu_seconds_per_gb: Option<f64>,
+    /// The server's peak resident set, bytes (remote runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_peak_rss_bytes: Option<u64>,
+}
+
+/// The prefill side of a run.
+enum PrefillSide {
+    Local(PrefillInstance),
+    Remote(RemotePrefill),
+}
+
+impl PrefillSide {
+    /// One step prefilling `prompts`: each with its params and P's blocks.
+    async fn prefill(
+        &mut self,
+        prompts: &[PromptSpec],
+    ) -> Result<Vec<(PromptSpec, KvTransferParams, Vec<BlockId>)>, RunError> {
+        match self {
+            PrefillSide::Local(p) => {
+                let done = p.prefill(prompts)?;
+                Ok(done
+                    .into_iter()
+                    .map(|(spec, params)| {
+                        let blocks = p.blocks_of(&spec.id).map(<[_]>::to_vec).unwrap_or_default();
+                        (spec, params, blocks)
+                    })
+                    .collect())
+            }
+            PrefillSide::Remote(r) => Ok(r.prefill(prompts).await?),
+        }
+    }
+
+    /// Frees what finished sending (the server does it on its own).
+    fn reap(&mut self) {
+        if let PrefillSide::Local(p) = self {
+            p.reap();
+        }
+    }
+
+    /// Waits (bounded) until every held request is freed; returns how many are still held.
+    async fn drain(&mut self, timeout: Duration) -> Result<usize, RunError> {
+        match self {
+            PrefillSide::Local(p) => {
+                while p.held() > 0 && !p.reap_wait(timeout).await.is_empty() {}
+                Ok(p.held())
+            }
+            PrefillSide::Remote(r) => Ok(r.drain(timeout).await?),
+        }
+    }
+
+    fn remote(&mut self) -> Option<&mut ControlClient> {
+        match self {
+            PrefillSide::Local(_) => None,
+            PrefillSide::Remote(r) => Some(r.client()),
+        }
+    }
+
+    async fn shutdown(self) -> Result<(), RunError> {
+        match self {
+            PrefillSide::Local(p) => p.shutdown().await,
+            PrefillSide::Remote(r) => r.into_client().bye().await?,
+        }
+        Ok(())
+    }
+}
+
+/// The decode side of a run.
+enum DecodeSide {
+    Local(DecodeInstance),
+    Remote(RemoteDecode),
+}
+
+impl DecodeSide {
+    /// One step starting `pulls`: D's blocks per pull.
+    async fn schedule(&mut self, pulls: &[PullSpec]) -> Result<Vec<Vec<BlockId>>, RunError> {
+        match self {
+            DecodeSide::Local(d) => {
+                d.schedule(pulls)?;
+                Ok(pulls.iter().map(|p| d.blocks_of(&p.id).map(<[_]>::to_vec).unwrap_or_default()).collect())
+            }
+            DecodeSide::Remote(r) => Ok(r.schedule(pulls).await?),
+        }
+    }
+
+    fn pulling(&self) -> usize {
+        match self {
+            DecodeSide::Local(d) => d.pulling(),
+            DecodeSide::Remote(r) => r.pulling(),
+        }
+    }
+
+    async fn complete(&mut self, timeout: Duration) -> Result<Vec<Completion>, RunError> {
+        match self {
+            DecodeSide::Local(d) => Ok(d.complete(timeout).await),
+            DecodeSide::Remote(r) => Ok(r.complete(timeout).await?),
+        }
+    }
+
+    fn remote(&mut self) -> Option<&mut ControlClient> {
+        match self {
+            DecodeSide::Local(_) => None,
+            DecodeSide::Remote(r) => Some(r.client()),
+        }
+    }
+
+    async fn shutdown(self) -> Result<(), RunError> {
+        match self {
+            DecodeSide::Local(d) => d.shutdown().await,
+            DecodeSide::Remote(r) => r.into_client().bye().await?,
+        }
+        Ok(())
+    }
+}
+
+/// The two sides of a run, at most one of them remote.
+struct Sides {
+    prefill: PrefillSide,
+    decode: DecodeSide,
+}
+
+impl Sides {
+    /// The server's CPU time and peak RSS, on a remote run.
+    async fn peer_stats(&mut self) -> Result<Option<(Duration, u64)>, RunError> {
+        let client = match self.prefill.remote() {
+            Some(c) => Some(c),
+            None => self.decode.remote(),
+        };
+        match client {
+            Some(c) => Ok(Some(c.stats().await?)),
+            None => Ok(None),
+        }
+    }
+}
+
+fn worker_config(role: KvRole, engine_id: &str, protocol: Protocol, bind: Option<IpAddr>) -> WorkerConfig {
+    let mut config = WorkerConfig::loopback(role, engine_id);
+    config.protocol = protocol;
+    if let Some(ip) = bind {
+        config.side_channel_bind = ip;
+        config.data_listen = SocketAddr::new(ip, 0);
+    }
+    config
+}
+
+/// Starts both sides: here, or one here and one on the `kvlink serve` at
+/// `opts.connect` (whose role decides which runs here).
+async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunReport) -> Result<Sides, RunError> {
+    let Some(target) = &opts.connect else {
+        let p_config = worker_config(KvRole::Producer, "kvlink-prefill", opts.protocol, None);
+        let d_config = worker_config(KvRole::Consumer, "kvlink-decode", opts.protocol, None);
+        let mut prefill = PrefillInstance::start(p_config, shape, opts.pattern, 1).await?;
+        let mut decode = DecodeInstance::start(d_config, shape, opts.pattern, 2).await?;
+        prefill.set_write_patterns(opts.verify);
+        decode.set_verify(opts.verify);
+        report.side = "both".to_owned();
+        report.cache_bytes = 2 * shape.total_bytes();
+        return Ok(Sides { prefill: PrefillSide::Local(prefill), decode: DecodeSide::Local(decode) });
+    };
+    let call_timeout = opts.stall_timeout + Duration::from_secs(10);
+    let mut client = ControlClient::connect(target, CONNECT_TIMEOUT, call_timeout).await?;
+    let server_role = client.hello(shape, opts.pattern, opts.protocol, opts.verify).await?;
+    // Listen where the server reached us: the address it can reach back.
+    let here = Some(client.local_addr().ip());
+    report.peer = Some(client.peer_addr().to_string());
+    report.cache_bytes = shape.total_bytes();
+    if server_role == KvRole::Consumer {
+        let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts.protocol, here);
+        let mut prefill = PrefillInstance::start(config, shape, opts.pattern, 1).await?;
+        prefill.set_write_patterns(opts.verify);
+        report.side = "prefill".to_owned();
+        Ok(Sides { prefill: PrefillSide::Local(prefill), decode: DecodeSide::Remote(RemoteDecode::new(client)) })
+    } else {
+        let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts.protocol, here);
+        let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
+        decode.set_verify(opts.verify);
+        report.side = "decode".to_owned();
+        Ok(Sides { prefill: PrefillSide::Remote(RemotePrefill::new(client)), decode: DecodeSide::Local(decode) })
+    }
 }
 
 /// Runs the loop; `progress` ticks once per measured request.
-pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport, EngineError> {
+pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport, RunError> {
     let mut shape = opts.shape;
     let window = opts.in_flight.max(1);
     shape.num_blocks = (opts.blocks_per_request * window) as u64 + 1;
-    let mut p_config = WorkerConfig::loopback(KvRole::Producer, "kvlink-prefill");
-    p_config.protocol = opts.protocol;
-    let mut d_config = WorkerConfig::loopback(KvRole::Consumer, "kvlink-decode");
-    d_config.protocol = opts.protocol;
-    let mut prefill = PrefillInstance::start(p_config, shape, opts.pattern, 1).await?;
-    let mut decode = DecodeInstance::start(d_config, shape, opts.pattern, 2).await?;
-    prefill.set_write_patterns(opts.verify);
-    decode.set_verify(opts.verify);
-
-    let block_size = shape.block_size as usize;
-    let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
-    let total = opts.warmup + opts.requests;
     let mut report = RunReport {
         protocol: opts.protocol.to_string(),
         requests: opts.requests,
         verified: opts.verify,
-        cache_bytes: 2 * shape.total_bytes(),
         ..RunReport::default()
     };
+    let mut sides = start_sides(opts, shape, &mut report).await?;
+
+    let block_size = shape.block_size as usize;
+    let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
+    let total = opts.warmup + opts.requests;
     let mut latencies = Latencies::default();
     let mut ops_total = 0u64;
     let (mut next, mut finished) = (0usize, 0usize);
-    let mut measure_start: Option<(Instant, std::time::Duration)> = None;
+    let mut measure_start: Option<(Instant, Duration)> = None;
+    let mut peer_start = None;
     while finished < total {
-        while next < total && decode.pulling() < window {
+        // Fill the window, one request per engine step on each side: its
+        // pull starts while the next one is prefilled (pulls of one decode
+        // step would go to P as one transfer request and finish together).
+        while next < total && sides.decode.pulling() < window {
             if next == opts.warmup {
                 if finished < opts.warmup {
                     break; // drain the warm-up before measuring
                 }
+                peer_start = sides.peer_stats().await?;
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
             let spec = PromptSpec {
@@ -120,27 +323,22 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             };
             let prefix_hit = opts.prefix_hit_every > 0 && next % opts.prefix_hit_every == opts.prefix_hit_every - 1;
             let prefix_hit_tokens = if prefix_hit { (opts.blocks_per_request / 4) * block_size } else { 0 };
-            for (spec, params) in prefill.prefill(&[spec])? {
-                let pull = PullSpec {
-                    id: spec.id.clone(),
-                    prompt_len: spec.prompt_len,
-                    seed: spec.seed,
-                    params,
-                    prefix_hit_tokens,
-                };
-                decode.schedule(std::slice::from_ref(&pull))?;
-                if next >= opts.warmup {
-                    if let (Some(local), Some(remote)) = (prefill.blocks_of(&spec.id), decode.blocks_of(&spec.id)) {
-                        let local = &local[local.len() - remote.len()..];
-                        ops_total += contiguous_runs(local, remote).len() as u64 * u64::from(shape.region_count());
+            for (spec, params, local) in sides.prefill.prefill(std::slice::from_ref(&spec)).await? {
+                let pull =
+                    PullSpec { id: spec.id, prompt_len: spec.prompt_len, seed: spec.seed, params, prefix_hit_tokens };
+                for remote in sides.decode.schedule(std::slice::from_ref(&pull)).await? {
+                    // D pulls the tail of P's blocks its prefix cache lacks.
+                    if let (true, Some(skip)) = (next >= opts.warmup, local.len().checked_sub(remote.len())) {
+                        ops_total +=
+                            contiguous_runs(&local[skip..], &remote).len() as u64 * u64::from(shape.region_count());
                     }
                 }
             }
             next += 1;
         }
-        let completions = decode.complete(opts.stall_timeout).await;
+        let completions = sides.decode.complete(opts.stall_timeout).await?;
         if completions.is_empty() {
-            return Err(EngineError::Stalled { waited: opts.stall_timeout, in_flight: decode.pulling() });
+            return Err(EngineError::Stalled { waited: opts.stall_timeout, in_flight: sides.decode.pulling() }.into());
         }
         for c in completions {
             // The warm-up drains before the first measured request starts, so
@@ -167,23 +365,33 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                 }
             }
         }
-        prefill.reap();
+        sides.prefill.reap();
     }
     let (start, cpu_start) = measure_start.unwrap_or((Instant::now(), process_cpu_time()));
     let elapsed = start.elapsed();
     let cpu = process_cpu_time().saturating_sub(cpu_start);
+    let peer_end = sides.peer_stats().await?;
     // Let P's last frees arrive, so nothing is left held.
-    while prefill.held() > 0 && !prefill.reap_wait(opts.stall_timeout).await.is_empty() {}
+    let held = sides.prefill.drain(opts.stall_timeout).await?;
+    if held > 0 {
+        tracing::warn!(held, "prefill still holds requests after the run");
+    }
+    let gb = report.bytes as f64 / 1e9;
     report.seconds = elapsed.as_secs_f64();
-    report.gbytes_per_sec = report.bytes as f64 / 1e9 / report.seconds.max(1e-9);
+    report.gbytes_per_sec = gb / report.seconds.max(1e-9);
     report.requests_per_sec = report.received as f64 / report.seconds.max(1e-9);
     report.latency_ms_p50 = latencies.quantile(0.50).as_secs_f64() * 1e3;
     report.latency_ms_p90 = latencies.quantile(0.90).as_secs_f64() * 1e3;
     report.latency_ms_p99 = latencies.quantile(0.99).as_secs_f64() * 1e3;
     report.ops_per_batch = ops_total as f64 / opts.requests.max(1) as f64;
-    report.cpu_seconds_per_gb = cpu.as_secs_f64() / (report.bytes as f64 / 1e9).max(1e-9);
+    report.cpu_seconds_per_gb = cpu.as_secs_f64() / gb.max(1e-9);
     report.peak_rss_bytes = peak_rss_bytes();
-    prefill.shutdown().await;
-    decode.shutdown().await;
+    if let (Some((start, _)), Some((end, rss))) = (peer_start.or(peer_end), peer_end) {
+        report.peer_cpu_seconds_per_gb = Some(end.saturating_sub(start).as_secs_f64() / gb.max(1e-9));
+        report.peer_peak_rss_bytes = Some(rss);
+    }
+    let Sides { prefill, decode } = sides;
+    prefill.shutdown().await?;
+    decode.shutdown().await?;
     Ok(report)
 }

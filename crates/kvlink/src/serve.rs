@@ -1,0 +1,652 @@
+//! `kvlink serve`: one half of a two-host bench. The server listens for
+//! control connections (see [`crate::control`]); per session it starts an
+//! instance of its role with the client's cache shape, prefills (producer)
+//! or pulls (consumer) what the client asks, and shuts the instance down when
+//! the session ends. One session runs at a time; others are refused as busy.
+//!
+//! Addresses: the instance's listeners bind the `listen` address; what the
+//! peer must reach (the side channel named in the params, or the data
+//! endpoint) is advertised as the address the client connected to, so a
+//! wildcard `listen` works across hosts without further flags.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use kv_proto::{KvRole, KvTransferParams, LayoutKind, Protocol};
+use kv_worker::{CacheShape, WorkerConfig};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::control::{check_shape, codec, ClientMsg, PrefilledItem, ServerMsg, CONTROL_VERSION, MAX_REQUESTS_PER_CALL};
+use crate::engine::{DecodeInstance, PrefillInstance, PromptSpec, PullSpec};
+use crate::stats::{peak_rss_bytes, process_cpu_time};
+
+/// Bound on waiting for a connection's hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on sending one reply.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on any wait a client asks for (`drain`, `complete`), and on
+/// waiting for prefill blocks to be freed before a `prefill`.
+const MAX_WAIT: Duration = Duration::from_secs(120);
+/// Bound on connections that have not said hello yet.
+const MAX_CONNECTIONS: usize = 64;
+
+/// Shape figures a server insists on (unset: adopt the client's).
+#[derive(Clone, Debug, Default)]
+pub struct ShapePins {
+    /// Data-plane transport.
+    pub protocol: Option<Protocol>,
+    /// Region layout.
+    pub kind: Option<LayoutKind>,
+    /// Attention layers.
+    pub num_layers: Option<u32>,
+    /// Tokens per block.
+    pub block_size: Option<u32>,
+    /// KV heads.
+    pub num_kv_heads: Option<u32>,
+    /// Head dimension.
+    pub head_dim: Option<u32>,
+    /// Bytes per element.
+    pub dtype_bytes: Option<u32>,
+}
+
+impl ShapePins {
+    /// Every pinned figure `shape` and `protocol` differ on, as one line.
+    fn check(&self, protocol: Protocol, shape: &CacheShape) -> Result<(), String> {
+        fn diff<T: PartialEq + std::fmt::Debug>(out: &mut Vec<String>, name: &str, pin: Option<T>, got: T) {
+            if let Some(pin) = pin.filter(|pin| *pin != got) {
+                out.push(format!("{name} {got:?} (client) vs {pin:?} (server)"));
+            }
+        }
+        let mut out = Vec::new();
+        diff(&mut out, "protocol", self.protocol, protocol);
+        diff(&mut out, "layout", self.kind, shape.kind);
+        diff(&mut out, "layers", self.num_layers, shape.num_layers);
+        diff(&mut out, "block_size", self.block_size, shape.block_size);
+        diff(&mut out, "heads", self.num_kv_heads, shape.num_kv_heads);
+        diff(&mut out, "head_dim", self.head_dim, shape.head_dim);
+        diff(&mut out, "dtype_bytes", self.dtype_bytes, shape.dtype_bytes);
+        if out.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("layout mismatch between P and D: {}", out.join(", ")))
+        }
+    }
+}
+
+/// What to serve.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// `Producer` (serves prefill; the client decodes) or `Consumer`
+    /// (serves decode; the client prefills).
+    pub role: KvRole,
+    /// Address every listener binds.
+    pub listen: IpAddr,
+    /// Control port (0: any).
+    pub control_port: u16,
+    /// Side-channel port of the producer's worker (0: any, per session).
+    pub side_channel_port: u16,
+    /// Stop after this many sessions (`None`: until shut down).
+    pub sessions: Option<usize>,
+    /// Bound on the cache a client may ask for, bytes.
+    pub max_cache_bytes: u64,
+    /// Shape figures the server insists on.
+    pub pins: ShapePins,
+    /// Bound on a session's silence between calls.
+    pub idle_timeout: Duration,
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A port is taken.
+    #[error("{what} port {port} on {ip} is already in use (another kvlink serve?)")]
+    PortInUse {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        ip: IpAddr,
+        /// The port.
+        port: u16,
+    },
+    /// Any other bind failure.
+    #[error("cannot listen for {what} connections on {addr}: {error}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// Why (in the message, so not a `source`: one line either way).
+        error: std::io::Error,
+    },
+    /// Only producer and consumer are served.
+    #[error("role {0} cannot be served: use producer or consumer")]
+    Role(KvRole),
+}
+
+fn bind_error(what: &'static str, addr: SocketAddr, source: std::io::Error) -> ServeError {
+    if source.kind() == std::io::ErrorKind::AddrInUse {
+        ServeError::PortInUse { what, ip: addr.ip(), port: addr.port() }
+    } else {
+        ServeError::Bind { what, addr, error: source }
+    }
+}
+
+/// How one connection ended.
+#[derive(Clone, Debug)]
+pub struct SessionReport {
+    /// The client.
+    pub peer: SocketAddr,
+    /// Whether its hello was accepted (refused connections do not count as sessions).
+    pub admitted: bool,
+    /// Requests it prefilled or pulled.
+    pub requests: usize,
+    /// `Ok` when the client said bye; otherwise why it ended.
+    pub outcome: Result<(), String>,
+}
+
+/// How the server ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServeSummary {
+    /// Sessions served.
+    pub sessions: usize,
+    /// Whether it stopped on the shutdown signal (rather than `sessions`).
+    pub interrupted: bool,
+}
+
+/// A bound, not yet running, server.
+pub struct Server {
+    listener: TcpListener,
+    control: SocketAddr,
+    opts: ServeOptions,
+}
+
+impl Server {
+    /// Binds the control listener (and checks the side-channel port is free).
+    pub async fn bind(opts: ServeOptions) -> Result<Self, ServeError> {
+        if !matches!(opts.role, KvRole::Producer | KvRole::Consumer) {
+            return Err(ServeError::Role(opts.role));
+        }
+        let addr = SocketAddr::new(opts.listen, opts.control_port);
+        let listener = TcpListener::bind(addr).await.map_err(|e| bind_error("control", addr, e))?;
+        let control = listener.local_addr().map_err(|error| ServeError::Bind { what: "control", addr, error })?;
+        if opts.role == KvRole::Producer && opts.side_channel_port != 0 {
+            // Each session's worker binds it; say now if that cannot work.
+            let addr = SocketAddr::new(opts.listen, opts.side_channel_port);
+            drop(std::net::TcpListener::bind(addr).map_err(|e| bind_error("side-channel", addr, e))?);
+        }
+        Ok(Self { listener, control, opts })
+    }
+
+    /// Where clients connect.
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control
+    }
+
+    /// The line `kvlink serve` prints once it accepts connections.
+    pub fn ready_line(&self) -> String {
+        let mut line = format!("listening control={}", self.control);
+        if self.opts.role == KvRole::Producer {
+            let ip = self.opts.listen;
+            let host = if ip.is_ipv6() { format!("[{ip}]") } else { ip.to_string() };
+            let port = match self.opts.side_channel_port {
+                0 => "auto".to_owned(),
+                p => p.to_string(),
+            };
+            line.push_str(&format!(" side_channel={host}:{port}"));
+        }
+        let role = if self.opts.role == KvRole::Producer { "producer" } else { "consumer" };
+        line.push_str(&format!(" role={role}"));
+        line
+    }
+
+    /// Serves sessions, one at a time, until `shutdown` resolves or the
+    /// configured number of sessions ended; calls `on_session` as each
+    /// connection ends. A running session is ended (its worker shut down)
+    /// before this returns.
+    pub async fn run<F, S>(self, shutdown: F, mut on_session: S) -> ServeSummary
+    where
+        F: Future<Output = ()>,
+        S: FnMut(&SessionReport),
+    {
+        let Self { listener, opts, .. } = self;
+        let limit = opts.sessions;
+        let opts = Arc::new(opts);
+        let cancel = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let slot = Arc::new(Semaphore::new(1));
+        let pending = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let (reports_tx, mut reports) = mpsc::unbounded_channel::<SessionReport>();
+        let mut summary = ServeSummary { sessions: 0, interrupted: false };
+        tokio::pin!(shutdown);
+        while limit.is_none_or(|n| summary.sessions < n) {
+            tokio::select! {
+                () = &mut shutdown => {
+                    summary.interrupted = true;
+                    break;
+                }
+                Some(report) = reports.recv() => ended(&report, &mut summary, &mut on_session),
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        // Bounds the connections that have not said hello yet.
+                        let Ok(connection) = pending.clone().try_acquire_owned() else {
+                            tracing::warn!(%peer, "too many control connections at once; dropped");
+                            continue;
+                        };
+                        let (opts, cancel, slot, tx) = (opts.clone(), cancel.child_token(), slot.clone(), reports_tx.clone());
+                        tasks.spawn(async move {
+                            let report = session(stream, peer, opts, cancel, slot, connection).await;
+                            let _ = tx.send(report);
+                        });
+                    }
+                    Err(e) => {
+                        // Out of descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "cannot accept a control connection");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+        drop(listener);
+        cancel.cancel();
+        tasks.close();
+        drop(reports_tx);
+        // Every connection task ends on the cancel (a session shuts its worker down first).
+        while let Some(report) = reports.recv().await {
+            ended(&report, &mut summary, &mut on_session);
+        }
+        tasks.wait().await;
+        summary
+    }
+}
+
+fn ended(report: &SessionReport, summary: &mut ServeSummary, on_session: &mut impl FnMut(&SessionReport)) {
+    if report.admitted {
+        summary.sessions += 1;
+    }
+    on_session(report);
+}
+
+type Conn = Framed<TcpStream, LengthDelimitedCodec>;
+
+async fn send(conn: &mut Conn, msg: &ServerMsg) -> Result<(), String> {
+    let frame = serde_json::to_vec(msg).map_err(|e| format!("cannot encode a reply: {e}"))?;
+    match tokio::time::timeout(SEND_TIMEOUT, conn.send(Bytes::from(frame))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("cannot send a reply: {e}")),
+        Err(_) => Err(format!("the client did not take a reply within {SEND_TIMEOUT:?}")),
+    }
+}
+
+/// The next message: `Ok(None)` at a clean end of stream.
+async fn read(conn: &mut Conn) -> Result<Option<ClientMsg>, String> {
+    match conn.next().await {
+        None => Ok(None),
+        Some(Err(e)) => Err(format!("bad frame: {e}")),
+        Some(Ok(frame)) => serde_json::from_slice(&frame).map(Some).map_err(|e| format!("bad message: {e}")),
+    }
+}
+
+/// An instance serving one session.
+enum Instance {
+    Prefill(PrefillInstance),
+    Decode(DecodeInstance),
+}
+
+struct Served {
+    instance: Instance,
+    shape: CacheShape,
+    requests: usize,
+    /// The server's one session slot, released once the instance is down.
+    _slot: OwnedSemaphorePermit,
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    ip.to_canonical()
+}
+
+async fn start(
+    opts: &ServeOptions,
+    hello: ClientMsg,
+    local_ip: IpAddr,
+    slot: &Arc<Semaphore>,
+) -> Result<Served, String> {
+    let ClientMsg::Hello { version, shape, pattern, protocol, verify } = hello else {
+        return Err("the first message must be hello".to_owned());
+    };
+    if version != CONTROL_VERSION {
+        return Err(format!("control protocol version mismatch: client {version}, server {CONTROL_VERSION}"));
+    }
+    let shape = CacheShape::from(shape);
+    check_shape(&shape, opts.max_cache_bytes).map_err(|e| match e {
+        crate::control::ShapeError::OverLimit { what: "bytes", .. } => format!("{e} (the server's --max-cache-gib)"),
+        e => e.to_string(),
+    })?;
+    opts.pins.check(protocol, &shape)?;
+    let slot = slot.clone().try_acquire_owned().map_err(|_| "busy: serving another session; try again when it ends")?;
+    let instance = match opts.role {
+        KvRole::Producer => {
+            let mut config = WorkerConfig::loopback(KvRole::Producer, "kvlink-serve-prefill");
+            config.protocol = protocol;
+            config.side_channel_bind = opts.listen;
+            config.side_channel_base_port = opts.side_channel_port;
+            config.data_listen = SocketAddr::new(opts.listen, 0);
+            let mut p = PrefillInstance::start_advertising(config, shape, pattern, 1, Some(local_ip))
+                .await
+                .map_err(|e| format!("prefill: {e}"))?;
+            p.set_write_patterns(verify);
+            Instance::Prefill(p)
+        }
+        _ => {
+            let mut config = WorkerConfig::loopback(KvRole::Consumer, "kvlink-serve-decode");
+            config.protocol = protocol;
+            config.data_listen = SocketAddr::new(opts.listen, 0);
+            config.data_advertise_host = Some(local_ip.to_string());
+            let mut d = DecodeInstance::start(config, shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
+            d.set_verify(verify);
+            Instance::Decode(d)
+        }
+    };
+    Ok(Served { instance, shape, requests: 0, _slot: slot })
+}
+
+fn wait_of(timeout_ms: u64) -> Duration {
+    Duration::from_millis(timeout_ms).min(MAX_WAIT)
+}
+
+fn blocks_needed(shape: &CacheShape, prompt_len: usize) -> usize {
+    prompt_len.div_ceil(shape.block_size.max(1) as usize)
+}
+
+impl Served {
+    fn role(&self) -> &'static str {
+        match self.instance {
+            Instance::Prefill(_) => "producer",
+            Instance::Decode(_) => "consumer",
+        }
+    }
+
+    async fn handle(&mut self, msg: ClientMsg, peer_ip: IpAddr) -> Result<ServerMsg, String> {
+        let role = self.role();
+        if let Instance::Prefill(p) = &mut self.instance {
+            p.reap();
+        }
+        match (msg, &mut self.instance) {
+            (ClientMsg::Prefill { prompts }, Instance::Prefill(p)) => {
+                let reply = prefill(p, &self.shape, &prompts).await?;
+                self.requests += prompts.len();
+                Ok(reply)
+            }
+            (ClientMsg::Drain { timeout_ms }, Instance::Prefill(p)) => {
+                let deadline = Instant::now() + wait_of(timeout_ms);
+                while p.held() > 0 && Instant::now() < deadline {
+                    p.reap_wait(deadline.saturating_duration_since(Instant::now())).await;
+                }
+                Ok(ServerMsg::Drained { held: p.held() })
+            }
+            (ClientMsg::Schedule { pulls }, Instance::Decode(d)) => {
+                let n = pulls.len();
+                let reply = schedule(d, &self.shape, pulls, peer_ip)?;
+                self.requests += n;
+                Ok(reply)
+            }
+            (ClientMsg::Complete { timeout_ms }, Instance::Decode(d)) => {
+                Ok(ServerMsg::Completions { items: d.complete(wait_of(timeout_ms)).await })
+            }
+            (ClientMsg::Stats, _) => {
+                Ok(ServerMsg::Stats { cpu_seconds: process_cpu_time().as_secs_f64(), peak_rss_bytes: peak_rss_bytes() })
+            }
+            (ClientMsg::Hello { .. }, _) => Err("hello sent twice".to_owned()),
+            (ClientMsg::Bye, _) => Ok(ServerMsg::Bye),
+            (ClientMsg::Prefill { .. } | ClientMsg::Drain { .. }, _) => {
+                Err(format!("this server is a {role}: it does not prefill (run the bench's prefill side here)"))
+            }
+            (ClientMsg::Schedule { .. } | ClientMsg::Complete { .. }, _) => {
+                Err(format!("this server is a {role}: it does not decode (run the bench's decode side here)"))
+            }
+        }
+    }
+
+    async fn shutdown(self) {
+        match self.instance {
+            Instance::Prefill(p) => p.shutdown().await,
+            Instance::Decode(d) => d.shutdown().await,
+        }
+    }
+}
+
+async fn prefill(p: &mut PrefillInstance, shape: &CacheShape, prompts: &[PromptSpec]) -> Result<ServerMsg, String> {
+    if prompts.len() > MAX_REQUESTS_PER_CALL {
+        return Err(format!("{} requests in one call, more than {MAX_REQUESTS_PER_CALL}", prompts.len()));
+    }
+    let mut seen = HashSet::with_capacity(prompts.len());
+    let mut needed = 0usize;
+    for spec in prompts {
+        if spec.prompt_len == 0 {
+            return Err(format!("request {}: empty prompt", spec.id));
+        }
+        if !seen.insert(&spec.id) || p.blocks_of(&spec.id).is_some() {
+            return Err(format!("request {}: duplicate id", spec.id));
+        }
+        needed = needed.saturating_add(blocks_needed(shape, spec.prompt_len));
+    }
+    if needed as u64 > shape.num_blocks {
+        return Err(format!("the requests need {needed} blocks, the cache has {}", shape.num_blocks));
+    }
+    // Blocks come back as decode pulls them; wait (bounded) for room.
+    let deadline = Instant::now() + MAX_WAIT;
+    while p.free_blocks() < needed {
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "no room for {needed} blocks within {MAX_WAIT:?}: {} free, {} requests still held for decode",
+                p.free_blocks(),
+                p.held()
+            ));
+        }
+        p.reap_wait(deadline.saturating_duration_since(Instant::now())).await;
+    }
+    let done = p.prefill(prompts).map_err(|e| e.to_string())?;
+    let items = done
+        .into_iter()
+        .map(|(spec, params)| PrefilledItem {
+            blocks: p.blocks_of(&spec.id).map(<[_]>::to_vec).unwrap_or_default(),
+            id: spec.id,
+            // Serializing plain bools, strings and integers cannot fail.
+            params: serde_json::to_value(&params).unwrap_or_default(),
+        })
+        .collect();
+    Ok(ServerMsg::Prefilled { items })
+}
+
+fn schedule(
+    d: &mut DecodeInstance,
+    shape: &CacheShape,
+    pulls: Vec<crate::control::WirePull>,
+    peer_ip: IpAddr,
+) -> Result<ServerMsg, String> {
+    if pulls.len() > MAX_REQUESTS_PER_CALL {
+        return Err(format!("{} requests in one call, more than {MAX_REQUESTS_PER_CALL}", pulls.len()));
+    }
+    let mut seen = HashSet::with_capacity(pulls.len());
+    let mut needed = 0usize;
+    let mut specs = Vec::with_capacity(pulls.len());
+    for w in pulls {
+        let id = &w.id;
+        if w.prompt_len == 0 || w.prefix_hit_tokens > w.prompt_len {
+            return Err(format!("request {id}: prompt of {} tokens with {} cached", w.prompt_len, w.prefix_hit_tokens));
+        }
+        if !seen.insert(id.clone()) || d.blocks_of(id).is_some() {
+            return Err(format!("request {id}: duplicate id"));
+        }
+        let params = KvTransferParams::from_value(&w.params).map_err(|e| format!("request {id}: {e}"))?;
+        // A consumer server pulls only from the host that drives it: the
+        // params cannot send it anywhere else.
+        let host = params.remote().map(|(host, _)| host.to_owned()).unwrap_or_default();
+        if !params.do_remote_prefill || host.parse::<IpAddr>().ok().map(canonical) != Some(peer_ip) {
+            return Err(format!(
+                "request {id}: its params do not point at this client ({peer_ip}) with do_remote_prefill: {}",
+                params.to_json()
+            ));
+        }
+        needed = needed.saturating_add(blocks_needed(shape, w.prompt_len));
+        specs.push(PullSpec {
+            id: w.id,
+            prompt_len: w.prompt_len,
+            seed: w.seed,
+            params,
+            prefix_hit_tokens: w.prefix_hit_tokens,
+        });
+    }
+    if needed > d.free_blocks() {
+        return Err(format!("no room for {needed} blocks: {} free", d.free_blocks()));
+    }
+    d.schedule(&specs).map_err(|e| e.to_string())?;
+    let blocks = specs.iter().map(|s| d.blocks_of(&s.id).map(<[_]>::to_vec).unwrap_or_default()).collect();
+    Ok(ServerMsg::Scheduled { blocks })
+}
+
+/// How a session ended.
+enum End {
+    /// The client said bye.
+    Bye,
+    /// Refused: the client is told why.
+    Refused(String),
+    /// The client is gone or silent.
+    Gone(String),
+}
+
+/// Serves one control connection. `_connection` bounds the connections
+/// that have not said hello; it is released once the hello is in.
+async fn session(
+    stream: TcpStream,
+    peer: SocketAddr,
+    opts: Arc<ServeOptions>,
+    cancel: CancellationToken,
+    slot: Arc<Semaphore>,
+    connection: OwnedSemaphorePermit,
+) -> SessionReport {
+    let mut report = SessionReport { peer, admitted: false, requests: 0, outcome: Ok(()) };
+    let local_ip = match stream.local_addr() {
+        Ok(addr) => canonical(addr.ip()),
+        Err(e) => {
+            report.outcome = Err(format!("control socket: {e}"));
+            return report;
+        }
+    };
+    let peer_ip = canonical(peer.ip());
+    let _ = stream.set_nodelay(true);
+    let mut conn = Framed::new(stream, codec());
+    let hello = tokio::select! {
+        () = cancel.cancelled() => Err("server shutting down".to_owned()),
+        r = tokio::time::timeout(HELLO_TIMEOUT, read(&mut conn)) => match r {
+            Err(_) => Err(format!("no hello within {HELLO_TIMEOUT:?}")),
+            Ok(Ok(None)) => Err("closed before hello".to_owned()),
+            Ok(Ok(Some(msg))) => Ok(msg),
+            Ok(Err(reason)) => Err(reason),
+        },
+    };
+    drop(connection);
+    let started = match hello {
+        Ok(hello) => start(&opts, hello, local_ip, &slot).await,
+        Err(reason) => Err(reason),
+    };
+    let mut served = match started {
+        Ok(served) => served,
+        Err(reason) => {
+            tracing::warn!(%peer, %reason, "control connection refused");
+            let _ = send(&mut conn, &ServerMsg::Error { message: reason.clone() }).await;
+            report.outcome = Err(reason);
+            return report;
+        }
+    };
+    report.admitted = true;
+    tracing::info!(%peer, role = served.role(), shape = ?served.shape, "session started");
+    let welcome = ServerMsg::Welcome { version: CONTROL_VERSION, role: opts.role };
+    let end = match send(&mut conn, &welcome).await {
+        Err(reason) => End::Gone(reason),
+        Ok(()) => serve_calls(&mut served, &mut conn, peer_ip, &opts, &cancel).await,
+    };
+    report.requests = served.requests;
+    // Down (and the slot free) before the last reply: a client that read it
+    // may start the next session at once.
+    served.shutdown().await;
+    let last = match end {
+        End::Bye => Ok(ServerMsg::Bye),
+        End::Refused(reason) => Err((Some(ServerMsg::Error { message: reason.clone() }), reason)),
+        End::Gone(reason) => Err((None, reason)),
+    };
+    match last {
+        Ok(bye) => {
+            let _ = send(&mut conn, &bye).await;
+        }
+        Err((reply, reason)) => {
+            tracing::warn!(%peer, %reason, "session ended");
+            if let Some(reply) = reply {
+                let _ = send(&mut conn, &reply).await;
+            }
+            report.outcome = Err(reason);
+        }
+    }
+    report
+}
+
+/// Answers calls until bye, an error, silence or shutdown.
+async fn serve_calls(
+    served: &mut Served,
+    conn: &mut Conn,
+    peer_ip: IpAddr,
+    opts: &ServeOptions,
+    cancel: &CancellationToken,
+) -> End {
+    loop {
+        let msg = tokio::select! {
+            () = cancel.cancelled() => return End::Refused("server shutting down".to_owned()),
+            r = tokio::time::timeout(opts.idle_timeout, read(conn)) => r,
+        };
+        let msg = match msg {
+            Err(_) => return End::Gone(format!("no call within {:?}", opts.idle_timeout)),
+            Ok(Ok(None)) => return End::Gone("the client closed the connection without bye".to_owned()),
+            Ok(Ok(Some(ClientMsg::Bye))) => return End::Bye,
+            Ok(Ok(Some(msg))) => msg,
+            Ok(Err(reason)) => return End::Refused(reason),
+        };
+        let reply = tokio::select! {
+            () = cancel.cancelled() => return End::Refused("server shutting down".to_owned()),
+            r = served.handle(msg, peer_ip) => r,
+        };
+        match reply {
+            Ok(reply) => {
+                if let Err(reason) = send(conn, &reply).await {
+                    return End::Gone(reason);
+                }
+            }
+            Err(reason) => return End::Refused(reason),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pins_name_every_difference() {
+        let shape = CacheShape::llama3_8b(10);
+        assert_eq!(ShapePins::default().check(Protocol::Tcp, &shape), Ok(()));
+        let pins = ShapePins { num_layers: Some(32), head_dim: Some(64), dtype_bytes: Some(1), ..ShapePins::default() };
+        assert_eq!(
+            pins.check(Protocol::Tcp, &shape),
+            Err("layout mismatch between P and D: head_dim 128 (client) vs 64 (server), dtype_bytes 2 (client) vs 1 (server)"
+                .to_owned())
+        );
+    }
+}
