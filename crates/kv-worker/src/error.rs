@@ -6,7 +6,8 @@ use kv_proto::{Protocol, TransportError};
 
 use crate::layout::LayoutError;
 
-/// Why a worker could not start.
+/// Why a worker could not start. Each message includes its cause, so
+/// printing the error alone says everything (no separate source chain).
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The configured transport is not compiled into this build.
@@ -40,21 +41,20 @@ pub enum WorkerError {
         tp_rank: u16,
     },
     /// The side-channel listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {cause}")]
     Bind {
         /// The address.
         addr: SocketAddr,
         /// Why.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The cache layout is inconsistent.
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// The transport failed to start or register memory.
     #[error("transport: {0}")]
-    Transport(#[source] TransportError),
+    Transport(TransportError),
     /// Other socket error.
     #[error("I/O: {0}")]
-    Io(#[source] std::io::Error),
+    Io(std::io::Error),
 }

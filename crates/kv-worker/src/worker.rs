@@ -160,7 +160,7 @@ impl Worker {
                 tp_rank: config.tp_rank,
             })?;
             let addr = SocketAddr::new(config.side_channel_bind, port);
-            Some(TcpListener::bind(addr).await.map_err(|source| WorkerError::Bind { addr, source })?)
+            Some(TcpListener::bind(addr).await.map_err(|cause| WorkerError::Bind { addr, cause })?)
         } else {
             None
         };

@@ -66,8 +66,8 @@ impl BlockPool {
                     }
                 }
                 if picked.len() < n {
-                    let rest: Vec<BlockId> =
-                        self.free.iter().filter(|b| !picked.contains(b)).take(n - picked.len()).copied().collect();
+                    let taken: BTreeSet<BlockId> = picked.iter().copied().collect();
+                    let rest: Vec<BlockId> = self.free.difference(&taken).take(n - picked.len()).copied().collect();
                     picked.extend(rest);
                 }
                 picked

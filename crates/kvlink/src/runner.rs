@@ -287,7 +287,11 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
 pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport, RunError> {
     let mut shape = opts.shape;
     let window = opts.in_flight.max(1);
-    shape.num_blocks = (opts.blocks_per_request * window) as u64 + 1;
+    // Scattered and random ids need free blocks between the allocated ones:
+    // twice the blocks in flight, so a scattered request really is one op per
+    // block rather than falling back to adjacent blocks.
+    let slack = if opts.pattern == BlockPattern::Contiguous { 1 } else { 2 };
+    shape.num_blocks = (opts.blocks_per_request * window * slack) as u64 + 1;
     let mut report = RunReport {
         protocol: opts.protocol.to_string(),
         requests: opts.requests,
