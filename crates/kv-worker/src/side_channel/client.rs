@@ -4,11 +4,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth;
 use kv_proto::{FrameCodec, Hello, HelloReply, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{oneshot, Mutex};
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -35,7 +36,23 @@ pub(crate) struct SideChannelClient {
     settings: ClientSettings,
     cancel: CancellationToken,
     tracker: TaskTracker,
-    conn: Mutex<Option<mpsc::Sender<(XferRequest, Pending)>>>,
+    conn: Mutex<Option<Arc<Connection>>>,
+}
+
+type Sink = SplitSink<Framed<TcpStream, SideChannelCodec>, SideMessage>;
+
+/// One live connection: requests are written by the requesting task itself
+/// (no hand-off to a writer task), replies are routed by a reader task.
+struct Connection {
+    sink: Mutex<Sink>,
+    /// Replies awaited, by `xfer_id`; `None` once the reader has ended.
+    pending: std::sync::Mutex<Option<HashMap<u64, Pending>>>,
+}
+
+impl Connection {
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u64, Pending>>> {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 impl SideChannelClient {
@@ -51,34 +68,43 @@ impl SideChannelClient {
     /// Sends one transfer request and waits for its reply (unbounded here:
     /// the caller bounds it with the transfer timeout).
     pub(crate) async fn request(&self, request: XferRequest) -> Result<XferReply, String> {
-        let (tx, rx) = oneshot::channel();
-        let mut item = (request, tx);
-        // A pooled connection may have died since its last use: retry once on a fresh one.
+        let xfer_id = request.xfer_id;
+        // A reused connection may have died since its last use: retry once on a fresh one.
         for attempt in 0..2 {
             let conn = self.connection(attempt > 0).await?;
-            match conn.send(item).await {
-                Ok(()) => return rx.await.unwrap_or_else(|_| Err(format!("connection to {} closed", self.peer))),
-                Err(mpsc::error::SendError(back)) => item = back,
+            let (tx, rx) = oneshot::channel();
+            match conn.lock_pending().as_mut() {
+                Some(pending) => pending.insert(xfer_id, tx),
+                None => continue, // its reader ended: the connection is gone
+            };
+            if let Err(e) = conn.sink.lock().await.send(SideMessage::XferRequest(request)).await {
+                if let Some(pending) = conn.lock_pending().as_mut() {
+                    pending.remove(&xfer_id);
+                }
+                return Err(format!("sending to {}: {e}", self.peer));
             }
+            return rx.await.unwrap_or_else(|_| Err(format!("connection to {} closed", self.peer)));
         }
         Err(format!("connection to {} keeps closing", self.peer))
     }
 
-    async fn connection(&self, fresh: bool) -> Result<mpsc::Sender<(XferRequest, Pending)>, String> {
+    async fn connection(&self, fresh: bool) -> Result<Arc<Connection>, String> {
         let mut slot = self.conn.lock().await;
-        if let Some(tx) = slot.as_ref() {
-            if !fresh && !tx.is_closed() {
-                return Ok(tx.clone());
+        if let Some(conn) = slot.as_ref() {
+            if !fresh && conn.lock_pending().is_some() {
+                return Ok(conn.clone());
             }
         }
         *slot = None;
         let framed = tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await.map_err(|_| {
             format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout)
         })??;
-        let (tx, rx) = mpsc::channel(64);
-        self.tracker.spawn(run_connection(self.peer.clone(), framed, rx, self.cancel.clone()));
-        *slot = Some(tx.clone());
-        Ok(tx)
+        let (sink, stream) = framed.split();
+        let conn =
+            Arc::new(Connection { sink: Mutex::new(sink), pending: std::sync::Mutex::new(Some(HashMap::new())) });
+        self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), self.cancel.clone()));
+        *slot = Some(conn.clone());
+        Ok(conn)
     }
 
     async fn handshake(&self) -> Result<Framed<TcpStream, SideChannelCodec>, String> {
@@ -133,41 +159,37 @@ impl SideChannelClient {
     }
 }
 
-async fn run_connection(
+/// Routes replies to their waiters until the connection ends, then fails
+/// every request still waiting on it.
+async fn read_replies(
     peer: SideChannelAddr,
-    framed: Framed<TcpStream, SideChannelCodec>,
-    mut requests: mpsc::Receiver<(XferRequest, Pending)>,
+    mut stream: SplitStream<Framed<TcpStream, SideChannelCodec>>,
+    conn: Arc<Connection>,
     cancel: CancellationToken,
 ) {
-    let (mut sink, mut stream) = framed.split();
-    let mut pending: HashMap<u64, Pending> = HashMap::new();
     let reason = loop {
-        tokio::select! {
+        let frame = tokio::select! {
             () = cancel.cancelled() => break "decode worker shutting down".to_owned(),
-            next = requests.recv() => match next {
-                None => break "client dropped".to_owned(),
-                Some((request, reply)) => {
-                    let xfer_id = request.xfer_id;
-                    if let Err(e) = sink.send(SideMessage::XferRequest(request)).await {
-                        let _ = reply.send(Err(format!("sending to {peer}: {e}")));
-                        break format!("send failed: {e}");
+            frame = stream.next() => frame,
+        };
+        match frame {
+            Some(Ok(SideMessage::XferReply(reply))) => {
+                let waiter = conn.lock_pending().as_mut().and_then(|p| p.remove(&reply.xfer_id));
+                match waiter {
+                    Some(waiter) => {
+                        let _ = waiter.send(Ok(reply));
                     }
-                    pending.insert(xfer_id, reply);
-                }
-            },
-            frame = stream.next() => match frame {
-                Some(Ok(SideMessage::XferReply(reply))) => match pending.remove(&reply.xfer_id) {
-                    Some(waiter) => { let _ = waiter.send(Ok(reply)); }
                     None => tracing::warn!(%peer, xfer_id = reply.xfer_id, "reply to no pending transfer"),
-                },
-                Some(Ok(_)) => break "unexpected message from prefill".to_owned(),
-                Some(Err(e)) => break format!("bad frame from prefill: {e}"),
-                None => break "prefill closed the connection".to_owned(),
-            },
+                }
+            }
+            Some(Ok(_)) => break "unexpected message from prefill".to_owned(),
+            Some(Err(e)) => break format!("bad frame from prefill: {e}"),
+            None => break "prefill closed the connection".to_owned(),
         }
     };
+    let pending = conn.lock_pending().take().unwrap_or_default();
     tracing::debug!(%peer, %reason, pending = pending.len(), "side-channel connection ended");
-    for (_, waiter) in pending.drain() {
+    for (_, waiter) in pending {
         let _ = waiter.send(Err(format!("{peer}: {reason}")));
     }
 }

@@ -11,7 +11,7 @@ use kv_proto::{
     FrameCodec, Hello, HelloReply, Outcome, ReqId, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::codec::Framed;
 
 use crate::config::AuthSecret;
@@ -90,51 +90,37 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) -> Result<(), 
         .map_err(|e| e.to_string())?;
     tracing::debug!(peer_engine = %hello.engine_id, "decode instance connected");
 
-    let (mut sink, mut stream) = framed.split();
-    let (reply_tx, mut reply_rx) = mpsc::channel::<XferReply>(shared.config.queue_depth.max(1));
-    let writer_cancel = shared.cancel.clone();
-    let writer = shared.tracker.spawn(async move {
-        loop {
-            let reply = tokio::select! {
-                () = writer_cancel.cancelled() => break,
-                r = reply_rx.recv() => match r { Some(r) => r, None => break },
-            };
-            if let Err(e) = sink.send(SideMessage::XferReply(reply)).await {
-                tracing::warn!(error = %e, "cannot send transfer reply");
-                break;
-            }
-        }
-    });
-
-    let result = loop {
+    let (sink, mut stream) = framed.split();
+    // Each transfer writes its own reply: no hand-off to a writer task.
+    let sink = Arc::new(tokio::sync::Mutex::new(sink));
+    loop {
         let next = tokio::select! {
-            () = shared.cancel.cancelled() => break Ok(()),
+            () = shared.cancel.cancelled() => return Ok(()),
             next = stream.next() => next,
         };
         let request = match next {
-            None => break Ok(()),
-            Some(Err(e)) => break Err(e.to_string()),
+            None => return Ok(()),
+            Some(Err(e)) => return Err(e.to_string()),
             Some(Ok(SideMessage::XferRequest(request))) => request,
-            Some(Ok(other)) => break Err(format!("unexpected {} after hello", message_name(&other))),
+            Some(Ok(other)) => return Err(format!("unexpected {} after hello", message_name(&other))),
         };
         let permit = tokio::select! {
-            () = shared.cancel.cancelled() => break Ok(()),
+            () = shared.cancel.cancelled() => return Ok(()),
             permit = shared.admission.clone().acquire_owned() => match permit {
                 Ok(p) => p,
-                Err(_) => break Ok(()),
+                Err(_) => return Ok(()),
             },
         };
         let job_shared = shared.clone();
-        let job_reply = reply_tx.clone();
+        let job_sink = sink.clone();
         shared.tracker.spawn(async move {
             let reply = serve_transfer(&job_shared, request, permit).await;
-            let _ = job_reply.send(reply).await;
+            let xfer_id = reply.xfer_id;
+            if let Err(e) = job_sink.lock().await.send(SideMessage::XferReply(reply)).await {
+                tracing::warn!(xfer_id, error = %e, "cannot send transfer reply");
+            }
         });
-    };
-    drop(reply_tx);
-    // Replies of admitted transfers still flow; the writer ends when they are sent.
-    let _ = writer.await;
-    result
+    }
 }
 
 /// Challenges D to prove the shared secret (and proves it to D); refuses
