@@ -148,6 +148,36 @@ fn iperf3_gbytes_per_sec(port: u16, streams: usize) -> Result<f64> {
         .with_context(|| format!("iperf3 reported no throughput: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
+/// Median round trip of a 32-byte ping-pong over loopback TCP between two
+/// threads: the floor under any request/reply exchange on this machine.
+fn loopback_rtt_us() -> Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("bind ping-pong listener")?;
+    let addr = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut conn, _) = listener.accept()?;
+        conn.set_nodelay(true)?;
+        let mut buf = [0u8; 32];
+        while conn.read_exact(&mut buf).is_ok() {
+            conn.write_all(&buf)?;
+        }
+        Ok(())
+    });
+    let mut conn = std::net::TcpStream::connect(addr).context("connect ping-pong")?;
+    conn.set_nodelay(true)?;
+    let mut samples = Vec::with_capacity(3000);
+    let mut buf = [7u8; 32];
+    for _ in 0..3000 {
+        let start = std::time::Instant::now();
+        conn.write_all(&buf)?;
+        conn.read_exact(&mut buf)?;
+        samples.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(conn);
+    let _ = echo.join();
+    Ok(median(samples))
+}
+
 fn kvlink_json(binary: &Path, args: &[&str]) -> Result<serde_json::Value> {
     let mut all = vec!["bench", "--no-verify", "--json"];
     all.extend_from_slice(args);
@@ -185,6 +215,7 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
     let runs = args.runs.max(1);
     let mut iperf = Vec::new();
     let mut iperf_two = Vec::new();
+    let mut rtts = Vec::new();
     let mut results: Vec<Vec<serde_json::Value>> = SCENARIOS.iter().map(|_| Vec::new()).collect();
     // Interleave iperf3 and kvlink runs so both see the same machine state.
     for run in 0..runs {
@@ -200,6 +231,7 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
         }
         iperf.push(sample.context("iperf3 server did not answer")?);
         iperf_two.push(iperf3_gbytes_per_sec(port, 2)?);
+        rtts.push(loopback_rtt_us()?);
         for (i, s) in SCENARIOS.iter().enumerate() {
             eprintln!("xtask bench: run {}/{runs}: {}", run + 1, s.name);
             results[i].push(kvlink_json(&binary, s.args)?);
@@ -240,6 +272,12 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
         if s.name.starts_with("latency") {
             let bytes_per_request = med("bytes") / med("received").max(1.0);
             let raw_us = bytes_per_request / (limit * 1e9) * 1e6;
+            let rtt = median(rtts.clone());
+            println!(
+                "{:<50} loopback TCP round trip (median of {runs}): {rtt:.1} us; added p50 = {:.2} round trips",
+                "",
+                (med("latency_ms_p50") * 1e3 - raw_us) / rtt
+            );
             println!(
                 "{:<50} raw transfer {:.1} us, added p50 {:.1} us",
                 "",
