@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
-use kv_worker::CacheShape;
+use kv_worker::{AuthSecret, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{ServeOptions, Server, ShapePins};
@@ -135,6 +135,10 @@ struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// File holding the shared secret of the side channel and the TCP data
+    /// plane (the `serve` side must use the same).
+    #[arg(long, value_name = "PATH")]
+    auth_secret_file: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -179,6 +183,19 @@ struct ServeArgs {
     /// Refuse clients with another element size.
     #[arg(long)]
     dtype_bytes: Option<u32>,
+    /// File holding the shared secret of the side channel and the TCP data
+    /// plane; clients must use the same.
+    #[arg(long, value_name = "PATH")]
+    auth_secret_file: Option<std::path::PathBuf>,
+}
+
+/// Reads a shared secret from a file (surrounding whitespace is not part of it).
+fn read_secret(path: Option<&std::path::Path>) -> anyhow::Result<Option<AuthSecret>> {
+    let Some(path) = path else { return Ok(None) };
+    let text = std::fs::read(path).with_context(|| format!("cannot read the secret file {}", path.display()))?;
+    let secret = text.trim_ascii();
+    anyhow::ensure!(!secret.is_empty(), "the secret file {} is empty", path.display());
+    Ok(Some(AuthSecret::new(secret)))
 }
 
 fn progress_bar(len: usize) -> ProgressBar {
@@ -237,6 +254,7 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
         verify: true,
         stall_timeout: Duration::from_secs(30),
         connect: None,
+        auth_secret: None,
     };
     println!(
         "kvlink demo: prefill -> decode over loopback TCP, llama-3-8B-shaped cache \
@@ -286,6 +304,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         verify: !args.no_verify,
         stall_timeout: Duration::from_secs(60),
         connect: args.connect.clone(),
+        auth_secret: read_secret(args.auth_secret_file.as_deref())?,
     };
     let bar = if args.json { ProgressBar::hidden() } else { progress_bar(args.requests) };
     let report = run(&opts, &bar).await?;
@@ -348,6 +367,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
             dtype_bytes: args.dtype_bytes,
         },
         idle_timeout: Duration::from_secs(300),
+        auth_secret: read_secret(args.auth_secret_file.as_deref())?,
     };
     let stop = shutdown_signal()?;
     let server = Server::bind(opts).await?;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use kv_proto::{BlockId, KvRole, KvTransferParams, Protocol, ReqId};
-use kv_worker::{plan::contiguous_runs, CacheShape, WorkerConfig};
+use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, WorkerConfig};
 use serde::Serialize;
 
 use crate::blocks::BlockPattern;
@@ -44,6 +44,8 @@ pub struct RunOptions {
     pub stall_timeout: Duration,
     /// `HOST[:PORT]` of a `kvlink serve`: run the other side there.
     pub connect: Option<String>,
+    /// Shared secret of the side channel and TCP data plane of both sides.
+    pub auth_secret: Option<AuthSecret>,
 }
 
 /// Why a run stopped.
@@ -237,9 +239,10 @@ impl Sides {
     }
 }
 
-fn worker_config(role: KvRole, engine_id: &str, protocol: Protocol, bind: Option<IpAddr>) -> WorkerConfig {
+fn worker_config(role: KvRole, engine_id: &str, opts: &RunOptions, bind: Option<IpAddr>) -> WorkerConfig {
     let mut config = WorkerConfig::loopback(role, engine_id);
-    config.protocol = protocol;
+    config.protocol = opts.protocol;
+    config.auth_secret = opts.auth_secret.clone();
     if let Some(ip) = bind {
         config.side_channel_bind = ip;
         config.data_listen = SocketAddr::new(ip, 0);
@@ -251,8 +254,8 @@ fn worker_config(role: KvRole, engine_id: &str, protocol: Protocol, bind: Option
 /// `opts.connect` (whose role decides which runs here).
 async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunReport) -> Result<Sides, RunError> {
     let Some(target) = &opts.connect else {
-        let p_config = worker_config(KvRole::Producer, "kvlink-prefill", opts.protocol, None);
-        let d_config = worker_config(KvRole::Consumer, "kvlink-decode", opts.protocol, None);
+        let p_config = worker_config(KvRole::Producer, "kvlink-prefill", opts, None);
+        let d_config = worker_config(KvRole::Consumer, "kvlink-decode", opts, None);
         let mut prefill = PrefillInstance::start(p_config, shape, opts.pattern, 1).await?;
         let mut decode = DecodeInstance::start(d_config, shape, opts.pattern, 2).await?;
         prefill.set_write_patterns(opts.verify);
@@ -269,13 +272,13 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
     report.peer = Some(client.peer_addr().to_string());
     report.cache_bytes = shape.total_bytes();
     if server_role == KvRole::Consumer {
-        let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts.protocol, here);
+        let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts, here);
         let mut prefill = PrefillInstance::start(config, shape, opts.pattern, 1).await?;
         prefill.set_write_patterns(opts.verify);
         report.side = "prefill".to_owned();
         Ok(Sides { prefill: PrefillSide::Local(prefill), decode: DecodeSide::Remote(RemoteDecode::new(client)) })
     } else {
-        let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts.protocol, here);
+        let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts, here);
         let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
         decode.set_verify(opts.verify);
         report.side = "decode".to_owned();
@@ -308,11 +311,18 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let (mut next, mut finished) = (0usize, 0usize);
     let mut measure_start: Option<(Instant, Duration)> = None;
     let mut peer_start = None;
-    while finished < total {
+    let mut failing = false;
+    while finished < next || next < total {
+        // After a failed or corrupt pull, stop issuing: the prefill side holds
+        // failed requests' blocks until their lease ends, and the run's
+        // verdict is known. Requests in flight still finish.
+        if failing && finished == next {
+            break;
+        }
         // Fill the window, one request per engine step on each side: its
         // pull starts while the next one is prefilled (pulls of one decode
         // step would go to P as one transfer request and finish together).
-        while next < total && sides.decode.pulling() < window {
+        while !failing && next < total && sides.decode.pulling() < window {
             if next == opts.warmup {
                 if finished < opts.warmup {
                     break; // drain the warm-up before measuring
@@ -349,7 +359,13 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             // the first `warmup` completions are exactly the warm-up's.
             let is_warmup = finished < opts.warmup;
             finished += 1;
+            if !matches!(c, Completion::Received { .. }) {
+                failing = true;
+            }
             if is_warmup {
+                if let Completion::Failed { id, .. } | Completion::Corrupt { id, .. } = &c {
+                    tracing::error!(req_id = %id, "warm-up request failed");
+                }
                 continue;
             }
             progress.inc(1);
@@ -375,10 +391,15 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let elapsed = start.elapsed();
     let cpu = process_cpu_time().saturating_sub(cpu_start);
     let peer_end = sides.peer_stats().await?;
-    // Let P's last frees arrive, so nothing is left held.
-    let held = sides.prefill.drain(opts.stall_timeout).await?;
-    if held > 0 {
-        tracing::warn!(held, "prefill still holds requests after the run");
+    // Let P's last frees arrive, so nothing is left held. After failed
+    // pulls P may hold those requests until its lease ends: don't wait for it.
+    if !failing {
+        let held = sides.prefill.drain(opts.stall_timeout).await?;
+        if held > 0 {
+            tracing::warn!(held, "prefill still holds requests after the run");
+        }
+    } else {
+        tracing::warn!(failed = report.failed, "prefill frees the failed requests' blocks when their lease ends");
     }
     let gb = report.bytes as f64 / 1e9;
     report.seconds = elapsed.as_secs_f64();

@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::{KvRole, KvTransferParams, LayoutKind, Protocol};
-use kv_worker::{CacheShape, WorkerConfig};
+use kv_worker::{AuthSecret, CacheShape, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -103,6 +103,9 @@ pub struct ServeOptions {
     pub pins: ShapePins,
     /// Bound on a session's silence between calls.
     pub idle_timeout: Duration,
+    /// Shared secret of the worker's side channel and TCP data plane (the
+    /// bench control channel itself is a test harness and carries no KV).
+    pub auth_secret: Option<AuthSecret>,
 }
 
 /// Why the server could not start.
@@ -339,6 +342,7 @@ async fn start(
             config.protocol = protocol;
             config.side_channel_bind = opts.listen;
             config.side_channel_base_port = opts.side_channel_port;
+            config.auth_secret = opts.auth_secret.clone();
             config.data_listen = SocketAddr::new(opts.listen, 0);
             let mut p = PrefillInstance::start_advertising(config, shape, pattern, 1, Some(local_ip))
                 .await
@@ -351,6 +355,7 @@ async fn start(
             config.protocol = protocol;
             config.data_listen = SocketAddr::new(opts.listen, 0);
             config.data_advertise_host = Some(local_ip.to_string());
+            config.auth_secret = opts.auth_secret.clone();
             let mut d = DecodeInstance::start(config, shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
             d.set_verify(verify);
             Instance::Decode(d)

@@ -377,3 +377,38 @@ fn serve_stops_cleanly_on_sigterm() {
     assert!(status.success(), "{status}\nstdout: {stdout}\nstderr: {stderr}");
     assert!(stdout.contains("stopped after 0 sessions"), "{stdout}");
 }
+
+/// A secret file of this test's own (removed on drop).
+struct SecretFile(std::path::PathBuf);
+
+impl SecretFile {
+    fn new(tag: &str, secret: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("kvlink-secret-{}-{tag}", std::process::id()));
+        std::fs::write(&path, format!("{secret}\n")).unwrap();
+        Self(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for SecretFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn shared_secret_on_both_hosts_moves_kv_and_a_wrong_one_moves_none() {
+    let right = SecretFile::new("right", "s3cret");
+    let wrong = SecretFile::new("wrong", "guess");
+    let (serve, control) = loopback_serve("producer", &["--sessions", "2", "--auth-secret-file", right.path()]);
+    assert_all_verified(20, &loopback_bench(control, &["--auth-secret-file", right.path()]), "decode");
+    let (status, stdout, stderr) = loopback_bench(control, &["--auth-secret-file", wrong.path(), "--warmup", "0"]);
+    assert!(!status.success(), "a wrong secret must not move KV\nstdout: {stdout}\nstderr: {stderr}");
+    if let Ok(report) = serde_json::from_str::<serde_json::Value>(stdout.trim()) {
+        assert_eq!(report["received"], 0, "{report}");
+    }
+    assert_served(serve, 2);
+}
