@@ -22,7 +22,17 @@ struct Scenario {
     name: &'static str,
     args: &'static [&'static str],
     target: &'static str,
+    /// Run under `taskset -c 0`: every thread on one core, so no wake-up
+    /// crosses CPUs (on virtual machines a cross-CPU wake-up costs tens of us).
+    one_core: bool,
 }
+
+/// One request of one 2 KiB block at a time: per-request overhead.
+#[rustfmt::skip]
+const LATENCY_ARGS: &[&str] = &[
+    "--layers", "1", "--layout", "mla", "--head-dim", "64", "--heads", "1", "--blocks-per-request", "1",
+    "--in-flight", "1", "--requests", "1000", "--warmup", "20",
+];
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
@@ -48,6 +58,7 @@ const SCENARIOS: &[Scenario] = &[
             "2",
         ],
         target: "throughput >= 0.95 x iperf3",
+        one_core: false,
     },
     Scenario {
         name: "scattered: 4,096 ops of 8 KiB in one batch",
@@ -72,33 +83,25 @@ const SCENARIOS: &[Scenario] = &[
             "4",
         ],
         target: "throughput >= 0.85 x iperf3",
+        one_core: false,
     },
     Scenario {
         name: "latency: 1,000 requests of 1 2-KiB block, 1 in flight",
-        args: &[
-            "--layers",
-            "1",
-            "--layout",
-            "mla",
-            "--head-dim",
-            "64",
-            "--heads",
-            "1",
-            "--blocks-per-request",
-            "1",
-            "--in-flight",
-            "1",
-            "--requests",
-            "1000",
-            "--warmup",
-            "20",
-        ],
+        args: LATENCY_ARGS,
         target: "p50 - raw transfer time < 100 us",
+        one_core: false,
+    },
+    Scenario {
+        name: "latency, all threads on one core",
+        args: LATENCY_ARGS,
+        target: "(same, without cross-CPU wake-ups)",
+        one_core: true,
     },
     Scenario {
         name: "memory: 8 GiB in 64 requests of 128 MiB",
         args: &["--blocks-per-request", "64", "--in-flight", "4", "--requests", "64", "--warmup", "0"],
         target: "peak RSS - caches < 64 MiB; CPU < 1.0 s/GB",
+        one_core: false,
     },
 ];
 
@@ -148,40 +151,17 @@ fn iperf3_gbytes_per_sec(port: u16, streams: usize) -> Result<f64> {
         .with_context(|| format!("iperf3 reported no throughput: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-/// Median round trip of a 32-byte ping-pong over loopback TCP between two
-/// threads: the floor under any request/reply exchange on this machine.
-fn loopback_rtt_us() -> Result<f64> {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("bind ping-pong listener")?;
-    let addr = listener.local_addr()?;
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut conn, _) = listener.accept()?;
-        conn.set_nodelay(true)?;
-        let mut buf = [0u8; 32];
-        while conn.read_exact(&mut buf).is_ok() {
-            conn.write_all(&buf)?;
-        }
-        Ok(())
-    });
-    let mut conn = std::net::TcpStream::connect(addr).context("connect ping-pong")?;
-    conn.set_nodelay(true)?;
-    let mut samples = Vec::with_capacity(3000);
-    let mut buf = [7u8; 32];
-    for _ in 0..3000 {
-        let start = std::time::Instant::now();
-        conn.write_all(&buf)?;
-        conn.read_exact(&mut buf)?;
-        samples.push(start.elapsed().as_secs_f64() * 1e6);
-    }
-    drop(conn);
-    let _ = echo.join();
-    Ok(median(samples))
-}
-
-fn kvlink_json(binary: &Path, args: &[&str]) -> Result<serde_json::Value> {
+fn kvlink_json(binary: &Path, args: &[&str], one_core: bool) -> Result<serde_json::Value> {
     let mut all = vec!["bench", "--no-verify", "--json"];
     all.extend_from_slice(args);
-    let out = Command::new(binary).args(&all).stderr(Stdio::inherit()).output().context("could not run kvlink")?;
+    let mut command = if one_core {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "0"]).arg(binary);
+        c
+    } else {
+        Command::new(binary)
+    };
+    let out = command.args(&all).stderr(Stdio::inherit()).output().context("could not run kvlink")?;
     if !out.status.success() {
         bail!("kvlink {} failed ({})", all.join(" "), out.status);
     }
@@ -215,7 +195,6 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
     let runs = args.runs.max(1);
     let mut iperf = Vec::new();
     let mut iperf_two = Vec::new();
-    let mut rtts = Vec::new();
     let mut results: Vec<Vec<serde_json::Value>> = SCENARIOS.iter().map(|_| Vec::new()).collect();
     // Interleave iperf3 and kvlink runs so both see the same machine state.
     for run in 0..runs {
@@ -231,10 +210,9 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
         }
         iperf.push(sample.context("iperf3 server did not answer")?);
         iperf_two.push(iperf3_gbytes_per_sec(port, 2)?);
-        rtts.push(loopback_rtt_us()?);
         for (i, s) in SCENARIOS.iter().enumerate() {
             eprintln!("xtask bench: run {}/{runs}: {}", run + 1, s.name);
-            results[i].push(kvlink_json(&binary, s.args)?);
+            results[i].push(kvlink_json(&binary, s.args, s.one_core)?);
         }
     }
     let limit = median(iperf.clone());
@@ -272,12 +250,6 @@ pub(crate) fn run(args: &BenchArgs) -> Result<std::process::ExitCode> {
         if s.name.starts_with("latency") {
             let bytes_per_request = med("bytes") / med("received").max(1.0);
             let raw_us = bytes_per_request / (limit * 1e9) * 1e6;
-            let rtt = median(rtts.clone());
-            println!(
-                "{:<50} loopback TCP round trip (median of {runs}): {rtt:.1} us; added p50 = {:.2} round trips",
-                "",
-                (med("latency_ms_p50") * 1e3 - raw_us) / rtt
-            );
             println!(
                 "{:<50} raw transfer {:.1} us, added p50 {:.1} us",
                 "",
