@@ -35,7 +35,9 @@ pub use config::{
 };
 pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
 pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
-pub use memory::{MemoryRegion, RegionError, RegionSet, WriteOp};
+pub use memory::{
+    DestinationError, MemoryRegion, RegionError, RegionSet, RegisteredMemory, RegisteredState, SourceError, WriteOp,
+};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
 pub use wire::{

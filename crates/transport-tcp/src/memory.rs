@@ -17,9 +17,9 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::RwLockReadGuard;
 
-use kv_proto::{MemoryRegion, RegionError, RegionSet, WriteOp};
+use kv_proto::{MemoryRegion, RegionError, RegisteredMemory, RegisteredState, WriteOp};
 
 use crate::wire::{decode_op, OP_LEN};
 
@@ -36,62 +36,12 @@ const MIN_BYTES_PER_CALL: u64 = 256 * 1024;
 
 const EMPTY_IOVEC: libc::iovec = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
 
-/// Registered regions plus the flag that ends all access to them.
+/// The transport's registered memory: [`RegisteredMemory`]'s bookkeeping
+/// (regions, closed flag, range checks), plus the raw accesses below.
 #[derive(Debug, Default)]
-pub(crate) struct LocalMemory {
-    state: RwLock<State>,
-}
+pub(crate) struct LocalMemory(RegisteredMemory);
 
-#[derive(Debug, Default)]
-struct State {
-    regions: RegionSet,
-    closed: bool,
-}
-
-/// Why a batch's sources cannot be sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SourceError {
-    /// A source range is outside every region.
-    Outside {
-        /// Start address.
-        addr: u64,
-        /// Length.
-        len: u64,
-    },
-    /// The lengths, up to this op's, add up to more than `u64::MAX`.
-    TotalOverflows {
-        /// Start address of the op that overflows the total.
-        addr: u64,
-        /// Its length.
-        len: u64,
-    },
-    /// The memory is closed (the transport is shut down).
-    Closed,
-}
-
-/// Why a peer's op list cannot be served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DestinationError {
-    /// The ops' lengths do not add up to the header's total (`None`: the sum
-    /// overflows `u64`): a protocol error.
-    LengthMismatch {
-        /// The header's total.
-        declared: u64,
-        /// The ops' sum.
-        sum: Option<u64>,
-    },
-    /// Op `index` falls outside every region: the batch is refused.
-    Outside {
-        /// Index of the first such op.
-        index: usize,
-        /// Its destination.
-        dst: u64,
-        /// Its length.
-        len: u64,
-    },
-    /// The memory is closed (the transport is shut down).
-    Closed,
-}
+pub(crate) use kv_proto::{DestinationError, SourceError};
 
 impl LocalMemory {
     /// An empty, open set of regions.
@@ -99,12 +49,8 @@ impl LocalMemory {
         Self::default()
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn write(&self) -> RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> RwLockReadGuard<'_, RegisteredState> {
+        self.0.read()
     }
 
     /// Adds regions (sources of our batches, destinations of peers' batches).
@@ -114,64 +60,39 @@ impl LocalMemory {
     /// Each region must be valid for reads and writes until [`Self::close`]
     /// has returned (the transport calls it from `shutdown` and `Drop`).
     pub(crate) unsafe fn register(&self, regions: &[MemoryRegion]) -> Result<(), RegionError> {
-        self.write().regions.insert(regions)
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.register(regions) }
     }
 
     /// The registered regions, sorted by address.
     pub(crate) fn regions(&self) -> Vec<MemoryRegion> {
-        self.read().regions.regions().to_vec()
+        self.0.regions()
     }
 
     /// Ends all access: once this returns, no byte of any region is read or
     /// written by this transport.
     pub(crate) fn close(&self) {
-        self.write().closed = true;
+        self.0.close();
     }
 
-    /// Checks every op's source range; the returned [`Sources`] can then send
+    /// Checks every op's source range; the returned [`Sources`] can then move
     /// the payload.
     pub(crate) fn sources<'m, 'o>(&'m self, ops: &'o [WriteOp]) -> Result<Sources<'m, 'o>, SourceError> {
-        let state = self.read();
-        if state.closed {
-            return Err(SourceError::Closed);
-        }
-        let mut total = 0u64;
-        for op in ops {
-            if !state.regions.contains(op.src, op.len) || usize::try_from(op.len).is_err() {
-                return Err(SourceError::Outside { addr: op.src, len: op.len });
-            }
-            total = total.checked_add(op.len).ok_or(SourceError::TotalOverflows { addr: op.src, len: op.len })?;
-        }
+        let total = self.0.check_sources(ops)?;
         Ok(Sources { mem: self, ops, total })
     }
 
     /// Checks a peer's op list: the lengths must add up to `declared` and
     /// every destination must lie inside one registered region. On error the
-    /// list is handed back (for reuse) with the reason.
+    /// list is handed back with the reason.
     pub(crate) fn destinations(
         &self,
         list: Vec<[u8; OP_LEN]>,
         declared: u64,
     ) -> Result<Destinations<'_>, (Vec<[u8; OP_LEN]>, DestinationError)> {
-        let state = self.read();
-        if state.closed {
-            return Err((list, DestinationError::Closed));
-        }
-        let mut sum = Some(0u64);
-        let mut outside = None;
-        for (index, entry) in list.iter().enumerate() {
-            let (dst, len) = decode_op(entry);
-            sum = sum.and_then(|s| s.checked_add(len));
-            if outside.is_none() && (!state.regions.contains(dst, len) || usize::try_from(len).is_err()) {
-                outside = Some(DestinationError::Outside { index, dst, len });
-            }
-        }
-        if sum != Some(declared) {
-            return Err((list, DestinationError::LengthMismatch { declared, sum }));
-        }
-        match outside {
-            Some(err) => Err((list, err)),
-            None => Ok(Destinations { mem: self, list, total: declared }),
+        match self.0.check_destinations(list.iter().map(decode_op), declared) {
+            Ok(()) => Ok(Destinations { mem: self, list, total: declared }),
+            Err(e) => Err((list, e)),
         }
     }
 }
@@ -323,7 +244,7 @@ impl Sources<'_, '_> {
     /// `WouldBlock` when the socket buffer is full.
     pub(crate) fn send_to(&self, fd: BorrowedFd<'_>, prefix: &[u8], cursor: &mut Cursor) -> io::Result<usize> {
         let state = self.mem.read();
-        if state.closed {
+        if state.is_closed() {
             return Err(closed_error());
         }
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
@@ -377,7 +298,7 @@ impl Destinations<'_> {
     /// peer closed; `WouldBlock` that no data is buffered.
     pub(crate) fn recv_from(&self, fd: BorrowedFd<'_>, cursor: &mut Cursor) -> io::Result<usize> {
         let state = self.mem.read();
-        if state.closed {
+        if state.is_closed() {
             return Err(closed_error());
         }
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
