@@ -77,6 +77,21 @@ pub struct Endpoint {
     pub details: Vec<u8>,
 }
 
+impl Endpoint {
+    /// Checks that `address` has the `host:port` shape with a non-zero port
+    /// (peer input: every transport checks it before connecting).
+    pub fn check_address(&self) -> Result<(), String> {
+        let (host, port) = self.address.rsplit_once(':').ok_or("expected host:port")?;
+        if host.is_empty() {
+            return Err("empty host".to_owned());
+        }
+        match port.parse::<u16>() {
+            Ok(0) | Err(_) => Err(format!("bad port {port:?}")),
+            Ok(_) => Ok(()),
+        }
+    }
+}
+
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}://{}", self.protocol, self.address)
@@ -211,4 +226,20 @@ pub trait BatchWriter: Send + Sync + 'static {
     /// Stops serving peers and closes connections. Later calls fail with
     /// [`TransportError::Shutdown`].
     async fn shutdown(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_addresses_are_checked() {
+        let endpoint = |address: &str| Endpoint { protocol: Protocol::Tcp, address: address.into(), details: vec![] };
+        for good in ["127.0.0.1:9000", "[::1]:9000", "decode-0.example:9000"] {
+            assert!(endpoint(good).check_address().is_ok(), "{good:?} refused");
+        }
+        for bad in ["", "host", ":9000", "host:", "host:0", "host:70000", "mem://x"] {
+            assert!(endpoint(bad).check_address().is_err(), "{bad:?} accepted");
+        }
+    }
 }
