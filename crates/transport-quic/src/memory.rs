@@ -27,17 +27,15 @@
 //! once stays valid for the whole batch.
 
 use std::ptr;
-use std::sync::RwLockReadGuard;
 
 use bytes::Bytes;
-use kv_proto::{MemoryRegion, RegionError, RegisteredMemory, RegisteredState, WriteOp};
+use kv_proto::{RegisteredMemory, WriteOp};
 
 use crate::wire::{decode_op, OP_LEN};
 
 /// The transport's registered memory: [`RegisteredMemory`]'s bookkeeping
-/// (regions, closed flag, range checks), plus the raw accesses below.
-#[derive(Debug, Default)]
-pub(crate) struct LocalMemory(RegisteredMemory);
+/// (regions, closed flag, range checks); the raw accesses are below.
+pub(crate) type LocalMemory = RegisteredMemory;
 
 pub(crate) use kv_proto::{DestinationError, SourceError};
 
@@ -46,55 +44,25 @@ pub(crate) use kv_proto::{DestinationError, SourceError};
 #[error("the transport's memory is closed (shut down)")]
 pub(crate) struct MemoryClosed;
 
-impl LocalMemory {
-    /// An empty, open set of regions.
-    pub(crate) fn new() -> Self {
-        Self::default()
+impl<'m, 'o> Sources<'m, 'o> {
+    /// Checks every op's source range; the result can then move the payload.
+    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
+        let total = mem.check_sources(ops)?;
+        Ok(Self { mem, ops, total })
     }
+}
 
-    fn read(&self) -> RwLockReadGuard<'_, RegisteredState> {
-        self.0.read()
-    }
-
-    /// Adds regions (sources of our batches, destinations of peers' batches).
-    ///
-    /// # Safety
-    ///
-    /// Each region must be valid for reads and writes until [`Self::close`]
-    /// has returned (the transport calls it from `shutdown` and `Drop`).
-    pub(crate) unsafe fn register(&self, regions: &[MemoryRegion]) -> Result<(), RegionError> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.register(regions) }
-    }
-
-    /// The registered regions, sorted by address.
-    pub(crate) fn regions(&self) -> Vec<MemoryRegion> {
-        self.0.regions()
-    }
-
-    /// Ends all access: once this returns, no byte of any region is read or
-    /// written by this transport.
-    pub(crate) fn close(&self) {
-        self.0.close();
-    }
-
-    /// Checks every op's source range; the returned [`Sources`] can then move
-    /// the payload.
-    pub(crate) fn sources<'m, 'o>(&'m self, ops: &'o [WriteOp]) -> Result<Sources<'m, 'o>, SourceError> {
-        let total = self.0.check_sources(ops)?;
-        Ok(Sources { mem: self, ops, total })
-    }
-
-    /// Checks a peer's op list: the lengths must add up to `declared` and
-    /// every destination must lie inside one registered region. On error the
-    /// list is handed back with the reason.
-    pub(crate) fn destinations(
-        &self,
+impl<'m> Destinations<'m> {
+    /// Checks a peer's op list (lengths add up to `declared`, every
+    /// destination inside one registered region); on error the list is
+    /// handed back with the reason.
+    pub(crate) fn check(
+        mem: &'m LocalMemory,
         list: Vec<[u8; OP_LEN]>,
         declared: u64,
-    ) -> Result<Destinations<'_>, (Vec<[u8; OP_LEN]>, DestinationError)> {
-        match self.0.check_destinations(list.iter().map(decode_op), declared) {
-            Ok(()) => Ok(Destinations { mem: self, list, total: declared }),
+    ) -> Result<Self, (Vec<[u8; OP_LEN]>, DestinationError)> {
+        match mem.check_destinations(list.iter().map(decode_op), declared) {
+            Ok(()) => Ok(Self { mem, list, total: declared }),
             Err(e) => Err((list, e)),
         }
     }
@@ -206,7 +174,7 @@ impl Sources<'_, '_> {
             let Some(slot) = spare.get_mut(filled..filled + len) else { return };
             let src = ptr::with_exposed_provenance::<u8>(usize::try_from(addr).unwrap_or(0));
             // SAFETY: `[addr, addr + len)` is part of a source range that
-            // `LocalMemory::sources` checked to lie inside a registered
+            // `Sources::check` checked to lie inside a registered
             // region, which stays valid for reads while the read lock is held
             // with `closed == false` (module invariant; the caller of
             // `register` guarantees validity until `close`). `slot` is `len`
@@ -250,7 +218,7 @@ impl Destinations<'_> {
             let Some(src) = data.get(taken..taken + len) else { return };
             let dst = ptr::with_exposed_provenance_mut::<u8>(usize::try_from(addr).unwrap_or(0));
             // SAFETY: `[addr, addr + len)` is part of a destination range that
-            // `LocalMemory::destinations` checked to lie inside a registered
+            // `Destinations::check` checked to lie inside a registered
             // region, which stays valid for writes while the read lock is held
             // with `closed == false` (module invariant). `src` is a live,
             // bounds-checked slice of a quinn buffer, never registered memory,
@@ -269,6 +237,7 @@ impl Destinations<'_> {
 mod tests {
     use super::*;
     use crate::wire::encode_op;
+    use kv_proto::MemoryRegion;
 
     fn mem_with(regions: &[MemoryRegion]) -> LocalMemory {
         let m = LocalMemory::new();
@@ -290,27 +259,27 @@ mod tests {
     fn destinations_check_sum_then_bounds() {
         let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
         let list = vec![encode_op(0x1000, 0x10), encode_op(0x10f8, 0x10)];
-        let (list, err) = m.destinations(list, 0x20).unwrap_err();
+        let (list, err) = Destinations::check(&m, list, 0x20).unwrap_err();
         assert_eq!(err, DestinationError::Outside { index: 1, dst: 0x10f8, len: 0x10 });
-        let (_, err) = m.destinations(list, 0x21).unwrap_err();
+        let (_, err) = Destinations::check(&m, list, 0x21).unwrap_err();
         assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
         let list = vec![encode_op(0x1000, u64::MAX), encode_op(0x1000, 2)];
-        let (_, err) = m.destinations(list, 1).unwrap_err();
+        let (_, err) = Destinations::check(&m, list, 1).unwrap_err();
         assert_eq!(err, DestinationError::LengthMismatch { declared: 1, sum: None });
-        let ok = m.destinations(vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
+        let ok = Destinations::check(&m, vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
         assert_eq!(ok.total(), 0x100);
         m.close();
-        assert_eq!(m.destinations(Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
+        assert_eq!(Destinations::check(&m, Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
     }
 
     #[test]
     fn sources_are_checked() {
         let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
         let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
-        assert_eq!(m.sources(&ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
-        assert_eq!(m.sources(&ops[..1]).unwrap().total(), 0x100);
+        assert_eq!(Sources::check(&m, &ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
+        assert_eq!(Sources::check(&m, &ops[..1]).unwrap().total(), 0x100);
         m.close();
-        assert_eq!(m.sources(&ops[..1]).unwrap_err(), SourceError::Closed);
+        assert_eq!(Sources::check(&m, &ops[..1]).unwrap_err(), SourceError::Closed);
     }
 
     #[test]
@@ -325,9 +294,9 @@ mod tests {
             WriteOp { src: s + 200, dst: d + 7, len: 333 },
             WriteOp { src: s, dst: d + 1000, len: 1 },
         ];
-        let sources = m.sources(&ops).unwrap();
+        let sources = Sources::check(&m, &ops).unwrap();
         let list: Vec<[u8; OP_LEN]> = ops.iter().map(|op| encode_op(op.dst, op.len)).collect();
-        let dests = m.destinations(list, sources.total()).unwrap();
+        let dests = Destinations::check(&m, list, sources.total()).unwrap();
         let (mut out, mut inn) = (Cursor::new(sources.total()), Cursor::new(dests.total()));
         let mut chunks = 0;
         while !out.is_done() {
@@ -356,7 +325,7 @@ mod tests {
         let src = vec![9u8; 64];
         let m = mem_with(&[MemoryRegion::new(addr_of(&src), 64)]);
         let ops = [WriteOp { src: addr_of(&src), dst: 0, len: 64 }];
-        let sources = m.sources(&ops).unwrap();
+        let sources = Sources::check(&m, &ops).unwrap();
         let mut cursor = Cursor::new(64);
         m.close();
         assert_eq!(sources.gather(&mut cursor, 64).unwrap_err(), MemoryClosed);

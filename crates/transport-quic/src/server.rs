@@ -218,7 +218,7 @@ impl Batch<'_> {
             read_full(&mut self.recv, fresh.as_flattened_mut(), io_timeout, "op list").await?;
         }
 
-        match self.shared.memory.destinations(list, header.total_bytes) {
+        match Destinations::check(&self.shared.memory, list, header.total_bytes) {
             Ok(destinations) => {
                 self.receive_payload(&destinations).await?;
                 drop(destinations);

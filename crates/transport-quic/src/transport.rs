@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use crate::client::{self, Connections};
 use crate::config::QuicConfig;
 use crate::details::{EndpointDetails, Fingerprint};
-use crate::memory::{LocalMemory, SourceError};
+use crate::memory::{LocalMemory, SourceError, Sources};
 use crate::server;
 use crate::tls;
 use crate::wire::CLOSE_SHUTDOWN;
@@ -232,7 +232,7 @@ impl BatchWriter for QuicTransport {
         peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: label.clone(), reason })?;
         let details = EndpointDetails::decode(&peer.details)
             .map_err(|e| TransportError::BadEndpoint { peer: label.clone(), reason: e.to_string() })?;
-        let sources = shared.memory.sources(ops).map_err(|error| match error {
+        let sources = Sources::check(&shared.memory, ops).map_err(|error| match error {
             SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
                 TransportError::SourceOutOfBounds { addr, len }
             }

@@ -17,9 +17,8 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::RwLockReadGuard;
 
-use kv_proto::{MemoryRegion, RegionError, RegisteredMemory, RegisteredState, WriteOp};
+use kv_proto::{RegisteredMemory, WriteOp};
 
 use crate::wire::{decode_op, OP_LEN};
 
@@ -37,61 +36,30 @@ const MIN_BYTES_PER_CALL: u64 = 256 * 1024;
 const EMPTY_IOVEC: libc::iovec = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
 
 /// The transport's registered memory: [`RegisteredMemory`]'s bookkeeping
-/// (regions, closed flag, range checks), plus the raw accesses below.
-#[derive(Debug, Default)]
-pub(crate) struct LocalMemory(RegisteredMemory);
+/// (regions, closed flag, range checks); the raw accesses are below.
+pub(crate) type LocalMemory = RegisteredMemory;
 
 pub(crate) use kv_proto::{DestinationError, SourceError};
 
-impl LocalMemory {
-    /// An empty, open set of regions.
-    pub(crate) fn new() -> Self {
-        Self::default()
+impl<'m, 'o> Sources<'m, 'o> {
+    /// Checks every op's source range; the result can then move the payload.
+    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
+        let total = mem.check_sources(ops)?;
+        Ok(Self { mem, ops, total })
     }
+}
 
-    fn read(&self) -> RwLockReadGuard<'_, RegisteredState> {
-        self.0.read()
-    }
-
-    /// Adds regions (sources of our batches, destinations of peers' batches).
-    ///
-    /// # Safety
-    ///
-    /// Each region must be valid for reads and writes until [`Self::close`]
-    /// has returned (the transport calls it from `shutdown` and `Drop`).
-    pub(crate) unsafe fn register(&self, regions: &[MemoryRegion]) -> Result<(), RegionError> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.register(regions) }
-    }
-
-    /// The registered regions, sorted by address.
-    pub(crate) fn regions(&self) -> Vec<MemoryRegion> {
-        self.0.regions()
-    }
-
-    /// Ends all access: once this returns, no byte of any region is read or
-    /// written by this transport.
-    pub(crate) fn close(&self) {
-        self.0.close();
-    }
-
-    /// Checks every op's source range; the returned [`Sources`] can then move
-    /// the payload.
-    pub(crate) fn sources<'m, 'o>(&'m self, ops: &'o [WriteOp]) -> Result<Sources<'m, 'o>, SourceError> {
-        let total = self.0.check_sources(ops)?;
-        Ok(Sources { mem: self, ops, total })
-    }
-
-    /// Checks a peer's op list: the lengths must add up to `declared` and
-    /// every destination must lie inside one registered region. On error the
-    /// list is handed back with the reason.
-    pub(crate) fn destinations(
-        &self,
+impl<'m> Destinations<'m> {
+    /// Checks a peer's op list (lengths add up to `declared`, every
+    /// destination inside one registered region); on error the list is
+    /// handed back with the reason.
+    pub(crate) fn check(
+        mem: &'m LocalMemory,
         list: Vec<[u8; OP_LEN]>,
         declared: u64,
-    ) -> Result<Destinations<'_>, (Vec<[u8; OP_LEN]>, DestinationError)> {
-        match self.0.check_destinations(list.iter().map(decode_op), declared) {
-            Ok(()) => Ok(Destinations { mem: self, list, total: declared }),
+    ) -> Result<Self, (Vec<[u8; OP_LEN]>, DestinationError)> {
+        match mem.check_destinations(list.iter().map(decode_op), declared) {
+            Ok(()) => Ok(Self { mem, list, total: declared }),
             Err(e) => Err((list, e)),
         }
     }
@@ -260,7 +228,7 @@ impl Sources<'_, '_> {
         msg.msg_iovlen = n as _;
         // SAFETY: `fd` is a live socket borrowed for this call. The first `n`
         // iovecs describe either the tail of `prefix` (a live Rust slice) or
-        // source ranges that `LocalMemory::sources` checked to lie inside
+        // source ranges that `Sources::check` checked to lie inside
         // registered regions, which stay valid for reads while the read lock
         // is held with `closed == false` (module invariant). sendmsg only
         // reads them. MSG_NOSIGNAL: a closed peer is an EPIPE error, never a
@@ -309,7 +277,7 @@ impl Destinations<'_> {
         // n <= MAX_IOVECS (1024), which fits in c_int.
         let count = n as libc::c_int;
         // SAFETY: `fd` is a live socket borrowed for this call. The first `n`
-        // iovecs describe destination ranges that `LocalMemory::destinations`
+        // iovecs describe destination ranges that `Destinations::check`
         // checked to lie inside registered regions, which stay valid for
         // writes while the read lock is held with `closed == false` (module
         // invariant). The kernel writes at most each iovec's length; no Rust
@@ -326,6 +294,7 @@ impl Destinations<'_> {
 mod tests {
     use super::*;
     use crate::wire::encode_op;
+    use kv_proto::MemoryRegion;
 
     fn mem_with(regions: &[MemoryRegion]) -> LocalMemory {
         let m = LocalMemory::new();
@@ -338,27 +307,27 @@ mod tests {
     fn destinations_check_sum_then_bounds() {
         let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
         let list = vec![encode_op(0x1000, 0x10), encode_op(0x10f8, 0x10)];
-        let (list, err) = m.destinations(list, 0x20).unwrap_err();
+        let (list, err) = Destinations::check(&m, list, 0x20).unwrap_err();
         assert_eq!(err, DestinationError::Outside { index: 1, dst: 0x10f8, len: 0x10 });
-        let (_, err) = m.destinations(list, 0x21).unwrap_err();
+        let (_, err) = Destinations::check(&m, list, 0x21).unwrap_err();
         assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
         let list = vec![encode_op(0x1000, u64::MAX), encode_op(0x1000, 2)];
-        let (_, err) = m.destinations(list, 1).unwrap_err();
+        let (_, err) = Destinations::check(&m, list, 1).unwrap_err();
         assert_eq!(err, DestinationError::LengthMismatch { declared: 1, sum: None });
-        let (_, err) = m.destinations(vec![encode_op(0x1000, u64::MAX)], u64::MAX).unwrap_err();
+        let (_, err) = Destinations::check(&m, vec![encode_op(0x1000, u64::MAX)], u64::MAX).unwrap_err();
         assert_eq!(err, DestinationError::Outside { index: 0, dst: 0x1000, len: u64::MAX });
-        let ok = m.destinations(vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
+        let ok = Destinations::check(&m, vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
         assert_eq!(ok.total(), 0x100);
         m.close();
-        assert_eq!(m.destinations(Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
+        assert_eq!(Destinations::check(&m, Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
     }
 
     #[test]
     fn sources_are_checked() {
         let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
         let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
-        assert_eq!(m.sources(&ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
-        assert_eq!(m.sources(&ops[..1]).unwrap().total(), 0x100);
+        assert_eq!(Sources::check(&m, &ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
+        assert_eq!(Sources::check(&m, &ops[..1]).unwrap().total(), 0x100);
     }
 
     #[test]

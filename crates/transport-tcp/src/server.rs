@@ -222,7 +222,7 @@ impl Connection<'_> {
         }
 
         let list = std::mem::take(&mut self.ops);
-        let result = match self.shared.memory.destinations(list, header.total_bytes) {
+        let result = match Destinations::check(&self.shared.memory, list, header.total_bytes) {
             Ok(destinations) => {
                 let received = receive_payload(stream, &destinations, io_timeout).await;
                 self.ops = destinations.into_list();

@@ -15,7 +15,7 @@ use tracing::{debug, warn};
 
 use crate::client::{self, Pool};
 use crate::config::TcpConfig;
-use crate::memory::{LocalMemory, SourceError};
+use crate::memory::{LocalMemory, SourceError, Sources};
 use crate::server;
 use crate::split;
 
@@ -161,7 +161,7 @@ impl BatchWriter for TcpTransport {
             });
         }
         peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: peer.to_string(), reason })?;
-        let sources = shared.memory.sources(ops).map_err(|error| match error {
+        let sources = Sources::check(&shared.memory, ops).map_err(|error| match error {
             SourceError::Outside { addr, len } => TransportError::SourceOutOfBounds { addr, len },
             SourceError::TotalOverflows { addr, len } => TransportError::SourceOutOfBounds { addr, len },
             SourceError::Closed => TransportError::Shutdown,
@@ -193,7 +193,7 @@ impl BatchWriter for TcpTransport {
                     let shared = Arc::clone(&self.shared);
                     let address = peer.address.clone();
                     self.shared.tracker.spawn(async move {
-                        let sources = shared.memory.sources(&part).map_err(|_| TransportError::Shutdown)?;
+                        let sources = Sources::check(&shared.memory, &part).map_err(|_| TransportError::Shutdown)?;
                         client::write_batch(&shared, &address, &sources).await
                     })
                 })
