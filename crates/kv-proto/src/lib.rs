@@ -11,8 +11,13 @@
 //!
 //! What this crate must never do: perform I/O, spawn tasks, read a clock or
 //! the process environment, or depend on tokio or on any transport. Everything
-//! here is plain data and pure functions, so any caller (sans-IO state
-//! machines, async drivers, fuzzers) can use it.
+//! here is plain data and pure functions (the one exception: [`random`] reads
+//! the OS random source for nonces and grant ids), so any caller (sans-IO
+//! state machines, async drivers, fuzzers) can use it.
+//!
+//! It is also where the checks that keep peers out of memory live, once:
+//! [`RegisteredMemory`] (sources, destinations, write grants and their fence)
+//! and [`dataplane`] (the op list and verdict every data-plane wire shares).
 //!
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
@@ -20,11 +25,15 @@
 pub mod auth;
 mod codec;
 mod config;
+pub mod dataplane;
 mod frame;
+mod grant;
 mod ids;
 mod memory;
 mod metadata;
 mod params;
+pub mod random;
+mod registered;
 mod wire;
 mod writer;
 
@@ -34,12 +43,12 @@ pub use config::{
     ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT,
 };
 pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
+pub use grant::{Grant, GrantError, GrantId, GRANT_ID_LEN, MAX_GRANT_DETAILS_LEN};
 pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
-pub use memory::{
-    DestinationError, MemoryRegion, RegionError, RegionSet, RegisteredMemory, RegisteredState, SourceError, WriteOp,
-};
+pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
+pub use registered::{DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError};
 pub use wire::{
     CacheLayout, Hello, HelloReply, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage, XferReply,
     XferRequest,

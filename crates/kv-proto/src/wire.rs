@@ -8,8 +8,11 @@
 //! [`XferRequest`]s and P answers each with an [`XferReply`] carrying one
 //! outcome per request, matched by `xfer_id` (replies may come out of order).
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
+use crate::grant::Grant;
 use crate::ids::{BlockId, EngineId, ReqId};
 use crate::writer::{Endpoint, Protocol};
 
@@ -47,6 +50,18 @@ pub struct Hello {
     pub protocol: Protocol,
     /// D's cache layout.
     pub layout: CacheLayout,
+}
+
+impl Hello {
+    /// The hello's encoding, bound into both side-channel proofs (see
+    /// [`crate::auth::Transcript::context`]) so that it cannot be swapped.
+    pub fn auth_context(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        // A hello always encodes (plain fields); an empty context on a
+        // failure would still bind channel, roles and nonces.
+        let _ = crate::codec::encode_into(self, &mut out);
+        out
+    }
 }
 
 /// P's answer to [`Hello`].
@@ -91,6 +106,13 @@ pub struct XferRequest {
     pub xfer_id: u64,
     /// D's data-plane endpoint.
     pub endpoint: Endpoint,
+    /// The grant D issued for exactly these requests' blocks: every batch P
+    /// writes names it, and D revokes it when the pull ends.
+    pub grant: Grant,
+    /// How long D waits for the reply, from when it sent this request. P
+    /// does not start writing once this has passed (D will have revoked the
+    /// grant and reported the blocks failed).
+    pub wait_budget: Duration,
     /// Base address of each of D's regions, in registration order.
     pub region_base_addrs: Vec<u64>,
     /// The requests and their D blocks.

@@ -7,7 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::memory::{MemoryRegion, RegionError, WriteOp};
+use crate::grant::{Grant, GrantError, GrantId};
+use crate::memory::{MemoryRegion, RegionAccess, RegionError, WriteOp};
 
 /// Bound on an endpoint's transport-specific data (peer input).
 pub const MAX_ENDPOINT_DETAILS_LEN: usize = 64 * 1024;
@@ -122,6 +123,9 @@ pub enum TransportError {
     /// Regions could not be registered.
     #[error("memory registration failed: {0}")]
     Registration(#[from] RegionError),
+    /// A grant could not be issued.
+    #[error("cannot issue a grant: {0}")]
+    Grant(#[from] GrantError),
     /// A local source range is outside every registered region.
     #[error("source range {addr:#x}+{len} is outside the registered regions")]
     SourceOutOfBounds {
@@ -148,8 +152,8 @@ pub enum TransportError {
         /// The bound.
         after: Duration,
     },
-    /// The peer refused the batch (e.g. a destination outside its regions);
-    /// nothing of it was written.
+    /// The peer refused the batch (an op outside the grant, or an unknown,
+    /// expired or revoked grant); nothing of it was written.
     #[error("{peer} refused the batch: {reason}")]
     Refused {
         /// The peer.
@@ -186,44 +190,81 @@ pub enum TransportError {
 }
 
 /// A data-plane transport: registers local memory, advertises an endpoint,
-/// serves peers' writes into the registered memory, and writes batches into
-/// peers' memory.
+/// issues and revokes write grants, serves peers' writes inside them, and
+/// writes batches into peers' memory under the grants they issued.
 ///
-/// Contract (every transport; the conformance suite in `kv-worker` proves it):
-/// - a peer may write only inside regions registered here; a batch with any
-///   op outside them is refused whole, with an error, and no byte of it lands;
-/// - [`BatchWriter::batch_write`] returns `Ok` only once every byte is in the
-///   peer's memory (remote completion, not "left my socket"); on error some
-///   bytes may have landed, and the caller reports the affected blocks failed;
-/// - per-op cost is small: no round trip and no allocation per op, and no
-///   cap on ops per batch beyond the bounds a receiver puts on peer input;
-/// - every wait is bounded by the transport's configured timeouts.
+/// # Contract (every transport; the conformance suite in `kv-worker` proves it)
+///
+/// - **Least privilege.** Memory registered as [`RegionAccess::Source`] is
+///   only ever read, never written by a peer. A peer may write only inside a
+///   live grant this writer issued ([`BatchWriter::grant`]): a batch for an
+///   unknown, expired or revoked grant, or with any op outside the grant's
+///   ranges, is refused whole, with an error, and no byte of it lands.
+/// - **Revocation is a fence.** When [`BatchWriter::revoke`] returns, no
+///   byte of that grant can land any more: a batch in flight under it either
+///   finished before, or lands nothing after. Where the sender writes
+///   directly (RDMA one-sided writes, a same-host copy) the transport
+///   honours the fence by its own means: memory windows bound per grant and
+///   invalidated on revoke, or moving the peer's queue pair to the error
+///   state and waiting for its flush, or a quarantine of the ranges.
+/// - **Remote completion.** [`BatchWriter::batch_write`] returns `Ok` only
+///   once every byte is in the peer's memory, not when it left the socket.
+///   On error some bytes may have landed, all inside the grant: the receiver
+///   reports those blocks failed after revoking it.
+/// - **Cheap per op.** No round trip and no allocation per op, no cap on ops
+///   per batch beyond the bounds a receiver puts on peer input; a grant
+///   costs one lookup per batch and a range check per op.
+/// - **Bounded.** Every wait is bounded by the transport's configured
+///   timeouts; dropping a `batch_write` future stops that batch.
+///
+/// # Memory lifetime (the one rule, for every transport and the worker)
+///
+/// Registered memory must stay valid (allocated, not moved) until
+/// [`BatchWriter::shutdown`]`.await` has returned. [`BatchWriter::close`],
+/// and the drop of the transport's last handle, end all access the same way,
+/// synchronously. Until then the owner must not read a destination range
+/// while a grant covering it is live, nor change a source range while a
+/// batch reading it is in flight.
 #[async_trait]
 pub trait BatchWriter: Send + Sync + 'static {
     /// The transport this writer speaks.
     fn protocol(&self) -> Protocol;
 
-    /// Registers local memory: sources of this writer's batches and
-    /// destinations of peers' batches. Call before advertising the endpoint
-    /// (an RDMA endpoint carries per-region keys).
+    /// Registers local memory with the given access. Call before advertising
+    /// the endpoint (an RDMA endpoint carries per-region keys). A region may
+    /// be registered both ways (a `kv_both` instance).
     ///
     /// # Safety
     ///
-    /// Each region must be valid for reads and writes for as long as this
-    /// writer lives, and must not be freed or moved before it is dropped.
-    /// Peers write into it concurrently with the caller: the caller must not
-    /// read a destination range before the transfer that fills it has been
-    /// reported complete, and must not hand out overlapping destinations to
-    /// concurrent transfers.
-    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError>;
+    /// Each region must satisfy the memory-lifetime rule in the trait docs:
+    /// valid for reads (and writes, for destinations) until `shutdown().await`
+    /// returned, or `close()` returned, or the last handle was dropped.
+    unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError>;
 
     /// Where peers reach this writer.
     fn endpoint(&self) -> Endpoint;
 
-    /// Writes every op into `peer`'s memory; `Ok` once all bytes are there.
-    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError>;
+    /// Issues a grant over `ranges` (each inside one destination region),
+    /// valid for `valid_for` unless revoked earlier: peers that name it may
+    /// write inside those ranges and nowhere else.
+    async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError>;
 
-    /// Stops serving peers and closes connections. Later calls fail with
+    /// Revokes a grant this writer issued; returns once no byte of it can
+    /// land any more (see the fence in the trait docs). Unknown or already
+    /// revoked grants are ignored.
+    async fn revoke(&self, grant: &GrantId);
+
+    /// Writes every op into `peer`'s memory under `grant` (one the peer
+    /// issued); `Ok` once all bytes are there.
+    async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError>;
+
+    /// Ends all access to registered memory at once: when this returns no
+    /// byte of it is read or written, no grant is live, and no batch is
+    /// served or sent any more. Synchronous, so a `Drop` can call it.
+    fn close(&self);
+
+    /// [`BatchWriter::close`], then stops serving peers, closes connections
+    /// and waits for the transport's tasks. Later calls fail with
     /// [`TransportError::Shutdown`].
     async fn shutdown(&self);
 }

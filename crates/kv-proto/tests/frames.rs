@@ -1,10 +1,13 @@
 //! Round trips of every side-channel message and malformed-frame cases.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
 use bytes::BytesMut;
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Hello, HelloReply, LayoutKind, Outcome, Protocol, ReqId,
-    RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN, PROTOCOL_VERSION,
+    CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply, LayoutKind, Outcome,
+    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN,
+    PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -22,6 +25,8 @@ fn xfer_request() -> SideMessage {
     SideMessage::XferRequest(XferRequest {
         xfer_id: 42,
         endpoint: Endpoint { protocol: Protocol::Quic, address: "127.0.0.1:5555".into(), details: vec![7; 32] },
+        grant: Grant { id: GrantId::from_bytes([9; 16]), details: vec![1, 2, 3] },
+        wait_budget: Duration::from_millis(60_000),
         region_base_addrs: (0..64).map(|i| 0x7f00_0000_0000 + i * 0x100_0000).collect(),
         requests: vec![
             RequestBlocks { req_id: ReqId::new("r1"), block_ids: vec![1, 2, 3, 9] },
@@ -186,12 +191,16 @@ proptest! {
     #[test]
     fn transfer_requests_round_trip(
         xfer_id in any::<u64>(),
+        grant in any::<[u8; 16]>(),
+        budget_ms in any::<u32>(),
         addrs in proptest::collection::vec(any::<u64>(), 0..8),
         reqs in proptest::collection::vec(("[a-z0-9-]{1,12}", proptest::collection::vec(any::<u32>(), 0..16)), 0..8),
     ) {
         let msg = SideMessage::XferRequest(XferRequest {
             xfer_id,
             endpoint: Endpoint { protocol: Protocol::Tcp, address: "h:1".into(), details: vec![] },
+            grant: Grant::plain(GrantId::from_bytes(grant)),
+            wait_budget: Duration::from_millis(u64::from(budget_ms)),
             region_base_addrs: addrs,
             requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), block_ids }).collect(),
         });

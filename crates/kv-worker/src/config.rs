@@ -48,6 +48,26 @@ pub struct WorkerConfig {
     /// transfer request or batch is read. (QUIC's data plane relies on its
     /// pinned certificate instead: P only writes to the D it was told of.)
     pub auth_secret: Option<AuthSecret>,
+    /// Which data endpoints P writes to (default: only one on the host the
+    /// side-channel peer connected from).
+    pub data_endpoint_policy: DataEndpointPolicy,
+}
+
+/// Which data-plane endpoints a prefill worker agrees to write to: a
+/// transfer request names D's endpoint, and without a rule any peer of the
+/// side channel could aim P's writes at a third host.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DataEndpointPolicy {
+    /// Only an endpoint on the host the side-channel connection came from
+    /// (all loopback addresses count as one host).
+    #[default]
+    SamePeerHost,
+    /// That host, or any of these addresses (hosts whose data plane uses
+    /// another NIC than their side channel).
+    SamePeerHostOr(Vec<IpAddr>),
+    /// Any endpoint: for in-process transports whose endpoints are not
+    /// `host:port`, and tests.
+    Any,
 }
 
 impl WorkerConfig {
@@ -71,6 +91,7 @@ impl WorkerConfig {
             data_advertise_host: None,
             data_io_timeout: Duration::from_secs(30),
             auth_secret: None,
+            data_endpoint_policy: DataEndpointPolicy::SamePeerHost,
         }
     }
 

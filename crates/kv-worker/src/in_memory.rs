@@ -3,24 +3,31 @@
 //!
 //! It is the reference backend of the transport conformance suite and the
 //! transport of the worker's unit tests. It keeps the same contract as the
-//! network transports: sources are checked against the writer's own regions,
-//! destinations against the peer's, a batch with any op outside is refused
-//! whole with nothing written, and writing to a peer that is shut down or
-//! dropped fails with [`TransportError::Connect`].
+//! network transports, through the same [`RegisteredMemory`] checks: sources
+//! are checked against the writer's own source regions, destinations against
+//! the peer's live grant, a batch with any op outside it (or for an unknown,
+//! expired or revoked grant) is refused whole with nothing written, and
+//! writing to a peer that is shut down or dropped fails with
+//! [`TransportError::Connect`].
 //!
 //! There is no in-memory [`Protocol`]: endpoints say [`Protocol::Tcp`] with
 //! the address `mem://<name>`, and any other address is a
 //! [`TransportError::BadEndpoint`].
 //!
-//! Copies run synchronously on the calling task, holding the peer's read
-//! lock; a peer's shutdown or drop takes the write lock, so once it returns no
-//! copy touches its memory.
+//! Copies run synchronously on the calling task, one op at a time, each
+//! inside the peer's [`kv_proto::GrantAccess::with`]: a revocation, shutdown
+//! or drop of the peer waits for the copy in progress, and no copy starts
+//! after it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, RegionSet, TransportError, WriteOp};
+use kv_proto::{
+    BatchWriter, DestinationError, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess,
+    RegisteredMemory, SourceError, TransportError, WriteOp,
+};
 
 /// The address scheme of in-memory endpoints.
 pub const MEM_SCHEME: &str = "mem://";
@@ -35,23 +42,7 @@ pub struct InMemoryNetwork {
 #[derive(Debug)]
 struct Node {
     name: String,
-    state: RwLock<NodeState>,
-}
-
-#[derive(Debug, Default)]
-struct NodeState {
-    regions: RegionSet,
-    closed: bool,
-}
-
-impl Node {
-    fn read(&self) -> RwLockReadGuard<'_, NodeState> {
-        self.state.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn write(&self) -> RwLockWriteGuard<'_, NodeState> {
-        self.state.write().unwrap_or_else(PoisonError::into_inner)
-    }
+    memory: RegisteredMemory,
 }
 
 impl InMemoryNetwork {
@@ -68,7 +59,7 @@ impl InMemoryNetwork {
     /// name is replaced (as a restarted peer takes over its old port): later
     /// batches to that name reach the new writer.
     pub fn writer(&self, name: &str) -> Arc<InMemoryWriter> {
-        let node = Arc::new(Node { name: name.to_owned(), state: RwLock::new(NodeState::default()) });
+        let node = Arc::new(Node { name: name.to_owned(), memory: RegisteredMemory::new() });
         self.lock().insert(name.to_owned(), Arc::downgrade(&node));
         Arc::new(InMemoryWriter { node, network: self.clone() })
     }
@@ -104,9 +95,9 @@ impl InMemoryWriter {
         &self.node.name
     }
 
-    fn close(&self) {
-        self.node.write().closed = true;
-        self.network.remove(&self.node);
+    /// Grants issued and not yet revoked or expired.
+    pub fn live_grants(&self) -> usize {
+        self.node.memory.live_grants()
     }
 }
 
@@ -116,8 +107,13 @@ impl Drop for InMemoryWriter {
     }
 }
 
-fn refusal(index: usize, op: &WriteOp) -> String {
-    format!("op {index}: destination {:#x}+{} is outside the registered regions", op.dst, op.len)
+fn refusal(peer: &Endpoint, error: DestinationError) -> TransportError {
+    match error {
+        DestinationError::Closed => {
+            TransportError::Connect { peer: peer.to_string(), reason: "peer is shut down".into() }
+        }
+        other => TransportError::Refused { peer: peer.to_string(), reason: other.to_string() },
+    }
 }
 
 #[async_trait]
@@ -126,12 +122,13 @@ impl BatchWriter for InMemoryWriter {
         Protocol::Tcp
     }
 
-    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
-        let mut state = self.node.write();
-        if state.closed {
+    unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
+        if self.node.memory.is_closed() {
             return Err(TransportError::Shutdown);
         }
-        state.regions.insert(regions)?;
+        // SAFETY: forwarded from the caller (the trait's memory-lifetime
+        // rule); `close` runs before the writer is gone.
+        unsafe { self.node.memory.register(regions, access) }?;
         Ok(())
     }
 
@@ -139,7 +136,20 @@ impl BatchWriter for InMemoryWriter {
         Endpoint { protocol: Protocol::Tcp, address: format!("{MEM_SCHEME}{}", self.node.name), details: Vec::new() }
     }
 
-    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
+    async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
+        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
+        match self.node.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
+            Ok(()) => Ok(Grant::plain(id)),
+            Err(GrantError::Closed) => Err(TransportError::Shutdown),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn revoke(&self, grant: &GrantId) {
+        self.node.memory.revoke(grant);
+    }
+
+    async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {
         if peer.protocol != Protocol::Tcp {
             return Err(TransportError::WrongProtocol {
                 peer: peer.to_string(),
@@ -153,54 +163,62 @@ impl BatchWriter for InMemoryWriter {
                 reason: format!("an in-memory endpoint is {MEM_SCHEME}<name>"),
             });
         };
-        {
-            let own = self.node.read();
-            if own.closed {
-                return Err(TransportError::Shutdown);
+        let total = self.node.memory.check_sources(ops).map_err(|e| match e {
+            SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
+                TransportError::SourceOutOfBounds { addr, len }
             }
-            let mut total = 0u64;
-            for op in ops {
-                let summed = total.checked_add(op.len);
-                if !own.regions.contains(op.src, op.len) || summed.is_none() {
-                    return Err(TransportError::SourceOutOfBounds { addr: op.src, len: op.len });
-                }
-                total = summed.unwrap_or(total);
-            }
-        }
+            SourceError::Closed => TransportError::Shutdown,
+        })?;
         if ops.is_empty() {
             return Ok(());
         }
         let gone = || TransportError::Connect { peer: peer.to_string(), reason: "no such in-memory peer".to_owned() };
         let target = self.network.lookup(name).ok_or_else(gone)?;
-        let state = target.read();
-        if state.closed {
-            return Err(gone());
-        }
-        if let Some((index, op)) = ops.iter().enumerate().find(|(_, op)| !state.regions.contains(op.dst, op.len)) {
-            return Err(TransportError::Refused { peer: peer.to_string(), reason: refusal(index, op) });
-        }
+        let access = target
+            .memory
+            .admit(&grant.id, ops.iter().map(|op| (op.dst, op.len)), total, Instant::now())
+            .map_err(|e| refusal(peer, e))?;
         for op in ops {
             let (Ok(src), Ok(dst), Ok(len)) =
                 (usize::try_from(op.src), usize::try_from(op.dst), usize::try_from(op.len))
             else {
                 return Err(TransportError::SourceOutOfBounds { addr: op.src, len: op.len });
             };
-            // SAFETY: the source range lies inside a region registered on this
-            // writer, valid for reads while the writer lives (it does: `&self`).
-            // The destination range lies inside a region registered on the
-            // target, valid for writes until the target is closed, and its
-            // read lock (held here, with `closed` false) keeps it from closing
-            // during the copy. `ptr::copy` tolerates overlap (a writer may
-            // write into its own regions).
-            unsafe {
-                std::ptr::copy(
-                    std::ptr::with_exposed_provenance::<u8>(src),
-                    std::ptr::with_exposed_provenance_mut::<u8>(dst),
-                    len,
-                );
+            let copied = self.node.memory.read_sources(|| {
+                access.with(|| {
+                    // SAFETY: the source range was checked inside a source
+                    // region of this writer, readable while its memory is
+                    // open (`read_sources` holds that). The destination range
+                    // was admitted inside a live grant of the target, writable
+                    // while the grant is live (`with` holds that; revoke and
+                    // close wait for this copy). `ptr::copy` tolerates
+                    // overlap, though a grant never covers a source.
+                    unsafe {
+                        std::ptr::copy(
+                            std::ptr::with_exposed_provenance::<u8>(src),
+                            std::ptr::with_exposed_provenance_mut::<u8>(dst),
+                            len,
+                        );
+                    }
+                })
+            });
+            match copied {
+                Err(_) => return Err(TransportError::Shutdown),
+                Ok(Err(_)) => {
+                    return Err(TransportError::Refused {
+                        peer: peer.to_string(),
+                        reason: format!("grant {} was revoked during the batch", grant.id),
+                    })
+                }
+                Ok(Ok(())) => {}
             }
         }
         Ok(())
+    }
+
+    fn close(&self) {
+        self.node.memory.close();
+        self.network.remove(&self.node);
     }
 
     async fn shutdown(&self) {

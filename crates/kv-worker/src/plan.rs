@@ -1,6 +1,6 @@
 //! Transfer planning: which bytes of P's cache go where in D's.
 
-use kv_proto::{BlockId, WriteOp};
+use kv_proto::{BlockId, MemoryRegion, WriteOp};
 
 /// A transfer that cannot be planned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -91,6 +91,58 @@ pub fn plan_request(
     Ok(())
 }
 
+/// The destination ranges of a pull into `blocks` (D's own block ids, of
+/// every request of the pull): one range per run of consecutive ids per
+/// region, what D grants P. Ids at or past `num_blocks` are refused, and so
+/// is an id listed twice (two requests would write one block).
+pub fn grant_ranges(
+    bases: &[u64],
+    block_len: u64,
+    num_blocks: u64,
+    blocks: impl IntoIterator<Item = BlockId>,
+) -> Result<Vec<MemoryRegion>, GrantPlanError> {
+    let mut ids: Vec<BlockId> = blocks.into_iter().collect();
+    ids.sort_unstable();
+    if let Some(pair) = ids.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(GrantPlanError::DuplicateBlock(pair[0]));
+    }
+    if let Some(&block) = ids.iter().find(|&&b| u64::from(b) >= num_blocks) {
+        return Err(GrantPlanError::BlockOutOfRange { block, num_blocks });
+    }
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for id in ids.into_iter().map(u64::from) {
+        match runs.last_mut() {
+            Some((start, count)) if *start + *count == id => *count += 1,
+            _ => runs.push((id, 1)),
+        }
+    }
+    let mut ranges = Vec::with_capacity(runs.len() * bases.len());
+    for &base in bases {
+        for &(start, count) in &runs {
+            // In range: start + count <= num_blocks, and the region (base,
+            // num_blocks * block_len) was checked not to wrap at registration.
+            ranges.push(MemoryRegion::new(base + start * block_len, count * block_len));
+        }
+    }
+    Ok(ranges)
+}
+
+/// A pull whose destination ranges cannot be granted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrantPlanError {
+    /// A block id is listed twice in one pull.
+    #[error("block {0} is listed twice in one pull")]
+    DuplicateBlock(BlockId),
+    /// A block id lies outside the cache.
+    #[error("block {block} is outside the cache of {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The block.
+        block: BlockId,
+        /// Blocks in the cache.
+        num_blocks: u64,
+    },
+}
+
 /// Splits paired block lists into runs `(local_start, remote_start, len)`
 /// where both sides advance by one (the reference's
 /// `group_concurrent_contiguous`).
@@ -163,6 +215,25 @@ mod tests {
         let g =
             PlanGeometry { local_bases: &[0], remote_bases: &[u64::MAX - 1000], block_len: 100, local_num_blocks: 10 };
         assert_eq!(plan_request(&g, local, remote, &mut ops), Err(err));
+    }
+
+    #[test]
+    fn grant_ranges_merge_runs_per_region() {
+        let ranges = grant_ranges(&[1000, 9000], 10, 8, [5, 1, 2, 3, 7]).unwrap();
+        assert_eq!(
+            ranges,
+            vec![
+                MemoryRegion::new(1010, 30),
+                MemoryRegion::new(1050, 10),
+                MemoryRegion::new(1070, 10),
+                MemoryRegion::new(9010, 30),
+                MemoryRegion::new(9050, 10),
+                MemoryRegion::new(9070, 10),
+            ]
+        );
+        assert!(grant_ranges(&[0], 10, 8, []).unwrap().is_empty());
+        assert_eq!(grant_ranges(&[0], 10, 8, [1, 2, 1]), Err(GrantPlanError::DuplicateBlock(1)));
+        assert_eq!(grant_ranges(&[0], 10, 8, [8]), Err(GrantPlanError::BlockOutOfRange { block: 8, num_blocks: 8 }));
     }
 
     #[test]

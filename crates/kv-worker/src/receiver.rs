@@ -1,11 +1,12 @@
 //! The decode side's bookkeeping (sans-IO): pulls in flight grouped by
-//! prefill side channel, their deadlines, and each request's outcome.
+//! prefill side channel, their deadlines and grants, and each request's
+//! outcome, reported only once the pull's grant is fenced.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
+use kv_proto::{BlockId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
 
 /// A prefill worker's side-channel address (its base port plus our tp rank).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,6 +36,24 @@ pub struct PullBatch {
     pub peer: SideChannelAddr,
     /// The requests and their local blocks.
     pub requests: Vec<RequestBlocks>,
+    /// When D gives up on it.
+    pub deadline: Instant,
+}
+
+/// Where a pull stands.
+#[derive(Debug)]
+enum Stage {
+    /// The transfer request is out (or about to be); no outcome yet.
+    Pulling,
+    /// Its outcome is known, but the grant may still let bytes land: not
+    /// reported until [`ReceiverCore::handle_fenced`].
+    Fencing(BatchOutcome),
+}
+
+#[derive(Debug)]
+enum BatchOutcome {
+    Replied(XferReply),
+    Failed(String),
 }
 
 #[derive(Debug)]
@@ -42,6 +61,8 @@ struct Batch {
     deadline: Instant,
     peer: SideChannelAddr,
     reqs: Vec<(ReqId, Vec<BlockId>)>,
+    grant: Option<GrantId>,
+    stage: Stage,
 }
 
 /// What finished on the decode side since the last poll.
@@ -54,6 +75,12 @@ pub struct RecvFinished {
 }
 
 /// D's pulls, driven with explicit time.
+///
+/// A pull ends by P's reply, a failure of its connection, or its deadline;
+/// whichever comes first decides its outcome and later ones are ignored. An
+/// ended pull is not reported until the driver confirms its grant is fenced
+/// ([`ReceiverCore::handle_fenced`], after `BatchWriter::revoke` returned),
+/// so the engine never reuses a block a late writer could still reach.
 #[derive(Debug)]
 pub struct ReceiverCore {
     tp_rank: u16,
@@ -77,7 +104,9 @@ impl ReceiverCore {
         }
     }
 
-    /// Starts this step's pulls: one batch per prefill side channel.
+    /// Starts this step's pulls: one batch per prefill side channel. Each
+    /// must be granted ([`ReceiverCore::handle_granted`]) before its transfer
+    /// request goes out.
     pub fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) -> Vec<PullBatch> {
         let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
         for (req, meta) in reqs {
@@ -101,63 +130,101 @@ impl ReceiverCore {
                 self.next_xfer_id += 1;
                 let requests =
                     reqs.iter().map(|(r, b)| RequestBlocks { req_id: r.clone(), block_ids: b.clone() }).collect();
-                self.batches.insert(xfer_id, Batch { deadline: now + self.timeout, peer: peer.clone(), reqs });
-                PullBatch { xfer_id, peer, requests }
+                let batch = Batch {
+                    deadline: now + self.timeout,
+                    peer: peer.clone(),
+                    reqs,
+                    grant: None,
+                    stage: Stage::Pulling,
+                };
+                self.batches.insert(xfer_id, batch);
+                PullBatch { xfer_id, peer, requests, deadline: now + self.timeout }
             })
             .collect()
     }
 
-    /// P answered a batch: each request is received or failed by its outcome;
-    /// a request the reply leaves out has failed. Late replies are ignored.
-    pub fn handle_reply(&mut self, reply: &XferReply) {
-        let Some(batch) = self.batches.remove(&reply.xfer_id) else {
-            tracing::debug!(xfer_id = reply.xfer_id, "reply for a transfer already resolved; ignored");
-            return;
-        };
-        let mut outcomes: HashMap<&ReqId, &Outcome> = HashMap::with_capacity(reply.outcomes.len());
-        for o in &reply.outcomes {
-            outcomes.insert(&o.req_id, &o.outcome);
-        }
-        for (req, blocks) in batch.reqs {
-            self.in_flight.remove(&req);
-            match outcomes.get(&req) {
-                Some(Outcome::Done) => {
-                    tracing::debug!(req_id = %req, peer = %batch.peer, blocks = blocks.len(), "KV received");
-                    self.done.received.insert(req);
-                }
-                Some(Outcome::Failed { reason }) => {
-                    tracing::warn!(req_id = %req, peer = %batch.peer, %reason, "prefill failed to send KV");
-                    self.done.failed.insert(req, blocks);
-                }
-                None => {
-                    tracing::warn!(req_id = %req, peer = %batch.peer, "prefill's reply has no outcome for the request");
-                    self.done.failed.insert(req, blocks);
-                }
-            }
+    /// The pull's grant was issued: it must be fenced before the pull is reported.
+    pub fn handle_granted(&mut self, xfer_id: u64, grant: GrantId) {
+        if let Some(batch) = self.batches.get_mut(&xfer_id) {
+            batch.grant = Some(grant);
         }
     }
 
-    /// A batch could not be completed (connection failure, hello rejected).
+    /// P answered a pull: each request will be received or failed by its
+    /// outcome (a request the reply leaves out has failed), once fenced.
+    /// Replies for pulls that already ended are ignored.
+    pub fn handle_reply(&mut self, reply: XferReply) {
+        match self.batches.get_mut(&reply.xfer_id) {
+            Some(batch) if matches!(batch.stage, Stage::Pulling) => {
+                batch.stage = Stage::Fencing(BatchOutcome::Replied(reply));
+            }
+            _ => tracing::debug!(xfer_id = reply.xfer_id, "reply for a transfer already ended; ignored"),
+        }
+    }
+
+    /// A pull could not be completed (no grant, connection failure, hello
+    /// rejected, shutdown): every request of it will fail, once fenced.
     pub fn handle_batch_failed(&mut self, xfer_id: u64, reason: &str) {
-        if let Some(batch) = self.batches.remove(&xfer_id) {
-            self.fail_batch(batch, reason);
-        }
-    }
-
-    /// Fails every batch whose deadline passed at `now`.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<u64> = self.batches.iter().filter(|(_, b)| b.deadline <= now).map(|(id, _)| *id).collect();
-        for id in expired {
-            if let Some(batch) = self.batches.remove(&id) {
-                let reason = format!("no reply within {:?}", self.timeout);
-                self.fail_batch(batch, &reason);
+        if let Some(batch) = self.batches.get_mut(&xfer_id) {
+            if matches!(batch.stage, Stage::Pulling) {
+                batch.stage = Stage::Fencing(BatchOutcome::Failed(reason.to_owned()));
             }
         }
     }
 
-    fn fail_batch(&mut self, batch: Batch, reason: &str) {
-        for (req, blocks) in batch.reqs {
-            tracing::warn!(req_id = %req, peer = %batch.peer, %reason, "KV pull failed");
+    /// Ends every pull whose deadline passed at `now` (failed, once fenced);
+    /// returns the grants the driver must revoke (then call
+    /// [`ReceiverCore::handle_fenced`]) for them.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<(u64, Option<GrantId>)> {
+        let reason = format!("no reply within {:?}", self.timeout);
+        let mut to_fence = Vec::new();
+        for (id, batch) in &mut self.batches {
+            if batch.deadline <= now && matches!(batch.stage, Stage::Pulling) {
+                batch.stage = Stage::Fencing(BatchOutcome::Failed(reason.clone()));
+                to_fence.push((*id, batch.grant));
+            }
+        }
+        to_fence
+    }
+
+    /// The pull's grant is revoked (or it never had one): no byte of it can
+    /// land any more, so its outcome is reported. A pull that had not ended
+    /// yet fails. Later calls are ignored.
+    pub fn handle_fenced(&mut self, xfer_id: u64) {
+        let Some(batch) = self.batches.remove(&xfer_id) else { return };
+        let Batch { peer, reqs, stage, .. } = batch;
+        match stage {
+            Stage::Pulling => self.fail_all(&peer, reqs, "the pull ended before an outcome"),
+            Stage::Fencing(BatchOutcome::Failed(reason)) => self.fail_all(&peer, reqs, &reason),
+            Stage::Fencing(BatchOutcome::Replied(reply)) => {
+                let mut outcomes: HashMap<&ReqId, &Outcome> = HashMap::with_capacity(reply.outcomes.len());
+                for o in &reply.outcomes {
+                    outcomes.insert(&o.req_id, &o.outcome);
+                }
+                for (req, blocks) in reqs {
+                    self.in_flight.remove(&req);
+                    match outcomes.get(&req) {
+                        Some(Outcome::Done) => {
+                            tracing::debug!(req_id = %req, %peer, blocks = blocks.len(), "KV received");
+                            self.done.received.insert(req);
+                        }
+                        Some(Outcome::Failed { reason }) => {
+                            tracing::warn!(req_id = %req, %peer, %reason, "prefill failed to send KV");
+                            self.done.failed.insert(req, blocks);
+                        }
+                        None => {
+                            tracing::warn!(req_id = %req, %peer, "prefill's reply has no outcome for the request");
+                            self.done.failed.insert(req, blocks);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail_all(&mut self, peer: &SideChannelAddr, reqs: Vec<(ReqId, Vec<BlockId>)>, reason: &str) {
+        for (req, blocks) in reqs {
+            tracing::warn!(req_id = %req, %peer, %reason, "KV pull failed");
             self.in_flight.remove(&req);
             self.done.failed.insert(req, blocks);
         }
@@ -168,12 +235,12 @@ impl ReceiverCore {
         std::mem::take(&mut self.done)
     }
 
-    /// The earliest batch deadline, for a driver's timer.
+    /// The earliest deadline of a pull still waiting, for a driver's timer.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.batches.values().map(|b| b.deadline).min()
+        self.batches.values().filter(|b| matches!(b.stage, Stage::Pulling)).map(|b| b.deadline).min()
     }
 
-    /// Requests being pulled.
+    /// Requests being pulled (their outcome not yet reported).
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
     }

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kv_proto::{BatchWriter, BlockId, ConnectorMetadata, Endpoint, Hello, ReqId, XferRequest};
+use kv_proto::{
+    BatchWriter, BlockId, ConnectorMetadata, Endpoint, Grant, GrantId, Hello, RegionAccess, ReqId, XferRequest,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -15,6 +17,7 @@ use tokio_util::task::TaskTracker;
 use crate::cache::OwnedKvCache;
 use crate::config::WorkerConfig;
 use crate::layout::RegisteredCache;
+use crate::plan::grant_ranges;
 use crate::receiver::{PullBatch, ReceiverCore, SideChannelAddr};
 use crate::sender::SenderCore;
 use crate::side_channel::client::{ClientSettings, SideChannelClient};
@@ -66,7 +69,7 @@ impl Shared {
         self.sender.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn lock_receiver(&self) -> MutexGuard<'_, ReceiverCore> {
+    pub(crate) fn lock_receiver(&self) -> MutexGuard<'_, ReceiverCore> {
         self.receiver.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
@@ -92,6 +95,27 @@ impl Shared {
     }
 }
 
+/// Issues the grant of a pull: exactly the blocks of its requests, valid
+/// until its deadline.
+async fn grant_pull(shared: &Shared, requests: &[kv_proto::RequestBlocks], deadline: Instant) -> Result<Grant, String> {
+    let cache = &shared.cache;
+    let blocks = requests.iter().flat_map(|r| r.block_ids.iter().copied());
+    let ranges = grant_ranges(&cache.base_addrs(), cache.block_len(), cache.num_blocks(), blocks)
+        .map_err(|e| format!("cannot grant the pull's blocks: {e}"))?;
+    let valid_for = deadline.saturating_duration_since(Instant::now());
+    shared.writer.grant(&ranges, valid_for).await.map_err(|e| format!("cannot grant the pull's blocks: {e}"))
+}
+
+/// Revokes a pull's grant, then lets its outcome be reported: no byte of it
+/// can land once the engine learns the blocks are received or failed.
+async fn fence(shared: &Shared, xfer_id: u64, grant: Option<GrantId>) {
+    if let Some(grant) = grant {
+        shared.writer.revoke(&grant).await;
+    }
+    shared.lock_receiver().handle_fenced(xfer_id);
+    shared.finished_changed.notify_waiters();
+}
+
 /// A connector worker: serves pulls of this instance's KV (P) and pulls KV
 /// from prefill instances (D), per its role.
 ///
@@ -115,9 +139,9 @@ impl Worker {
         let writer = crate::transport::open(&config).await?;
         let registered = cache.registered().clone();
         // SAFETY: the regions are `cache`'s own allocations, kept alive by the
-        // worker's shared state (and so by every task) and by the writer's
-        // shutdown path (`Drop` shuts the writer down before releasing them);
-        // the writer was created here and is not shared with anyone else.
+        // worker's shared state, which the writer's tasks never outlive: the
+        // writer was created here for this worker alone, and both `shutdown`
+        // and `Drop` close it before the shared state can go.
         unsafe { Self::start_inner(config, registered, writer, Some(cache)).await }
     }
 
@@ -125,11 +149,12 @@ impl Worker {
     ///
     /// # Safety
     ///
-    /// Every region of `cache` must stay valid for reads and writes until
-    /// the writer is shut down and dropped (not merely this worker), and the
-    /// engine must follow [`BatchWriter::register_regions`]'s rule: it does
-    /// not read a block before it is reported received, nor write one that is
-    /// being sent.
+    /// The memory-lifetime rule of [`BatchWriter`] applies to every region of
+    /// `cache`: valid until [`Worker::shutdown`]`.await` has returned
+    /// (dropping the worker closes the writer synchronously, which ends all
+    /// access too). The engine does not read a block of a pull before the
+    /// worker reported it received or failed, and does not change a block
+    /// while it is being sent (before it is reported finished sending).
     pub async unsafe fn start_with_writer(
         config: WorkerConfig,
         cache: RegisteredCache,
@@ -148,8 +173,18 @@ impl Worker {
         if writer.protocol() != config.protocol {
             return Err(WorkerError::ProtocolMismatch { configured: config.protocol, writer: writer.protocol() });
         }
-        // SAFETY: the caller's contract covers the regions' validity.
-        unsafe { writer.register_regions(cache.regions()) }.map_err(WorkerError::Transport)?;
+        // Least privilege: a worker that only sends registers no destination
+        // (no peer can ever write into it); one that only receives, no source.
+        if config.role.sends() {
+            // SAFETY: the caller's contract covers the regions' validity.
+            unsafe { writer.register_regions(cache.regions(), RegionAccess::Source) }
+                .map_err(WorkerError::Transport)?;
+        }
+        if config.role.receives() {
+            // SAFETY: as above.
+            unsafe { writer.register_regions(cache.regions(), RegionAccess::Destination) }
+                .map_err(WorkerError::Transport)?;
+        }
         let endpoint = writer.endpoint();
         let runtime = tokio::runtime::Handle::current();
         let listener = if config.role.sends() {
@@ -240,10 +275,24 @@ impl Worker {
         let shared = self.shared.clone();
         let _guard = self.runtime.enter();
         self.shared.tracker.spawn(async move {
-            let PullBatch { xfer_id, peer, requests } = batch;
+            let PullBatch { xfer_id, peer, requests, deadline } = batch;
+            let grant = match grant_pull(&shared, &requests, deadline).await {
+                Ok(grant) => grant,
+                Err(reason) => {
+                    let mut receiver = shared.lock_receiver();
+                    receiver.handle_batch_failed(xfer_id, &reason);
+                    receiver.handle_fenced(xfer_id);
+                    drop(receiver);
+                    shared.finished_changed.notify_waiters();
+                    return;
+                }
+            };
+            shared.lock_receiver().handle_granted(xfer_id, grant.id);
             let request = XferRequest {
                 xfer_id,
                 endpoint: shared.writer.endpoint(),
+                grant: grant.clone(),
+                wait_budget: deadline.saturating_duration_since(Instant::now()),
                 region_base_addrs: shared.cache.base_addrs(),
                 requests,
             };
@@ -251,18 +300,16 @@ impl Worker {
             let timeout = shared.config.transfer_timeout;
             let result = tokio::select! {
                 () = shared.cancel.cancelled() => Err("decode worker shutting down".to_owned()),
-                r = tokio::time::timeout(timeout, client.request(request)) => match r {
+                r = tokio::time::timeout_at(deadline.into(), client.request(request)) => match r {
                     Ok(r) => r,
                     Err(_) => Err(format!("no reply from {peer} within {timeout:?}")),
                 },
             };
-            let mut receiver = shared.lock_receiver();
             match result {
-                Ok(reply) => receiver.handle_reply(&reply),
-                Err(reason) => receiver.handle_batch_failed(xfer_id, &reason),
+                Ok(reply) => shared.lock_receiver().handle_reply(reply),
+                Err(reason) => shared.lock_receiver().handle_batch_failed(xfer_id, &reason),
             }
-            drop(receiver);
-            shared.finished_changed.notify_waiters();
+            fence(&shared, xfer_id, Some(grant.id)).await;
         });
     }
 
@@ -279,8 +326,17 @@ impl Worker {
         }
         if self.shared.config.role.receives() {
             let mut receiver = self.shared.lock_receiver();
-            receiver.handle_timeout(now);
+            let expired = receiver.handle_timeout(now);
             let done = receiver.poll_finished();
+            drop(receiver);
+            // A pull past its deadline is normally ended by its own task; if
+            // that task is late, fence it here. Either way it is reported
+            // only once its grant is revoked.
+            for (xfer_id, grant) in expired {
+                let shared = self.shared.clone();
+                let _guard = self.runtime.enter();
+                self.shared.tracker.spawn(async move { fence(&shared, xfer_id, grant).await });
+            }
             finished.receiving = done.received;
             finished.failed_receiving = done.failed;
         }
@@ -325,8 +381,10 @@ impl Drop for Worker {
         if !self.shutdown_on_drop {
             return;
         }
-        // Owned memory must outlive the transport's tasks: release it only
-        // after the writer is shut down.
+        // The memory-lifetime rule: once the drop returns, no byte of the
+        // registered memory is touched (the engine may free it).
+        self.shared.writer.close();
+        // Sockets and tasks wind down in the background.
         let shared = self.shared.clone();
         self.runtime.spawn(async move {
             shared.tracker.wait().await;

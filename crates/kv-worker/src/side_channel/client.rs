@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use kv_proto::auth;
+use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{FrameCodec, Hello, HelloReply, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
@@ -15,7 +15,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::AuthSecret;
-use crate::nonce;
 use crate::receiver::SideChannelAddr;
 use crate::side_channel::SideChannelCodec;
 
@@ -113,8 +112,9 @@ impl SideChannelClient {
             .map_err(|e| format!("cannot connect to prefill side channel {}: {e}", self.peer))?;
         let _ = stream.set_nodelay(true);
         let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(self.settings.max_frame_len)));
-        let client_nonce = nonce::fresh().ok_or("no OS randomness for the side-channel nonce")?;
+        let client_nonce = auth::fresh_nonce().ok_or("no OS randomness for the side-channel nonce")?;
         let hello = Hello { client_nonce, ..self.settings.hello.clone() };
+        let context = hello.auth_context();
         framed.send(SideMessage::Hello(hello)).await.map_err(|e| e.to_string())?;
         let mut reply = self.next_reply(&mut framed).await?;
         if let HelloReply::Challenge { server_nonce, server_proof } = reply {
@@ -124,12 +124,17 @@ impl SideChannelClient {
                     self.peer
                 ));
             };
-            let expected = auth::server_proof(secret.bytes(), &client_nonce, &server_nonce);
-            if !auth::proofs_match(&expected, &server_proof) {
+            let transcript = Transcript {
+                channel: Channel::SideChannel,
+                client_nonce: &client_nonce,
+                server_nonce: &server_nonce,
+                context: &context,
+            };
+            if !auth::verify_server_proof(secret, &transcript, &server_proof) {
                 tracing::error!(peer = %self.peer, "prefill failed to prove the side-channel shared secret");
                 return Err(format!("prefill {} failed to prove the shared secret", self.peer));
             }
-            let proof = auth::client_proof(secret.bytes(), &server_nonce, &client_nonce);
+            let proof = auth::client_proof(secret, &transcript);
             framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| e.to_string())?;
             reply = self.next_reply(&mut framed).await?;
         } else if self.settings.auth_secret.is_some() && matches!(reply, HelloReply::Accepted { .. }) {

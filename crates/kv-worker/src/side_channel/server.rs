@@ -2,20 +2,21 @@
 //! transfer requests on a bounded queue and answers each with one outcome per
 //! request.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
-use kv_proto::auth;
+use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{
-    FrameCodec, Hello, HelloReply, Outcome, ReqId, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest,
+    BlockId, Endpoint, FrameCodec, Grant, Hello, HelloReply, Outcome, RequestOutcome, SideMessage, WriteOp, XferReply,
+    XferRequest,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::codec::Framed;
 
-use crate::config::AuthSecret;
-use crate::nonce;
+use crate::config::{AuthSecret, DataEndpointPolicy};
 use crate::plan::{plan_request, PlanGeometry};
 use crate::sender::Claim;
 use crate::side_channel::SideChannelCodec;
@@ -33,7 +34,7 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
                 let _ = stream.set_nodelay(true);
                 let conn_shared = shared.clone();
                 shared.tracker.spawn(async move {
-                    match serve_connection(conn_shared, stream).await {
+                    match serve_connection(conn_shared, stream, peer).await {
                         Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
                         Err(reason) => tracing::warn!(%peer, %reason, "side-channel connection dropped"),
                     }
@@ -63,7 +64,7 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     Ok(())
 }
 
-async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) -> Result<(), String> {
+async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) -> Result<(), String> {
     let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
     let first = tokio::select! {
         () = shared.cancel.cancelled() => return Ok(()),
@@ -111,10 +112,11 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) -> Result<(), 
                 Err(_) => return Ok(()),
             },
         };
+        let received_at = Instant::now();
         let job_shared = shared.clone();
         let job_sink = sink.clone();
         shared.tracker.spawn(async move {
-            let reply = serve_transfer(&job_shared, request, permit).await;
+            let reply = serve_transfer(&job_shared, request, peer.ip(), received_at, permit).await;
             let xfer_id = reply.xfer_id;
             if let Err(e) = job_sink.lock().await.send(SideMessage::XferReply(reply)).await {
                 tracing::warn!(xfer_id, error = %e, "cannot send transfer reply");
@@ -131,12 +133,19 @@ async fn authenticate(
     hello: &Hello,
     framed: &mut Framed<TcpStream, SideChannelCodec>,
 ) -> Result<(), String> {
-    let Some(server_nonce) = nonce::fresh() else {
+    let Some(server_nonce) = auth::fresh_nonce() else {
         let reason = "no OS randomness for the side-channel nonce".to_owned();
         let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
         return Err(reason);
     };
-    let server_proof = auth::server_proof(secret.bytes(), &hello.client_nonce, &server_nonce);
+    let context = hello.auth_context();
+    let transcript = Transcript {
+        channel: Channel::SideChannel,
+        client_nonce: &hello.client_nonce,
+        server_nonce: &server_nonce,
+        context: &context,
+    };
+    let server_proof = auth::server_proof(secret, &transcript);
     framed
         .send(SideMessage::HelloReply(HelloReply::Challenge { server_nonce, server_proof }))
         .await
@@ -150,7 +159,7 @@ async fn authenticate(
         Some(Err(e)) => return Err(e.to_string()),
         None => return Err("closed during authentication".to_owned()),
     };
-    if !auth::proofs_match(&auth::client_proof(secret.bytes(), &server_nonce, &hello.client_nonce), &proof) {
+    if !auth::verify_client_proof(secret, &transcript, &proof) {
         tracing::error!(peer_engine = %hello.engine_id, "decode instance failed side-channel authentication");
         let reason = "side-channel authentication failed".to_owned();
         let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
@@ -169,97 +178,228 @@ fn message_name(msg: &SideMessage) -> &'static str {
     }
 }
 
-/// Waits until `req` is ready on P (bounded by the lease), then claims it.
-async fn claim_when_ready(shared: &Shared, req: &ReqId, deadline: tokio::time::Instant) -> Result<Vec<u32>, String> {
+/// Why a claim gives no blocks to send, for the request's outcome.
+fn claim_failure(claim: &Claim) -> Option<&'static str> {
+    match claim {
+        Claim::Ready(_) | Claim::NotReady => None,
+        Claim::Unknown => Some("request unknown to prefill (never scheduled there, aborted, or already sent)"),
+        Claim::Expired => Some("request's lease on prefill had ended; its blocks were freed"),
+        Claim::InFlight => Some("request is already being sent to another pull"),
+    }
+}
+
+fn failed(reason: impl Into<String>) -> Outcome {
+    Outcome::Failed { reason: reason.into() }
+}
+
+/// Whether two addresses are one host: equal, or both loopback (a D that
+/// reaches P at `localhost` may advertise `127.0.0.1`).
+fn same_host(a: IpAddr, b: IpAddr) -> bool {
+    let (a, b) = (a.to_canonical(), b.to_canonical());
+    a == b || (a.is_loopback() && b.is_loopback())
+}
+
+/// The endpoint P may write to for a transfer request that came from
+/// `peer_ip`, resolved to the address that passed the check (so the
+/// transport connects exactly there), or why not.
+async fn checked_endpoint(shared: &Shared, endpoint: &Endpoint, peer_ip: IpAddr) -> Result<Endpoint, String> {
+    let ours = shared.writer.protocol();
+    if endpoint.protocol != ours {
+        return Err(format!("decode endpoint uses {}, prefill uses {ours}", endpoint.protocol));
+    }
+    let extra: &[IpAddr] = match &shared.config.data_endpoint_policy {
+        DataEndpointPolicy::Any => return Ok(endpoint.clone()),
+        DataEndpointPolicy::SamePeerHost => &[],
+        DataEndpointPolicy::SamePeerHostOr(extra) => extra,
+    };
+    endpoint.check_address().map_err(|reason| format!("bad decode endpoint {endpoint}: {reason}"))?;
+    let after = shared.config.connect_timeout;
+    let resolved: Vec<SocketAddr> = tokio::time::timeout(after, tokio::net::lookup_host(endpoint.address.as_str()))
+        .await
+        .map_err(|_| format!("resolving decode endpoint {endpoint} timed out after {after:?}"))?
+        .map_err(|e| format!("cannot resolve decode endpoint {endpoint}: {e}"))?
+        .collect();
+    let allowed = resolved
+        .iter()
+        .find(|addr| same_host(addr.ip(), peer_ip) || extra.iter().any(|&ip| same_host(addr.ip(), ip)))
+        .ok_or_else(|| {
+            format!(
+                "decode endpoint {endpoint} is not on the host the side channel came from ({peer_ip}) \
+                 nor on the allowed list; refusing to write there"
+            )
+        })?;
+    Ok(Endpoint { address: allowed.to_string(), ..endpoint.clone() })
+}
+
+/// Serves one transfer request: every request of it is claimed as soon as it
+/// is ready on P (all at once when they are), and each group that becomes
+/// ready is written at once, so one slow request cannot starve the others'
+/// leases. Nothing is written once D's wait budget has passed.
+async fn serve_transfer(
+    shared: &Shared,
+    request: XferRequest,
+    peer_ip: IpAddr,
+    received_at: Instant,
+    _admitted: OwnedSemaphorePermit,
+) -> XferReply {
+    let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
+    let budget_end = received_at + wait_budget;
+    let ready_wait_end = budget_end.min(received_at + shared.config.abort_request_timeout);
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; requests.len()];
+    let endpoint = match checked_endpoint(shared, &endpoint, peer_ip).await {
+        Ok(endpoint) => endpoint,
+        Err(reason) => {
+            tracing::error!(xfer_id, peer = %peer_ip, %reason, "refusing transfer request");
+            let outcomes =
+                requests.into_iter().map(|r| RequestOutcome { req_id: r.req_id, outcome: failed(&reason) }).collect();
+            return XferReply { xfer_id, outcomes };
+        }
+    };
+    let local_bases = shared.cache.base_addrs();
+    let target = Target {
+        endpoint: &endpoint,
+        grant: &grant,
+        budget_end,
+        geometry: PlanGeometry {
+            local_bases: &local_bases,
+            remote_bases: &region_base_addrs,
+            block_len: shared.cache.block_len(),
+            local_num_blocks: shared.cache.num_blocks(),
+        },
+    };
+    let mut pending: Vec<usize> = (0..requests.len()).collect();
     loop {
         let changed = shared.sender_changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let claim = shared.lock_sender().claim(req, Instant::now());
-        match claim {
-            Claim::Ready(blocks) => return Ok(blocks),
-            Claim::Unknown => {
-                return Err("request unknown to prefill (never scheduled there, aborted, or already sent)".into())
-            }
-            Claim::Expired => return Err("request's lease on prefill had ended; its blocks were freed".into()),
-            Claim::InFlight => return Err("request is already being sent to another pull".into()),
-            Claim::NotReady => {}
-        }
-        tokio::select! {
-            () = shared.cancel.cancelled() => return Err("prefill worker shutting down".into()),
-            () = &mut changed => {}
-            () = tokio::time::sleep_until(deadline) => {
-                return Err(format!("request not finished on prefill within {:?}", shared.config.abort_request_timeout));
-            }
-        }
-    }
-}
-
-async fn serve_transfer(shared: &Shared, request: XferRequest, _admitted: OwnedSemaphorePermit) -> XferReply {
-    let XferRequest { xfer_id, endpoint, region_base_addrs, requests } = request;
-    let started = Instant::now();
-    let wait_deadline = tokio::time::Instant::now() + shared.config.abort_request_timeout;
-    let mut outcomes: Vec<RequestOutcome> = Vec::with_capacity(requests.len());
-    let mut claimed: Vec<usize> = Vec::with_capacity(requests.len());
-    let mut ops: Vec<WriteOp> = Vec::new();
-    let local_bases = shared.cache.base_addrs();
-    let geometry = PlanGeometry {
-        local_bases: &local_bases,
-        remote_bases: &region_base_addrs,
-        block_len: shared.cache.block_len(),
-        local_num_blocks: shared.cache.num_blocks(),
-    };
-    let endpoint_error = (endpoint.protocol != shared.writer.protocol())
-        .then(|| format!("decode endpoint uses {}, prefill uses {}", endpoint.protocol, shared.writer.protocol()));
-    for (index, r) in requests.iter().enumerate() {
-        if let Some(reason) = &endpoint_error {
-            outcomes
-                .push(RequestOutcome { req_id: r.req_id.clone(), outcome: Outcome::Failed { reason: reason.clone() } });
-            continue;
-        }
-        let outcome = match claim_when_ready(shared, &r.req_id, wait_deadline).await {
-            Err(reason) => Outcome::Failed { reason },
-            Ok(local_blocks) => {
-                let before = ops.len();
-                match plan_request(&geometry, &local_blocks, &r.block_ids, &mut ops) {
-                    Ok(()) => {
-                        claimed.push(index);
-                        Outcome::Done
+        let mut ready: Vec<(usize, Vec<BlockId>)> = Vec::new();
+        {
+            let mut sender = shared.lock_sender();
+            let now = Instant::now();
+            pending.retain(|&index| {
+                let claim = sender.claim(&requests[index].req_id, now);
+                match claim {
+                    Claim::NotReady => true,
+                    Claim::Ready(blocks) => {
+                        ready.push((index, blocks));
+                        false
                     }
-                    Err(e) => {
-                        ops.truncate(before);
-                        shared.lock_sender().complete(&r.req_id);
-                        tracing::warn!(xfer_id, req_id = %r.req_id, error = %e, "cannot plan transfer; blocks freed");
-                        Outcome::Failed { reason: e.to_string() }
+                    other => {
+                        outcomes[index] = claim_failure(&other).map(failed);
+                        false
                     }
                 }
+            });
+        }
+        if !ready.is_empty() {
+            write_ready(shared, xfer_id, &target, &requests, ready, &mut outcomes).await;
+        }
+        if pending.is_empty() {
+            break;
+        }
+        let reason = tokio::select! {
+            () = shared.cancel.cancelled() => Some("prefill worker shutting down".to_owned()),
+            () = &mut changed => None,
+            () = tokio::time::sleep_until(ready_wait_end.into()) => Some(if ready_wait_end == budget_end {
+                format!("request not finished on prefill within decode's wait budget of {wait_budget:?}")
+            } else {
+                format!("request not finished on prefill within {:?}", shared.config.abort_request_timeout)
+            }),
+        };
+        if let Some(reason) = reason {
+            for index in pending.drain(..) {
+                outcomes[index] = Some(failed(&reason));
             }
-        };
-        outcomes.push(RequestOutcome { req_id: r.req_id.clone(), outcome });
+            break;
+        }
     }
+    shared.finished_changed.notify_waiters();
+    let outcomes = requests
+        .into_iter()
+        .zip(outcomes)
+        .map(|(r, outcome)| RequestOutcome {
+            req_id: r.req_id,
+            outcome: outcome.unwrap_or_else(|| failed("no outcome recorded")),
+        })
+        .collect();
+    XferReply { xfer_id, outcomes }
+}
 
-    if !claimed.is_empty() {
-        let write_result = if ops.is_empty() {
-            Ok(())
-        } else {
-            // The semaphore is never closed; a closed one would only lift the bound.
-            let _slot = shared.transfer_slots.acquire().await.ok();
-            let bytes: u64 = ops.iter().map(|o| o.len).sum();
-            let result = shared.writer.batch_write(&endpoint, &ops).await;
-            tracing::debug!(xfer_id, peer = %endpoint, ops = ops.len(), bytes, elapsed_us = started.elapsed().as_micros() as u64, ok = result.is_ok(), "batch written");
-            result
-        };
-        let mut sender = shared.lock_sender();
-        for &index in &claimed {
-            let req_id = &requests[index].req_id;
-            sender.complete(req_id);
-            if let Err(e) = &write_result {
-                tracing::warn!(xfer_id, req_id = %req_id, peer = %endpoint, error = %e, "sending KV failed; blocks freed, decode told");
-                outcomes[index].outcome = Outcome::Failed { reason: e.to_string() };
+/// Where and under what a transfer request's writes go.
+struct Target<'a> {
+    endpoint: &'a Endpoint,
+    grant: &'a Grant,
+    budget_end: Instant,
+    geometry: PlanGeometry<'a>,
+}
+
+/// Plans and writes the requests that just became ready (claimed, so P holds
+/// their blocks), as one batch; records each one's outcome and releases it.
+async fn write_ready(
+    shared: &Shared,
+    xfer_id: u64,
+    target: &Target<'_>,
+    requests: &[kv_proto::RequestBlocks],
+    ready: Vec<(usize, Vec<BlockId>)>,
+    outcomes: &mut [Option<Outcome>],
+) {
+    let started = Instant::now();
+    let mut ops: Vec<WriteOp> = Vec::new();
+    let mut planned: Vec<usize> = Vec::with_capacity(ready.len());
+    for (index, local_blocks) in ready {
+        let before = ops.len();
+        match plan_request(&target.geometry, &local_blocks, &requests[index].block_ids, &mut ops) {
+            Ok(()) => planned.push(index),
+            Err(e) => {
+                ops.truncate(before);
+                tracing::warn!(xfer_id, req_id = %requests[index].req_id, error = %e, "cannot plan transfer; blocks freed");
+                outcomes[index] = Some(failed(e.to_string()));
+                shared.lock_sender().complete(&requests[index].req_id);
             }
         }
     }
+    let written: Result<(), String> = if ops.is_empty() {
+        Ok(())
+    } else {
+        let budget_end = tokio::time::Instant::from_std(target.budget_end);
+        let out_of_budget = || "decode's wait budget passed before the KV was written".to_owned();
+        async {
+            // Bounded by D's budget: past it D has revoked the grant anyway.
+            let slot = tokio::select! {
+                () = shared.cancel.cancelled() => return Err("prefill worker shutting down".to_owned()),
+                () = tokio::time::sleep_until(budget_end) => return Err(out_of_budget()),
+                // The semaphore is never closed; a closed one would only lift the bound.
+                slot = shared.transfer_slots.acquire() => slot.ok(),
+            };
+            if Instant::now() >= target.budget_end {
+                return Err(out_of_budget());
+            }
+            let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let result = tokio::select! {
+                () = shared.cancel.cancelled() => Err("prefill worker shutting down".to_owned()),
+                r = tokio::time::timeout_at(budget_end, shared.writer.batch_write(target.endpoint, target.grant, &ops)) => match r {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(out_of_budget()),
+                },
+            };
+            drop(slot);
+            tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = ops.len(), bytes, elapsed_us = started.elapsed().as_micros() as u64, ok = result.is_ok(), "batch written");
+            result
+        }
+        .await
+    };
+    let mut sender = shared.lock_sender();
+    for index in planned {
+        let req_id = &requests[index].req_id;
+        sender.complete(req_id);
+        outcomes[index] = Some(match &written {
+            Ok(()) => Outcome::Done,
+            Err(reason) => {
+                tracing::warn!(xfer_id, req_id = %req_id, peer = %target.endpoint, %reason, "sending KV failed; blocks freed, decode told");
+                failed(reason)
+            }
+        });
+    }
+    drop(sender);
     shared.sender_changed.notify_waiters();
-    shared.finished_changed.notify_waiters();
-    XferReply { xfer_id, outcomes }
 }
