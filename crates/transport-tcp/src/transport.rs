@@ -4,16 +4,20 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, TransportError, WriteOp};
+use kv_proto::{
+    BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp,
+};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::client::{self, Pool};
+use crate::client::{self, Admitted, Pool};
 use crate::config::TcpConfig;
 use crate::memory::{LocalMemory, SourceError, Sources};
 use crate::server;
@@ -35,13 +39,15 @@ pub(crate) struct Shared {
     pub(crate) next_batch_id: AtomicU64,
 }
 
-/// A [`BatchWriter`] over TCP: serves peers' batches into the registered
-/// memory and writes batches into peers' memory.
+/// A [`BatchWriter`] over TCP: serves peers' batches into its destination
+/// memory under the grants it issued, and writes batches from its source
+/// memory into peers' memory under the grants they issued.
 ///
 /// Created by [`TcpTransport::bind`] inside a tokio runtime, whose tasks it
-/// uses. [`BatchWriter::shutdown`] stops the listener and every connection and
-/// waits for them; dropping the last handle cancels them too, and no byte of
-/// registered memory is touched once the drop has returned.
+/// uses. [`BatchWriter::close`] ends all access to registered memory at once;
+/// [`BatchWriter::shutdown`] closes, then stops the listener and every
+/// connection and waits for them; dropping the last handle closes too, so no
+/// byte of registered memory is touched once the drop has returned.
 #[derive(Debug)]
 pub struct TcpTransport {
     shared: Arc<Shared>,
@@ -112,15 +118,112 @@ impl TcpTransport {
     pub fn idle_connections(&self) -> usize {
         self.shared.pool.len()
     }
+
+    /// Grants issued and neither revoked nor expired and purged.
+    pub fn live_grants(&self) -> usize {
+        self.shared.memory.live_grants()
+    }
+
+    /// Writes a batch of at least `parallel_min_bytes` over `streams`
+    /// connections, refused whole if any part is refused: every part first
+    /// asks the receiver to admit it (header and op list, no payload), and
+    /// payloads follow only once every part was admitted. Otherwise the
+    /// admitted parts are abandoned: their connections close before any
+    /// payload byte, so the receiver writes nothing of them.
+    async fn write_split(
+        &self,
+        peer: &Endpoint,
+        grant: GrantId,
+        ops: &[WriteOp],
+        total: u64,
+        streams: usize,
+    ) -> Result<(), TransportError> {
+        let join_error = |join: tokio::task::JoinError| TransportError::Io {
+            peer: peer.to_string(),
+            source: std::io::Error::other(join),
+        };
+        // Step 1: every part asks for admission at once, each on its own connection.
+        let asks: Vec<JoinHandle<Result<AdmittedPart, TransportError>>> = split::split_by_bytes(ops, total, streams)
+            .into_iter()
+            .map(|part| {
+                let shared = Arc::clone(&self.shared);
+                let address = peer.address.clone();
+                self.shared.tracker.spawn(async move {
+                    let admitted = {
+                        let sources = Sources::check(&shared.memory, &part).map_err(source_error)?;
+                        client::precheck(&shared, &address, grant, &sources).await?
+                    };
+                    Ok((admitted, part))
+                })
+            })
+            .collect();
+        let mut admitted = Vec::with_capacity(asks.len());
+        let mut failure: Option<TransportError> = None;
+        for ask in asks {
+            match ask.await.unwrap_or_else(|join| Err(join_error(join))) {
+                Ok(part) => admitted.push(part),
+                Err(error) => failure = Some(more_telling(failure, error)),
+            }
+        }
+        if let Some(error) = failure {
+            debug!(peer = %peer, grant = %grant, abandoned = admitted.len(), %error,
+                "a part of a split batch was not admitted: abandoning the admitted parts, nothing sent");
+            drop(admitted);
+            return Err(error);
+        }
+        // Step 2: every part was admitted: the payloads, each part on its own
+        // task so the copies run on several cores; every part is awaited, so
+        // on return none is still writing.
+        let sends: Vec<JoinHandle<Result<(), TransportError>>> = admitted
+            .into_iter()
+            .map(|(admitted, part)| {
+                let shared = Arc::clone(&self.shared);
+                let address = peer.address.clone();
+                self.shared.tracker.spawn(async move {
+                    let sources = Sources::check(&shared.memory, &part).map_err(source_error)?;
+                    client::finish(&shared, &address, admitted, &sources).await
+                })
+            })
+            .collect();
+        let mut result = Ok(());
+        for send in sends {
+            let outcome = send.await.unwrap_or_else(|join| Err(join_error(join)));
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        result
+    }
+}
+
+/// A part of a split batch the receiver admitted, with its ops.
+type AdmittedPart = (Admitted, Vec<WriteOp>);
+
+/// The error a batch reports when several parts failed: a refusal (the
+/// peer's verdict on the batch) over a connection error, else the first.
+fn more_telling(first: Option<TransportError>, next: TransportError) -> TransportError {
+    match first {
+        Some(first @ TransportError::Refused { .. }) => first,
+        Some(_) if matches!(next, TransportError::Refused { .. }) => next,
+        Some(first) => first,
+        None => next,
+    }
+}
+
+fn source_error(error: SourceError) -> TransportError {
+    match error {
+        SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
+            TransportError::SourceOutOfBounds { addr, len }
+        }
+        SourceError::Closed => TransportError::Shutdown,
+    }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.shared.token.cancel();
         // After this no task touches registered memory, so the caller may
         // free it as soon as the drop returns.
-        self.shared.memory.close();
-        self.shared.pool.clear();
+        self.close();
     }
 }
 
@@ -130,25 +233,45 @@ impl BatchWriter for TcpTransport {
         Protocol::Tcp
     }
 
-    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
-        if self.shared.token.is_cancelled() {
+    unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
+        if self.shared.token.is_cancelled() || self.shared.memory.is_closed() {
             return Err(TransportError::Shutdown);
         }
         // SAFETY: the caller guarantees (this method's contract) that each
-        // region is valid for reads and writes for as long as this writer
-        // lives; `Drop` closes the memory before the writer is gone, which is
-        // what `LocalMemory::register` requires.
-        unsafe { self.shared.memory.register(regions) }?;
+        // region is valid for reads (and writes, for destinations) until
+        // `shutdown().await` or `close()` returned or the last handle was
+        // dropped; each of those closes the memory first, which is what
+        // `RegisteredMemory::register` requires.
+        unsafe { self.shared.memory.register(regions, access) }?;
         Ok(())
     }
 
     fn endpoint(&self) -> Endpoint {
-        // Advertise the registered regions so a sender spreading a batch over
-        // several connections can refuse a bad batch whole (see `split`).
-        Endpoint { details: split::encode_regions(&self.shared.memory.regions()), ..self.endpoint.clone() }
+        // Nothing transport-specific for TCP: the receiver checks every batch
+        // against the grant it names.
+        self.endpoint.clone()
     }
 
-    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
+    async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
+        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
+        match self.shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
+            Ok(()) => {
+                debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
+                Ok(Grant::plain(id))
+            }
+            Err(GrantError::Closed) => Err(TransportError::Shutdown),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    async fn revoke(&self, grant: &GrantId) {
+        // The fence: returns once no `readv` under the grant is in progress,
+        // and none can start (see `memory`).
+        let was_live = self.shared.memory.revoke(grant);
+        debug!(grant = %grant, was_live, "grant revoked");
+    }
+
+    async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {
         let shared = &*self.shared;
         if shared.token.is_cancelled() {
             return Err(TransportError::Shutdown);
@@ -161,53 +284,18 @@ impl BatchWriter for TcpTransport {
             });
         }
         peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: peer.to_string(), reason })?;
-        let sources = Sources::check(&shared.memory, ops).map_err(|error| match error {
-            SourceError::Outside { addr, len } => TransportError::SourceOutOfBounds { addr, len },
-            SourceError::TotalOverflows { addr, len } => TransportError::SourceOutOfBounds { addr, len },
-            SourceError::Closed => TransportError::Shutdown,
-        })?;
+        let sources = Sources::check(&shared.memory, ops).map_err(source_error)?;
         if ops.is_empty() {
             return Ok(());
         }
-        let streams =
-            split::stream_count(sources.total(), shared.config.parallel_streams, shared.config.parallel_min_bytes);
-        let peer_regions = if streams > 1 { split::decode_regions(&peer.details) } else { None };
+        let total = sources.total();
+        let streams = split::stream_count(total, shared.config.parallel_streams, shared.config.parallel_min_bytes);
         let written = async {
-            let Some(peer_regions) = peer_regions else {
-                return client::write_batch(shared, &peer.address, &sources).await;
-            };
-            if let Some((index, op)) = split::first_outside(ops, &peer_regions) {
-                return Err(TransportError::Refused {
-                    peer: peer.to_string(),
-                    reason: format!(
-                        "op {index}: destination {:#x}+{} is outside the regions the peer advertises",
-                        op.dst, op.len
-                    ),
-                });
+            if streams > 1 {
+                self.write_split(peer, grant.id, ops, total, streams).await
+            } else {
+                client::write_batch(shared, &peer.address, grant.id, &sources).await
             }
-            // Each part on its own task, so the parts' copies run on several
-            // cores; every part is awaited, so on return none is still writing.
-            let tasks: Vec<_> = split::split_by_bytes(ops, sources.total(), streams)
-                .into_iter()
-                .map(|part| {
-                    let shared = Arc::clone(&self.shared);
-                    let address = peer.address.clone();
-                    self.shared.tracker.spawn(async move {
-                        let sources = Sources::check(&shared.memory, &part).map_err(|_| TransportError::Shutdown)?;
-                        client::write_batch(&shared, &address, &sources).await
-                    })
-                })
-                .collect();
-            let mut result = Ok(());
-            for task in tasks {
-                let outcome = task.await.unwrap_or_else(|join| {
-                    Err(TransportError::Io { peer: peer.to_string(), source: std::io::Error::other(join) })
-                });
-                if result.is_ok() {
-                    result = outcome;
-                }
-            }
-            result
         };
         tokio::select! {
             biased;
@@ -216,11 +304,17 @@ impl BatchWriter for TcpTransport {
         }
     }
 
-    async fn shutdown(&self) {
+    fn close(&self) {
         let shared = &*self.shared;
         shared.token.cancel();
+        // Waits for any raw access in progress; none starts after it.
         shared.memory.close();
         shared.pool.clear();
+    }
+
+    async fn shutdown(&self) {
+        self.close();
+        let shared = &*self.shared;
         shared.tracker.close();
         shared.tracker.wait().await;
         debug!(local_addr = %self.local_addr, "data-plane transport shut down");

@@ -1,11 +1,13 @@
 //! A large batch spread over several connections: every byte arrives, and a
-//! bad op still gets the whole batch refused with nothing written.
+//! bad op still gets the whole batch refused with nothing written, because
+//! every part is admitted by the receiver before any payload is sent.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::{check, fill, ops, Node};
-use kv_proto::{BatchWriter, TransportError, WriteOp};
+use common::{check, dst_ranges, fill, ops, Node};
+use kv_proto::{BatchWriter, MemoryRegion, TransportError, WriteOp};
+use rstest::rstest;
 use transport_tcp::TcpConfig;
 
 fn config(streams: usize) -> TcpConfig {
@@ -18,11 +20,12 @@ async fn one_large_op_is_split_and_arrives_whole() {
     let b = Node::with_defaults(8 << 20).await;
     let batch = ops(&a.buf, &b.buf, 1, 8 << 20);
     fill(&mut a.buf, &batch);
-    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    let grant = b.grant(&dst_ranges(&batch)).await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
-    // How many connections the parts used depends on scheduling (a part
-    // done early returns its connection for the next); at most one each.
-    assert!((1..=3).contains(&a.transport.connections_opened()));
+    // Every part is admitted at once, each on its own connection.
+    assert_eq!(a.transport.connections_opened(), 3);
+    assert_eq!(b.transport.connections_accepted(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -32,31 +35,69 @@ async fn many_ops_are_split_at_byte_boundaries() {
     // Odd lengths so the cut falls inside an op.
     let batch: Vec<WriteOp> = ops(&a.buf, &b.buf, 999, 4099);
     fill(&mut a.buf, &batch);
-    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    let grant = b.grant(&dst_ranges(&batch)).await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bad_op_in_a_split_batch_is_refused_whole() {
-    let mut a = Node::new(config(2), 4 << 20).await;
-    let b = Node::with_defaults(4 << 20).await;
-    let mut batch = ops(&a.buf, &b.buf, 4, 1 << 20);
-    batch[3].dst = b.buf.end() - 10; // straddles the end of the peer's region
-    fill(&mut a.buf, &batch);
-    let err = a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap_err();
-    assert!(matches!(err, TransportError::Refused { .. }), "{err}");
-    assert!(b.buf.is_zero(), "no byte of a refused batch lands");
+/// Where the one bad op of a split batch points.
+#[derive(Clone, Copy, Debug)]
+enum BadOp {
+    /// Inside the receiver's registered destination region, outside the
+    /// grant: only the receiver's grant check can see it (the endpoint
+    /// advertises nothing).
+    OutsideTheGrant,
+    /// Straddling the end of the receiver's region.
+    PastTheRegion,
 }
 
+/// The bad op is in the last part: the first part is admitted, then
+/// abandoned, and nothing of it lands.
+#[rstest]
+#[case::outside_the_grant(BadOp::OutsideTheGrant)]
+#[case::past_the_region(BadOp::PastTheRegion)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_advertising_no_regions_is_written_on_one_connection() {
-    let mut a = Node::new(config(4), 4 << 20).await;
+async fn a_bad_op_in_a_split_batch_is_refused_whole(#[case] bad: BadOp) {
+    let mut a = Node::new(config(2), 4 << 20).await;
+    let b = Node::with_defaults(8 << 20).await;
+    let mut batch = ops(&a.buf, &b.buf, 4, 1 << 20);
+    // The grant covers the first 4 MiB of the receiver's 8 MiB region.
+    let grant = b.grant(&[MemoryRegion::new(b.buf.addr(), 4 << 20)]).await;
+    batch[3].dst = match bad {
+        BadOp::OutsideTheGrant => b.buf.addr() + (6 << 20),
+        BadOp::PastTheRegion => b.buf.end() - 10,
+    };
+    fill(&mut a.buf, &batch);
+    let err = a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap_err();
+    match &err {
+        TransportError::Refused { reason, .. } => assert!(reason.contains("outside the grant"), "{reason}"),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert!(b.buf.is_zero(), "no byte of a refused batch lands");
+
+    // The refusal costs nothing else: the same grant still works, and the
+    // refused part's connection was kept.
+    let good = &batch[..3];
+    a.transport.batch_write(&b.transport.endpoint(), &grant, good).await.unwrap();
+    check(&b.buf, good);
+    assert!(b.buf.bytes()[3 << 20..].iter().all(|&x| x == 0));
+}
+
+/// Every part refused (a forged grant): nothing lands, and the sender's
+/// connections stay usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_batch_under_a_forged_grant_is_refused() {
+    let mut a = Node::new(config(2), 4 << 20).await;
     let b = Node::with_defaults(4 << 20).await;
     let batch = ops(&a.buf, &b.buf, 1, 4 << 20);
     fill(&mut a.buf, &batch);
-    let mut endpoint = b.transport.endpoint();
-    endpoint.details.clear();
-    a.transport.batch_write(&endpoint, &batch).await.unwrap();
+    let forged = kv_proto::Grant::plain(kv_proto::GrantId::from_bytes([0x5A; 16]));
+    let err = a.transport.batch_write(&b.transport.endpoint(), &forged, &batch).await.unwrap_err();
+    assert!(matches!(&err, TransportError::Refused { reason, .. } if reason.contains("no live grant")), "{err:?}");
+    assert!(b.buf.is_zero());
+    assert_eq!(a.transport.idle_connections(), 2, "refused parts keep their connections");
+    let grant = b.grant_all().await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
-    assert_eq!(a.transport.connections_opened(), 1);
+    assert_eq!(a.transport.connections_opened(), 2);
 }
