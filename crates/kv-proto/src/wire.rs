@@ -71,6 +71,9 @@ pub enum HelloReply {
     Accepted {
         /// P's engine id.
         engine_id: EngineId,
+        /// P closes a connection idle this long (no transfer request in
+        /// progress); D retires its connection before that.
+        idle_timeout: Duration,
     },
     /// P requires the shared secret: it proves it knows it, and D must
     /// answer with [`SideMessage::AuthProof`] before anything else.
@@ -83,7 +86,8 @@ pub enum HelloReply {
     /// Something disagrees; the reason names both values. P closes the
     /// connection after sending it.
     Rejected {
-        /// What disagrees.
+        /// What disagrees (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,
     },
 }
@@ -94,7 +98,9 @@ pub struct RequestBlocks {
     /// The request.
     pub req_id: ReqId,
     /// D's blocks, in prompt order; may be shorter than P's (partial prefix
-    /// hit: P sends its last blocks) or empty (P only frees).
+    /// hit: P sends its last blocks) or empty (P only frees). At most
+    /// [`crate::MAX_BLOCKS_PER_REQUEST`].
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_BLOCKS_PER_REQUEST }>")]
     pub block_ids: Vec<BlockId>,
 }
 
@@ -113,9 +119,12 @@ pub struct XferRequest {
     /// does not start writing once this has passed (D will have revoked the
     /// grant and reported the blocks failed).
     pub wait_budget: Duration,
-    /// Base address of each of D's regions, in registration order.
+    /// Base address of each of D's regions, in registration order (at most
+    /// [`crate::MAX_REGIONS`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REGIONS }>")]
     pub region_base_addrs: Vec<u64>,
-    /// The requests and their D blocks.
+    /// The requests and their D blocks (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub requests: Vec<RequestBlocks>,
 }
 
@@ -127,7 +136,8 @@ pub enum Outcome {
     Done,
     /// The KV was not (entirely) written; D must treat the blocks as lost.
     Failed {
-        /// Why, for logs.
+        /// Why, for logs (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,
     },
 }
@@ -147,6 +157,7 @@ pub struct XferReply {
     /// The request's `xfer_id`.
     pub xfer_id: u64,
     /// One entry per request of the transfer request.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub outcomes: Vec<RequestOutcome>,
 }
 
@@ -163,4 +174,28 @@ pub enum SideMessage {
     XferReply(XferReply),
     /// D → P, answer to [`HelloReply::Challenge`]: [`crate::auth::client_proof`].
     AuthProof(crate::auth::Proof),
+    /// P → D, instead of an [`XferReply`]: the transfer request is refused
+    /// whole (e.g. its reply could not fit in a frame); nothing was written
+    /// and every request of it has failed.
+    XferRefused {
+        /// The request's `xfer_id`.
+        xfer_id: u64,
+        /// Why (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
+        reason: String,
+    },
+}
+
+impl XferRequest {
+    /// The most bytes this request's [`XferReply`] can take once encoded
+    /// (every request failed with a reason of the longest length), so a
+    /// server can refuse a request whose reply would not fit in a frame
+    /// before doing any work for it.
+    pub fn reply_bound(&self) -> usize {
+        // xfer_id, vector length, and per outcome: id length prefix, enum
+        // tag, reason length prefix (varints of at most 9 bytes each).
+        const FIXED: usize = 9 + 9;
+        const PER_OUTCOME: usize = 9 + 1 + 9 + crate::bounded::MAX_TEXT_LEN;
+        self.requests.iter().fold(FIXED, |sum, r| sum.saturating_add(PER_OUTCOME + r.req_id.as_str().len()))
+    }
 }

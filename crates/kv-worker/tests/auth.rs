@@ -1,4 +1,5 @@
 //! Side-channel shared-secret authentication between real workers on loopback.
+#![cfg(feature = "tcp")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
