@@ -57,6 +57,9 @@ pub struct WorkerConfig {
     /// established connections, so peers that never finish a hello cannot
     /// take the places of those that did.
     pub side_channel_max_handshakes: usize,
+    /// P: of those, at most this many from one host (default 16), so one
+    /// misbehaving host cannot hold every handshake place.
+    pub side_channel_max_handshakes_per_host: usize,
     /// P: established side-channel connections at once; a hello past it is
     /// rejected (default 512).
     pub side_channel_max_conns: usize,
@@ -110,6 +113,7 @@ impl WorkerConfig {
             auth_secret: None,
             data_endpoint_policy: DataEndpointPolicy::SamePeerHost,
             side_channel_max_handshakes: 64,
+            side_channel_max_handshakes_per_host: 16,
             side_channel_max_conns: 512,
             side_channel_idle_timeout: Duration::from_secs(300),
             reply_timeout: Duration::from_secs(30),

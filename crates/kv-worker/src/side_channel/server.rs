@@ -2,6 +2,7 @@
 //! transfer requests on a bounded queue and answers each with one outcome per
 //! request.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,6 +33,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// that never finish a hello cannot crowd out those that did.
 pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
     let handshakes = Arc::new(Semaphore::new(shared.config.side_channel_max_handshakes.max(1)));
+    let per_host = PerHost::new(shared.config.side_channel_max_handshakes_per_host.max(1));
     let mut accept_errors = LogThrottle::new(Duration::from_secs(1));
     let mut refusals = LogThrottle::new(Duration::from_secs(1));
     loop {
@@ -41,9 +43,10 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
         };
         match accepted {
             Ok((stream, peer)) => {
-                let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                let place = per_host.enter(peer.ip()).zip(handshakes.clone().try_acquire_owned().ok());
+                let Some(handshake) = place else {
                     if let Some(suppressed) = refusals.allow(Instant::now()) {
-                        tracing::warn!(%peer, limit = shared.config.side_channel_max_handshakes, suppressed, "side-channel handshake limit reached, closing new connections");
+                        tracing::warn!(%peer, limit = shared.config.side_channel_max_handshakes, per_host = shared.config.side_channel_max_handshakes_per_host, suppressed, "side-channel handshake limit reached, closing new connections");
                     }
                     continue;
                 };
@@ -88,6 +91,49 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     Ok(())
 }
 
+/// Handshakes in progress per source host.
+#[derive(Clone)]
+struct PerHost {
+    limit: usize,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One host's handshake place; given back on drop.
+struct HostPlace {
+    host: IpAddr,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerHost {
+    fn new(limit: usize) -> Self {
+        Self { limit, counts: Arc::default() }
+    }
+
+    /// A place for `host`, unless it holds `limit` already.
+    fn enter(&self, host: IpAddr) -> Option<HostPlace> {
+        let host = host.to_canonical();
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = counts.entry(host).or_insert(0);
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(HostPlace { host, counts: Arc::clone(&self.counts) })
+    }
+}
+
+impl Drop for HostPlace {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = counts.get_mut(&self.host) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.host);
+            }
+        }
+    }
+}
+
 type Conn = Framed<TcpStream, SideChannelCodec>;
 
 /// Reads the hello, authenticates, checks what must agree and answers; all
@@ -123,7 +169,7 @@ async fn serve_connection(
     shared: Arc<Shared>,
     stream: TcpStream,
     peer: SocketAddr,
-    handshake_place: OwnedSemaphorePermit,
+    handshake_place: (HostPlace, OwnedSemaphorePermit),
 ) -> Result<(), String> {
     let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
     let deadline = shared.config.connect_timeout;
