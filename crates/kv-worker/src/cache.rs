@@ -79,13 +79,13 @@ impl OwnedKvCache {
                     .map(|p| LayerTensor {
                         addr: p.as_ptr() as u64,
                         len: shape.region_len(),
-                        num_blocks: shape.num_blocks,
-                        kernel_block_size: shape.block_size,
+                        num_blocks: shape.num_blocks(),
+                        kernel_block_size: shape.block_size(),
                     })
                     .collect(),
             })
             .collect();
-        cache.registered = RegisteredCache::new(shape.kind, shape.block_size, &layers)?;
+        cache.registered = RegisteredCache::new(shape.kind(), shape.block_size(), &layers)?;
         Ok(cache)
     }
 

@@ -38,7 +38,7 @@ mod worker;
 pub use cache::{AllocError, OwnedKvCache};
 pub use config::{AuthSecret, WorkerConfig};
 pub use error::WorkerError;
-pub use layout::{CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache};
+pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};
 pub use receiver::{PullBatch, ReceiverCore, RecvFinished, SideChannelAddr};
 pub use sender::{Claim, SenderCore};
 pub use side_channel::{SideChannelCodec, SideChannelError};

@@ -130,7 +130,7 @@ impl PrefillInstance {
             sched,
             worker,
             cache,
-            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             held: HashMap::new(),
             write_patterns: true,
         })
@@ -177,7 +177,7 @@ impl PrefillInstance {
             kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
         };
         let (external, _) = self.sched.get_num_new_matched_tokens(&req, 0);
-        let needed = blocks_for(p.prompt_len, self.cache.shape().block_size as usize);
+        let needed = blocks_for(p.prompt_len, self.cache.shape().block_size() as usize);
         let free = self.pool.free_count();
         let blocks = self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
         self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
@@ -348,7 +348,7 @@ impl DecodeInstance {
             sched,
             worker,
             cache,
-            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             pulling: HashMap::new(),
             verify: true,
         })
@@ -382,7 +382,7 @@ impl DecodeInstance {
     /// One engine step in which `pulls` are scheduled: blocks allocated for
     /// what the prefix cache lacks, pulls started.
     pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
-        let block_size = self.cache.shape().block_size as usize;
+        let block_size = self.cache.shape().block_size() as usize;
         let mut started = Vec::with_capacity(pulls.len());
         for p in pulls {
             let mut req = EngineRequest {
