@@ -35,7 +35,7 @@ mod side_channel;
 pub mod transport;
 mod worker;
 
-pub use cache::{AllocError, OwnedKvCache};
+pub use cache::{AllocError, BlockError, OwnedKvCache};
 pub use config::{AuthSecret, WorkerConfig};
 pub use error::WorkerError;
 pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};

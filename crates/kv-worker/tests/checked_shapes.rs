@@ -1,11 +1,11 @@
-//! Shape arithmetic is checked in every build: CI runs this file with
-//! `--release` too (`cargo xtask ci`, step `release-checks`), where a
-//! `debug_assert!` or an unchecked multiplication would not stop a wrapped
-//! size. Needs no transport feature.
+//! Shape arithmetic and block bounds are checked in every build: CI runs
+//! this file with `--release` too (`cargo xtask ci`, step `release-checks`),
+//! where a `debug_assert!` or an unchecked multiplication would not stop a
+//! wrapped size or an access past the end. Needs no transport feature.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kv_proto::LayoutKind;
-use kv_worker::{AllocError, CacheDims, CacheShape, OwnedKvCache, ShapeError};
+use kv_proto::{BlockId, LayoutKind};
+use kv_worker::{AllocError, BlockError, CacheDims, CacheShape, OwnedKvCache, ShapeError};
 use rstest::rstest;
 
 const fn dims(
@@ -66,4 +66,40 @@ fn a_shape_whose_regions_the_allocator_cannot_hold_is_refused() {
     let shape = CacheShape::try_new(dims(LayoutKind::Mla, 1, 1 << 47, 16, 1, 256, 16)).unwrap();
     assert_eq!(shape.region_len(), 1 << 63);
     assert_eq!(OwnedKvCache::allocate(shape).unwrap_err(), AllocError::BadShape(shape));
+}
+
+fn small_cache() -> OwnedKvCache {
+    let shape = CacheShape::try_new(dims(LayoutKind::SplitKv, 2, 8, 16, 1, 8, 2)).unwrap();
+    OwnedKvCache::allocate(shape).unwrap()
+}
+
+#[rstest]
+#[case::block_past_the_end(0, 8, BlockError::NoSuchBlock { block: 8, num_blocks: 8 })]
+#[case::largest_block_id(3, BlockId::MAX, BlockError::NoSuchBlock { block: BlockId::MAX, num_blocks: 8 })]
+#[case::region_past_the_end(4, 0, BlockError::NoSuchRegion { region: 4, region_count: 4 })]
+#[case::largest_region_index(usize::MAX, 7, BlockError::NoSuchRegion { region: usize::MAX, region_count: 4 })]
+fn out_of_range_blocks_are_refused(#[case] region: usize, #[case] block: BlockId, #[case] expected: BlockError) {
+    let cache = small_cache();
+    let mut buf = vec![0u8; cache.block_len()];
+    assert_eq!(cache.block_region(region, block), Err(expected.clone()));
+    // SAFETY: this cache is never registered with a transport: nothing else
+    // reads or writes it.
+    assert_eq!(unsafe { cache.read_block(region, block, &mut buf) }, Err(expected.clone()));
+    // SAFETY: as above.
+    assert_eq!(unsafe { cache.write_block(region, block, &buf) }, Err(expected));
+}
+
+#[test]
+fn the_last_block_of_the_last_region_is_in_range() {
+    let cache = small_cache();
+    let last = cache.block_region(3, 7).unwrap();
+    let region = cache.registered().regions()[3];
+    assert_eq!(last.end(), region.end());
+    let pattern: Vec<u8> = (0..cache.block_len()).map(|i| i as u8).collect();
+    let mut back = vec![0u8; cache.block_len()];
+    // SAFETY: this cache is never registered with a transport.
+    unsafe { cache.write_block(3, 7, &pattern) }.unwrap();
+    // SAFETY: as above.
+    unsafe { cache.read_block(3, 7, &mut back) }.unwrap();
+    assert_eq!(back, pattern);
 }

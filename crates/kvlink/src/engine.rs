@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kv_proto::{BlockId, KvRole, KvTransferParams, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
-use kv_worker::{AllocError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
+use kv_worker::{AllocError, BlockError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{BlockPattern, BlockPool};
@@ -27,6 +27,9 @@ pub enum EngineError {
     /// The cache could not be allocated.
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A block the pool handed out is not in the cache.
+    #[error(transparent)]
+    Block(#[from] BlockError),
     /// Not enough free blocks.
     #[error("{instance}: no room for {needed} blocks ({free} free)")]
     OutOfBlocks {
@@ -197,7 +200,7 @@ impl PrefillInstance {
         let mut out = Vec::with_capacity(running.len());
         for (spec, mut req, blocks) in running {
             if self.write_patterns {
-                fill::fill_request(&self.cache, spec.seed, &blocks);
+                fill::fill_request(&self.cache, spec.seed, &blocks)?;
             }
             req.status = RequestStatus::FinishedLengthCapped;
             let (delay_free, params) = self.sched.request_finished(&mut req, &blocks)?;
