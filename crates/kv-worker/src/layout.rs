@@ -225,10 +225,10 @@ pub struct CacheDims {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
     /// A size (named by `what`) does not fit in its integer type.
-    #[error("cache shape {dims:?}: the {what} overflows")]
+    #[error("cache shape {dims:?} is too large to address: its {what} overflow")]
     Overflow {
         /// Which size: `bytes per block`, `bytes per region`, `regions` or
-        /// `bytes of the cache`.
+        /// `total bytes`.
         what: &'static str,
         /// The dimensions refused.
         dims: CacheDims,
@@ -275,7 +275,7 @@ impl CacheShape {
         .ok_or(overflow("bytes per block"))?;
         let region_len = block_len.checked_mul(dims.num_blocks).ok_or(overflow("bytes per region"))?;
         let region_count = dims.num_layers.checked_mul(regions_per_layer(dims.kind)).ok_or(overflow("regions"))?;
-        let total_bytes = region_len.checked_mul(u64::from(region_count)).ok_or(overflow("bytes of the cache"))?;
+        let total_bytes = region_len.checked_mul(u64::from(region_count)).ok_or(overflow("total bytes"))?;
         Ok(Self { dims, block_len, region_len, region_count, total_bytes })
     }
 
@@ -462,6 +462,21 @@ mod tests {
         assert_eq!(s.total_bytes(), 64 * 100 * 16 * 8 * 128 * 2);
         assert_eq!(s.with_num_blocks(7).unwrap().num_blocks(), 7);
         assert_eq!(CacheShape::try_new(s.dims()), Ok(s));
+    }
+
+    #[test]
+    fn overflow_names_the_size() {
+        let dims = CacheDims {
+            kind: LayoutKind::Mla,
+            num_layers: 1,
+            num_blocks: u64::MAX,
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 64,
+            dtype_bytes: 2,
+        };
+        let err = CacheShape::try_new(dims).unwrap_err();
+        assert!(err.to_string().ends_with("is too large to address: its bytes per region overflow"), "{err}");
     }
 
     #[test]

@@ -36,7 +36,7 @@ fn the_wrapping_shape_is_refused() {
     assert_eq!(fits.total_bytes(), 2 * 511 * ((1 << 54) + 4));
     assert_eq!(
         fits.with_num_blocks(512),
-        Err(ShapeError::Overflow { what: "bytes of the cache", dims: CacheDims { num_blocks: 512, ..WRAPPING } })
+        Err(ShapeError::Overflow { what: "total bytes", dims: CacheDims { num_blocks: 512, ..WRAPPING } })
     );
     assert_eq!(fits.with_num_blocks(1024), Err(ShapeError::Overflow { what: "bytes per region", dims: WRAPPING }));
 }
@@ -46,7 +46,7 @@ fn the_wrapping_shape_is_refused() {
 #[case::fused_k_and_v_double_the_block(dims(LayoutKind::Fused, 1, 1, 1 << 16, 1 << 16, 1 << 16, 1 << 16), "bytes per block")]
 #[case::bytes_per_region(dims(LayoutKind::Mla, 1, u64::MAX, 16, 1, 64, 2), "bytes per region")]
 #[case::regions(dims(LayoutKind::SplitKv, u32::MAX, 1, 16, 1, 64, 2), "regions")]
-#[case::bytes_of_the_cache(dims(LayoutKind::Fused, u32::MAX, 1 << 32, 16, 1, 64, 2), "bytes of the cache")]
+#[case::total_bytes(dims(LayoutKind::Fused, u32::MAX, 1 << 32, 16, 1, 64, 2), "total bytes")]
 fn overflowing_shapes_are_refused(#[case] given: CacheDims, #[case] what: &'static str) {
     assert_eq!(CacheShape::try_new(given), Err(ShapeError::Overflow { what, dims: given }));
     assert_eq!(CacheShape::try_from(given), Err(ShapeError::Overflow { what, dims: given }));

@@ -123,7 +123,7 @@ pub enum ShapeError {
     #[error("the cache shape has no bytes ({0} is 0)")]
     Empty(&'static str),
     /// The sizes overflow.
-    #[error("the cache shape is too large to address: {0}")]
+    #[error(transparent)]
     Overflow(#[from] kv_worker::ShapeError),
     /// Over one of the bounds.
     #[error("the cache shape has {what} {got}, more than the {limit} allowed")]
