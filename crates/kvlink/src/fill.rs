@@ -61,3 +61,50 @@ pub(crate) fn verify_request(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use kv_proto::LayoutKind;
+    use kv_worker::{CacheDims, CacheShape};
+
+    use super::*;
+
+    fn cache() -> OwnedKvCache {
+        let dims = CacheDims {
+            kind: LayoutKind::SplitKv,
+            num_layers: 2,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 8,
+            dtype_bytes: 2,
+        };
+        OwnedKvCache::allocate(CacheShape::try_new(dims).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn verify_accepts_what_fill_wrote_and_names_the_first_wrong_block() {
+        let c = cache();
+        fill_request(&c, 7, &[5, 2, 6]).unwrap();
+        assert_eq!(verify_request(&c, 7, &[5, 2, 6], 0), Ok(()));
+        // D with a one-block prefix hit holds positions 1.. only.
+        assert_eq!(verify_request(&c, 7, &[2, 6], 1), Ok(()));
+        assert_eq!(verify_request(&c, 8, &[5, 2, 6], 0), Err((0, 5)), "another request's seed");
+        assert_eq!(verify_request(&c, 7, &[5, 6, 2], 0), Err((0, 6)), "blocks out of order");
+
+        let mut block = vec![0u8; c.block_len()];
+        // SAFETY: this cache is never registered with a transport.
+        unsafe { c.read_block(3, 6, &mut block) }.unwrap();
+        block[c.block_len() - 1] ^= 1;
+        // SAFETY: as above.
+        unsafe { c.write_block(3, 6, &block) }.unwrap();
+        assert_eq!(verify_request(&c, 7, &[5, 2, 6], 0), Err((3, 6)));
+    }
+
+    #[test]
+    fn blocks_outside_the_cache_are_errors() {
+        let c = cache();
+        assert_eq!(fill_request(&c, 7, &[1, 8]), Err(BlockError::NoSuchBlock { block: 8, num_blocks: 8 }));
+        assert_eq!(verify_request(&c, 7, &[BlockId::MAX], 0), Err((0, BlockId::MAX)));
+    }
+}
