@@ -25,6 +25,12 @@ const CLIPPY_FEATURE_SETS: &[(&str, &[&str])] = &[
     ("all-features", &["--workspace", "--all-targets", "--all-features", "--exclude", "transport-rdma"]),
 ];
 
+/// The checks that must hold without debug assertions or overflow checks
+/// (cache shape arithmetic, block bounds), run in a release build: one test
+/// file of one crate, no transport.
+const RELEASE_CHECKS: &[&str] =
+    &["test", "--release", "-p", "kv-worker", "--no-default-features", "--test", "checked_shapes"];
+
 /// Arguments of `cargo xtask ci`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct CiArgs {
@@ -102,6 +108,7 @@ fn steps() -> Vec<Step> {
     test.extend_from_slice(EXCLUDED);
     test.push("--no-fail-fast");
     steps.push(Step::cargo("test", "test", test));
+    steps.push(Step::cargo("release-checks", "release-checks", RELEASE_CHECKS.to_vec()));
 
     let mut doc = vec!["doc", "--workspace", "--no-deps"];
     doc.extend_from_slice(EXCLUDED);

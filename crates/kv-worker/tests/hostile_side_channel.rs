@@ -17,7 +17,7 @@ use kv_proto::{
     Protocol, RecvReqMeta, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
 };
 use kv_worker::in_memory::InMemoryNetwork;
-use kv_worker::{CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
+use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_util::codec::Framed;
 
@@ -25,7 +25,7 @@ const BOUND: Duration = Duration::from_secs(20);
 const ATTACKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
 fn shape() -> CacheShape {
-    CacheShape {
+    CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 2,
         num_blocks: 16,
@@ -33,7 +33,8 @@ fn shape() -> CacheShape {
         num_kv_heads: 1,
         head_dim: 8,
         dtype_bytes: 2,
-    }
+    })
+    .unwrap()
 }
 
 struct Pair {

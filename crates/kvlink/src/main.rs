@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
-use kv_worker::{AuthSecret, CacheShape};
+use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{ServeOptions, Server, ShapePins};
@@ -241,7 +241,8 @@ fn print_report(title: &str, r: &RunReport) {
 }
 
 async fn demo(requests: usize) -> anyhow::Result<bool> {
-    let shape = CacheShape::llama3_8b(0);
+    // The runner sizes `num_blocks` for the requests in flight.
+    let shape = CacheShape::llama3_8b(0)?;
     let opts = RunOptions {
         protocol: Protocol::Tcp,
         shape,
@@ -275,7 +276,7 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
 
 async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
     let protocol = Protocol::from(args.protocol);
-    let shape = CacheShape {
+    let dims = CacheDims {
         kind: args.layout.into(),
         num_layers: args.layers,
         num_blocks: 0,
@@ -291,7 +292,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         .checked_mul(args.in_flight.max(1))
         .and_then(|n| u64::try_from(n).ok()?.checked_add(1))
         .context("--blocks-per-request x --in-flight is too large")?;
-    check_shape(&CacheShape { num_blocks, ..shape }, u64::MAX)?;
+    let shape = check_shape(CacheDims { num_blocks, ..dims }, u64::MAX)?;
     let opts = RunOptions {
         protocol,
         shape,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use kv_proto::{BlockId, KvRole, KvTransferParams, Protocol, ReqId};
-use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, WorkerConfig};
+use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, ShapeError, WorkerConfig};
 use serde::Serialize;
 
 use crate::blocks::BlockPattern;
@@ -57,6 +57,9 @@ pub enum RunError {
     /// The session with the remote side failed.
     #[error(transparent)]
     Control(#[from] ControlError),
+    /// The caches sized for the requests in flight are too large to address.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
 }
 
 /// What happened.
@@ -288,13 +291,12 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
 
 /// Runs the loop; `progress` ticks once per measured request.
 pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport, RunError> {
-    let mut shape = opts.shape;
     let window = opts.in_flight.max(1);
     // Scattered and random ids need free blocks between the allocated ones:
     // twice the blocks in flight, so a scattered request really is one op per
     // block rather than falling back to adjacent blocks.
     let slack = if opts.pattern == BlockPattern::Contiguous { 1 } else { 2 };
-    shape.num_blocks = (opts.blocks_per_request * window * slack) as u64 + 1;
+    let shape = opts.shape.with_num_blocks((opts.blocks_per_request * window * slack) as u64 + 1)?;
     let mut report = RunReport {
         protocol: opts.protocol.to_string(),
         requests: opts.requests,
@@ -303,7 +305,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     };
     let mut sides = start_sides(opts, shape, &mut report).await?;
 
-    let block_size = shape.block_size as usize;
+    let block_size = shape.block_size() as usize;
     let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
     let total = opts.warmup + opts.requests;
     let mut latencies = Latencies::default();
