@@ -54,6 +54,9 @@ pub enum EngineError {
     /// The scheduler did not return transfer params for a finished request.
     #[error("request {0}: prefill returned no transfer params")]
     NoParams(ReqId),
+    /// A pull names no prefill side channel (no remote host or port).
+    #[error("request {0}: its transfer params name no prefill side channel to pull from")]
+    NoRemote(ReqId),
 }
 
 /// A request to prefill on P.
@@ -386,6 +389,12 @@ impl DecodeInstance {
     /// what the prefix cache lacks, pulls started.
     pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
         let block_size = self.cache.shape().block_size() as usize;
+        // The scheduler records no pull for params without a side channel
+        // (the engine computes such a request itself): refuse them here
+        // rather than wait for a report that never comes.
+        if let Some(p) = pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
+            return Err(EngineError::NoRemote(p.id.clone()));
+        }
         let mut started = Vec::with_capacity(pulls.len());
         for p in pulls {
             let mut req = EngineRequest {
