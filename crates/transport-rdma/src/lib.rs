@@ -1,17 +1,27 @@
-//! kvlink's RDMA data plane (`mooncake_protocol = "rdma"`): a
-//! `kv_proto::BatchWriter` over verbs, one-sided RDMA WRITE into the regions
-//! the receiver registered (their address, length and rkey travel in its
-//! endpoint, with its GID, QPN and PSN).
+//! kvlink's RDMA data plane (`mooncake_protocol = "rdma"`): one-sided RDMA
+//! WRITEs over RC queue pairs into the regions the receiver registered (their
+//! address, length and rkey travel in its endpoint, with its GID, QPN and PSN).
 //!
-//! Bindings: the user's choice, `rdma-core-sys` (2018), does not build
-//! against today's rdma-core; this crate is to use `sideway` (maintained
-//! rdma-core bindings; needs cmake and libclang-dev at build time).
+//! Status: phase 1 (infrastructure). The verbs layer, the connection
+//! handshake and the work-request planner are here; the `kv_proto::BatchWriter`
+//! on top of them is not yet, so `kv-worker` has no `rdma` feature and asking
+//! for `rdma` is still a start-up error naming the missing feature.
 //!
-//! Status: not implemented yet, and off by default (excluded from the
-//! default workspace members and from `cargo xtask ci`). `kv-worker` has no
-//! `rdma` feature until it passes the shared conformance suite (in a
-//! Soft-RoCE guest, as these machines have no RDMA hardware), so asking for
-//! `rdma` today is a start-up error naming the missing feature.
+//! # Bindings
 //!
-//! What it must never do: depend on anything but `kv-proto` among kvlink's
-//! crates; let `unsafe` verbs code spread beyond one module.
+//! The design names `rdma-core-sys`; it does not build against today's
+//! rdma-core (it bundles rdma-core 18 and needs a musl cross toolchain). This
+//! crate uses `sideway` (maintained safe wrappers; RAII objects that hold
+//! `Arc`s of their parents) and, for the few calls sideway does not wrap, its
+//! own sys crate `rdma-mummy-sys`, which loads libibverbs at run time. Both
+//! sit behind the `verbs` feature, off by default: building them needs cmake
+//! and libclang-dev, running them needs libibverbs and a provider, and a plain
+//! `cargo build --workspace` needs none of that.
+//!
+//! What this crate must never do:
+//! - depend on anything but `kv-proto` among kvlink's crates;
+//! - let `unsafe` spread beyond the `verbs` module;
+//! - post a work request for a batch that is not entirely inside the
+//!   receiver's advertised regions (the whole batch is planned and checked
+//!   before anything is posted);
+//! - trust peer input: the handshake decoder is bounded and fallible.
