@@ -92,7 +92,7 @@ fn guest_kernel(wanted: Option<&str>) -> Result<GuestKernel> {
         .filter_map(|entry| entry.ok()?.file_name().to_str()?.strip_prefix("vmlinuz-").map(str::to_owned))
         .filter(|version| wanted.is_none_or(|wanted| wanted == version))
         .collect();
-    versions.sort_by(|a, b| version_key(b).cmp(&version_key(a)));
+    versions.sort_by_key(|version| std::cmp::Reverse(version_key(version)));
     for version in versions {
         let modules_dir = PathBuf::from("/lib/modules").join(&version);
         let has_rxe = fs::read_to_string(modules_dir.join("modules.dep"))
@@ -120,7 +120,7 @@ mod tests {
     #[test]
     fn kernel_versions_sort_numerically() {
         let mut versions = vec!["6.9.0-1-amd64", "6.10.0-2-amd64", "6.1.0-57-amd64"];
-        versions.sort_by(|a, b| version_key(b).cmp(&version_key(a)));
+        versions.sort_by_key(|version| std::cmp::Reverse(version_key(version)));
         assert_eq!(versions, ["6.10.0-2-amd64", "6.9.0-1-amd64", "6.1.0-57-amd64"]);
     }
 
