@@ -25,3 +25,14 @@
 //!   receiver's advertised regions (the whole batch is planned and checked
 //!   before anything is posted);
 //! - trust peer input: the handshake decoder is bounded and fallible.
+//!
+//! # Modules
+//!
+//! - [`region`]: registered regions as numbers, and range lookups.
+//! - [`plan`]: the work-request planner (chaining, scatter-gather, signalling).
+//! - [`window`]: send-queue back-pressure (outstanding requests, retirement).
+//! - `verbs` (feature `verbs`): the RAII verbs layer, the only `unsafe` code.
+
+pub mod plan;
+pub mod region;
+pub mod window;
