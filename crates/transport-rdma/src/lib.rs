@@ -31,8 +31,10 @@
 //! - [`region`]: registered regions as numbers, and range lookups.
 //! - [`plan`]: the work-request planner (chaining, scatter-gather, signalling).
 //! - [`window`]: send-queue back-pressure (outstanding requests, retirement).
+//! - [`handshake`]: the QP and region exchange over TCP, bounded decoding.
 //! - `verbs` (feature `verbs`): the RAII verbs layer, the only `unsafe` code.
 
+pub mod handshake;
 pub mod plan;
 pub mod region;
 pub mod window;
