@@ -32,9 +32,17 @@
 //! - [`plan`]: the work-request planner (chaining, scatter-gather, signalling).
 //! - [`window`]: send-queue back-pressure (outstanding requests, retirement).
 //! - [`handshake`]: the QP and region exchange over TCP, bounded decoding.
-//! - `verbs` (feature `verbs`): the RAII verbs layer, the only `unsafe` code.
+//! - `verbs` (feature `verbs`): the RAII verbs layer, the only `unsafe` code
+//!   (the crate root denies `unsafe_code`; only that module allows it).
+
+#![deny(unsafe_code)]
 
 pub mod handshake;
 pub mod plan;
 pub mod region;
 pub mod window;
+
+// The one module allowed `unsafe`.
+#[cfg(feature = "verbs")]
+#[allow(unsafe_code)]
+pub mod verbs;
