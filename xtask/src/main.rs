@@ -4,8 +4,9 @@
 //! (`cargo xtask` = `cargo run --quiet --package xtask --`).
 //!
 //! * `cargo xtask ci` runs every CI step (fmt, dependency rule, clippy per
-//!   feature set, tests, docs), keeps going after a failure, prints a summary
-//!   and exits non-zero if any step failed.
+//!   feature set, tests, the RDMA tests in a Soft-RoCE guest, docs), keeps
+//!   going after a failure, prints a summary and exits non-zero if any step
+//!   failed.
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
 //! * `cargo xtask ci --step <name>` runs only the named step(s);

@@ -98,6 +98,15 @@ pub(crate) fn run(args: &RdmaTestArgs) -> Result<ExitCode> {
     }
 }
 
+/// `cargo xtask rdma-test` as a CI step: Ok only if every test passed.
+pub(crate) fn run_step() -> Result<()> {
+    let code = run(&RdmaTestArgs::default())?;
+    if code != ExitCode::SUCCESS {
+        bail!("RDMA tests failed in the Soft-RoCE guest");
+    }
+    Ok(())
+}
+
 /// Builds the test binaries and lists them, from cargo's JSON messages.
 fn build_tests(root: &Path) -> Result<Vec<Program>> {
     let args = ["test", "-p", PACKAGE, "--features", FEATURE, "--no-run", "--message-format=json-render-diagnostics"];

@@ -3,7 +3,7 @@
 //! (address, length, rkey), over a TCP connection set up by the caller.
 //!
 //! [`codec`] is the pure encoding (bounded, fallible decoding: the peer is
-//! untrusted); [`exchange`] sends ours and reads theirs, within a time bound.
+//! untrusted); [`exchange()`] sends ours and reads theirs, within a time bound.
 //!
 //! # Wire format
 //!
