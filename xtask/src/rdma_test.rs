@@ -33,7 +33,7 @@ pub(crate) struct RdmaTestArgs {
     /// Guest CPUs.
     #[arg(long, default_value_t = 2)]
     cpus: u32,
-    /// Boot /boot/vmlinuz-<VERSION> instead of the newest kernel that has rdma_rxe.
+    /// Boot `/boot/vmlinuz-VERSION` instead of the newest kernel that has rdma_rxe.
     #[arg(long, value_name = "VERSION")]
     kernel: Option<String>,
     /// Keep the per-run directory (console log, scripts) for inspection.

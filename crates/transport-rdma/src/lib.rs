@@ -18,6 +18,31 @@
 //! and libclang-dev, running them needs libibverbs and a provider, and a plain
 //! `cargo build --workspace` needs none of that.
 //!
+//! # Revocation ("revoke is a fence"): what the devices offer
+//!
+//! Measured for the choice the `BatchWriter` phase must make, on the test
+//! guest (Debian kernel 6.1, `rdma_rxe`; rdma-core 44):
+//! - sideway 0.4 wraps no memory-window calls; its sys crate has
+//!   `ibv_alloc_mw`, `ibv_dealloc_mw`, `ibv_bind_mw` and the `IBV_WR_BIND_MW`
+//!   and `IBV_WR_LOCAL_INV` work requests, so windows need raw calls here.
+//! - rxe reports `MEM_WINDOW` and `MEM_WINDOW_TYPE_2B`, `max_mw` 524287. A
+//!   type-2 window bound by a `BIND_MW` work request on the receiver's QP
+//!   takes remote writes through its rkey, only on that QP; after a
+//!   `LOCAL_INV` completes, a write with that rkey fails (remote access
+//!   error) and no byte lands: invalidation is a fence.
+//! - But rxe checks a window-addressed write against the underlying memory
+//!   region's bounds, not the window's: writes straddling the window's end,
+//!   or wholly outside it but inside the region, succeed and land. On
+//!   Soft-RoCE a window therefore revokes but does not confine; the per-grant
+//!   range check must stay on the sender (the planner refuses a batch outside
+//!   the advertised regions), and a conformance test for "outside the grant"
+//!   cannot rely on the device there.
+//! - Moving a queue pair to the error state flushes every outstanding work
+//!   request (tested here); as a fence on the receiver it also needs a
+//!   drain marker (a receive posted before, whose flush completion says the
+//!   responder has stopped), and it costs a new queue pair and handshake per
+//!   revocation.
+//!
 //! What this crate must never do:
 //! - depend on anything but `kv-proto` among kvlink's crates;
 //! - let `unsafe` spread beyond the `verbs` module;
