@@ -64,6 +64,8 @@ impl Default for RdmaTestArgs {
 /// Runs `cargo xtask rdma-test`.
 pub(crate) fn run(args: &RdmaTestArgs) -> Result<ExitCode> {
     let root = cmd::workspace_root()?;
+    // Before the build: a missing tool should fail in a second, not after it.
+    let host = vm::host::check(args.kernel.as_deref())?;
     let programs = build_tests(&root)?;
     if programs.is_empty() {
         bail!("`cargo test -p {PACKAGE} --no-run` built no test binary");
@@ -79,10 +81,9 @@ pub(crate) fn run(args: &RdmaTestArgs) -> Result<ExitCode> {
         timeout: Duration::from_secs(args.timeout),
         memory: args.memory.clone(),
         cpus: args.cpus,
-        kernel_version: args.kernel.clone(),
         keep: args.keep,
     };
-    match vm::run(&options, &job, &scratch_dir(&root))? {
+    match vm::run(&options, &host, &job, &scratch_dir(&root))? {
         Outcome::Exited(0) => {
             println!("rdma-test: every test binary passed in the guest");
             Ok(ExitCode::SUCCESS)

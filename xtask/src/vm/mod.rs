@@ -41,8 +41,6 @@ pub(crate) struct VmOptions {
     /// qemu `-m` (e.g. `1G`).
     pub(crate) memory: String,
     pub(crate) cpus: u32,
-    /// A `/boot/vmlinuz-<version>` to boot instead of the newest with rdma_rxe.
-    pub(crate) kernel_version: Option<String>,
     /// Keep the per-run directory (console log, scripts) for inspection.
     pub(crate) keep: bool,
 }
@@ -59,20 +57,19 @@ pub(crate) enum Outcome {
 /// How often the host looks at the guest's output and at qemu.
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
-/// Boots the guest under `scratch`, runs `job` in it, streams its output to
-/// our stdout and returns how it ended. Fails if the guest could not be
-/// started or set up.
-pub(crate) fn run(options: &VmOptions, job: &Job, scratch: &Path) -> Result<Outcome> {
-    let host = host::check(options.kernel_version.as_deref())?;
+/// Boots the guest from `host`'s tools (see [`host::check`]) under `scratch`,
+/// runs `job` in it, streams its output to our stdout and returns how it
+/// ended. Fails if the guest could not be started or set up.
+pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &Path) -> Result<Outcome> {
     let run_dir = RunDir::create(scratch, options.keep)?;
     let run_path = run_dir.path_str()?;
-    initramfs::build(&host, &run_dir.path.join("initramfs.cpio"))?;
+    initramfs::build(host, &run_dir.path.join("initramfs.cpio"))?;
     fs::write(run_dir.path.join("stage2.sh"), script::stage2(run_path, job))?;
     File::create(run_dir.path.join("output.log"))?;
 
     let qemu_log = File::create(run_dir.path.join("qemu.log"))?;
     let mut qemu = Command::new(&host.qemu);
-    qemu.args(qemu_args(options, &host, run_path)).stdin(Stdio::null()).stdout(qemu_log.try_clone()?).stderr(qemu_log);
+    qemu.args(qemu_args(options, host, run_path)).stdin(Stdio::null()).stdout(qemu_log.try_clone()?).stderr(qemu_log);
     println!(
         "rdma-vm: booting Linux {} under TCG ({} programs, timeout {}s)",
         host.kernel.version,
