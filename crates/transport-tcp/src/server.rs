@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{OpEntry, ReplyStatus};
-use kv_proto::Revoked;
+use kv_proto::{LogThrottle, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
@@ -35,6 +35,9 @@ use crate::wire::{
 /// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
 /// does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// At most one line per this interval for log lines a peer can provoke at
+/// will (accept failures, connections over the limit).
+const LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// Op-list entries read (and grown into) per step: memory follows the bytes
 /// that actually arrive, not the count a peer announces.
 const OPS_PER_READ: usize = 64 * 1024;
@@ -92,6 +95,10 @@ enum Received {
 /// Accepts connections until the transport's token is cancelled.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let local = listener.local_addr().ok();
+    // Peers can provoke these two at will: one line per interval, with the
+    // count of those left out.
+    let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
+    let mut refusals = LogThrottle::new(LOG_INTERVAL);
     loop {
         let accepted = tokio::select! {
             biased;
@@ -101,7 +108,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         match accepted {
             Ok((stream, peer)) => {
                 let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-                    warn!(%peer, limit = shared.config.max_connections, "connection limit reached, closing");
+                    if let Some(suppressed) = refusals.allow(Instant::now()) {
+                        warn!(%peer, limit = shared.config.max_connections, suppressed,
+                            "connection limit reached, closing new connections");
+                    }
                     continue;
                 };
                 shared.accepted.fetch_add(1, Ordering::Relaxed);
@@ -112,7 +122,9 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 });
             }
             Err(error) => {
-                warn!(listener = ?local, %error, "accept failed");
+                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
+                    warn!(listener = ?local, %error, suppressed, "accept failed");
+                }
                 tokio::select! {
                     biased;
                     () = shared.token.cancelled() => break,
