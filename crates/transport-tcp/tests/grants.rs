@@ -6,7 +6,8 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{check, dst_ranges, fill, RawClient, TestBuf, BOUND};
@@ -256,4 +257,47 @@ async fn revoking_during_batch_write_is_a_fence(#[case] streams: usize) {
     rx.transport.revoke(&fresh.id).await;
     assert!(rx.dst.bytes()[LEN - 4096..].iter().all(|&b| b == 0xAB), "zero before: {zero_before}");
     drop(tx);
+}
+
+/// Log lines written by a test's subscriber.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A refused batch is logged with the peer's address and the grant's short
+/// form, never the whole id (a capability). On a current-thread runtime, so
+/// every task logs to this test's subscriber.
+#[tokio::test]
+async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rx = Receiver::new(64 * KIB).await;
+    let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
+    let forged = GrantId::from_bytes([0xC3; 16]);
+    client.batch(1, forged, &[(rx.at(0), 8)], 8, &[1; 8]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Refused);
+    assert!(rx.dst.is_zero());
+
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line =
+        text.lines().find(|l| l.contains("refusing batch")).unwrap_or_else(|| panic!("no refusal logged: {text}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains(&client.stream.local_addr().unwrap().to_string()), "no peer address: {line}");
+    assert!(line.contains(&format!("grant={forged}")), "no grant: {line}");
+    assert!(!text.contains(&"c3".repeat(16)), "the whole grant id was logged: {text}");
 }
