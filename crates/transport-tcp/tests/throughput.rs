@@ -36,16 +36,37 @@ async fn measure(label: &str, src_len: usize, dst_len: usize, rounds: usize, mak
     let grant = b.grant(&ranges, common::BOUND * 100).await.unwrap();
     a.batch_write(&endpoint, &grant, &ops).await.unwrap();
     let mut rates = Vec::new();
+    let mut cpu_per_gb = Vec::new();
     for _ in 0..RUNS {
+        let cpu = cpu_seconds();
         let start = Instant::now();
         for _ in 0..rounds {
             a.batch_write(&endpoint, &grant, &ops).await.unwrap();
         }
-        rates.push((bytes * rounds as u64) as f64 / start.elapsed().as_secs_f64() / 1e9);
+        let gb = (bytes * rounds as u64) as f64 / 1e9;
+        rates.push(gb / start.elapsed().as_secs_f64());
+        cpu_per_gb.push((cpu_seconds() - cpu) / gb);
     }
     rates.sort_by(f64::total_cmp);
-    eprintln!("THROUGHPUT {label}: median {:.3} GB/s (runs {:.3?})", rates[RUNS / 2], rates);
+    cpu_per_gb.sort_by(f64::total_cmp);
+    eprintln!(
+        "THROUGHPUT {label}: median {:.3} GB/s, {:.3} CPU s/GB (runs {:.3?} GB/s)",
+        rates[RUNS / 2],
+        cpu_per_gb[RUNS / 2],
+        rates
+    );
     drop((a, b));
+}
+
+/// User and system CPU time of this process so far (both ends of the
+/// transfer run in it).
+fn cpu_seconds() -> f64 {
+    // SAFETY: `getrusage` fills the zeroed struct it is given.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a `rusage` for RUSAGE_SELF.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) }, 0);
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
