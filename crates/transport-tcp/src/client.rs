@@ -206,6 +206,15 @@ pub(crate) async fn write_batch(
     }
 }
 
+/// A part of a split batch whose header (asking for an admission verdict)
+/// and op list are sent; [`verdict`] reads the receiver's answer.
+#[derive(Debug)]
+pub(crate) struct Asked {
+    conn: Conn,
+    reused: bool,
+    batch_id: u64,
+}
+
 /// A part of a split batch that the receiver admitted: its payload may
 /// follow on `conn`. Dropping it abandons the part (the connection closes
 /// before any payload byte, and the receiver writes nothing).
@@ -216,39 +225,63 @@ pub(crate) struct Admitted {
 }
 
 /// Sends the header (asking for an admission verdict) and the op list of
-/// one part of a split batch, and reads the verdict. `Refused` leaves the
-/// connection pooled: nothing of the part is sent after a refusal.
-pub(crate) async fn precheck(
+/// one part of a split batch, on a pooled connection or a new one. The
+/// verdict is read by [`verdict`], so the parts' questions travel at once.
+pub(crate) async fn ask(
     shared: &Shared,
     peer: &str,
     grant: GrantId,
     sources: &Sources<'_, '_>,
-) -> Result<Admitted, TransportError> {
+) -> Result<Asked, TransportError> {
     let batch_id = shared.next_batch_id.fetch_add(1, Ordering::Relaxed);
+    let (conn, reused) = checkout(shared, peer, &mut shared.pool.take(peer)).await?;
+    send_question(shared, peer, grant, sources, conn, reused, batch_id).await
+}
+
+async fn send_question(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+    mut conn: Conn,
+    reused: bool,
+    batch_id: u64,
+) -> Result<Asked, TransportError> {
+    if let Err(refused) = check_op_limit(&conn, peer, sources) {
+        shared.pool.put(peer, conn);
+        return Err(refused);
+    }
+    conn.encode_batch(batch_id, BATCH_FLAG_PRECHECK, grant, sources);
+    let prefix = Progress::new(conn.buf.len(), 0);
+    send(&conn.stream, peer, sources, &conn.buf, prefix, shared.config.io_timeout).await?;
+    Ok(Asked { conn, reused, batch_id })
+}
+
+/// Reads the admission verdict of an [`ask`]ed part. `Refused` leaves the
+/// connection pooled: nothing of the part is sent after a refusal. A pooled
+/// connection the peer had closed is asked again, once, on a new one
+/// (nothing of the part was admitted on it).
+pub(crate) async fn verdict(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+    asked: Asked,
+) -> Result<Admitted, TransportError> {
     let io_timeout = shared.config.io_timeout;
-    let mut pooled = shared.pool.take(peer);
+    let mut asked = asked;
     loop {
-        let (mut conn, reused) = checkout(shared, peer, &mut pooled).await?;
-        if let Err(refused) = check_op_limit(&conn, peer, sources) {
-            shared.pool.put(peer, conn);
-            return Err(refused);
-        }
-        conn.encode_batch(batch_id, BATCH_FLAG_PRECHECK, grant, sources);
-        let asked = async {
-            send(&conn.stream, peer, sources, &conn.buf, Progress::new(conn.buf.len(), 0), io_timeout).await?;
-            read_reply(&mut conn.stream, peer, batch_id, io_timeout).await
-        }
-        .await;
-        match asked {
+        let Asked { mut conn, reused, batch_id } = asked;
+        match read_reply(&mut conn.stream, peer, batch_id, io_timeout).await {
             Ok(()) => return Ok(Admitted { conn, batch_id }),
             Err(refused @ TransportError::Refused { .. }) => {
                 shared.pool.put(peer, conn);
                 return Err(refused);
             }
-            // Nothing of the part was admitted on a stale connection: ask
-            // again, once, on a new one.
             Err(error) if reused && is_stale(&error) => {
                 debug!(peer, %error, "pooled connection was closed by the peer, asking again on a new one");
+                let conn = connect(shared, peer).await?;
+                asked = send_question(shared, peer, grant, sources, conn, false, batch_id).await?;
             }
             Err(error) => return Err(error),
         }

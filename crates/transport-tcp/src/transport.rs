@@ -2,7 +2,7 @@
 //! together.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,13 +11,13 @@ use kv_proto::{
     BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp,
 };
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::client::{self, Admitted, Pool};
+use crate::client::{self, Pool};
 use crate::config::TcpConfig;
 use crate::memory::{LocalMemory, SourceError, Sources};
 use crate::server;
@@ -125,11 +125,12 @@ impl TcpTransport {
     }
 
     /// Writes a batch of at least `parallel_min_bytes` over `streams`
-    /// connections, refused whole if any part is refused: every part first
-    /// asks the receiver to admit it (header and op list, no payload), and
-    /// payloads follow only once every part was admitted. Otherwise the
-    /// admitted parts are abandoned: their connections close before any
-    /// payload byte, so the receiver writes nothing of them.
+    /// connections, refused whole if any part is refused: each part, on its
+    /// own task and connection, asks the receiver to admit it (header and op
+    /// list, no payload) and waits at a [`Gate`]; payloads follow only once
+    /// every part was admitted. Otherwise the admitted parts are abandoned:
+    /// their connections close before any payload byte, so the receiver
+    /// writes nothing of them.
     async fn write_split(
         &self,
         peer: &Endpoint,
@@ -138,66 +139,154 @@ impl TcpTransport {
         total: u64,
         streams: usize,
     ) -> Result<(), TransportError> {
-        let join_error = |join: tokio::task::JoinError| TransportError::Io {
-            peer: peer.to_string(),
-            source: std::io::Error::other(join),
-        };
-        // Step 1: every part asks for admission at once, each on its own connection.
-        let asks: Vec<JoinHandle<Result<AdmittedPart, TransportError>>> = split::split_by_bytes(ops, total, streams)
+        let parts = split::split_by_bytes(ops, total, streams);
+        let gate = Arc::new(Gate::new(parts.len()));
+        // Bound on waiting at the gate: the slowest part's question and
+        // verdict, a reconnect included.
+        let config = &self.shared.config;
+        let gate_bound = 2 * (config.connect_timeout + config.io_timeout);
+        // Each part on its own task, so the copies run on several cores;
+        // every part is awaited, so on return none is still writing.
+        let tasks: Vec<JoinHandle<Result<(), PartError>>> = parts
             .into_iter()
             .map(|part| {
                 let shared = Arc::clone(&self.shared);
                 let address = peer.address.clone();
+                let gate = Arc::clone(&gate);
                 self.shared.tracker.spawn(async move {
-                    let admitted = {
-                        let sources = Sources::check(&shared.memory, &part).map_err(source_error)?;
-                        client::precheck(&shared, &address, grant, &sources).await?
+                    let sources = match Sources::check(&shared.memory, &part) {
+                        Ok(sources) => sources,
+                        Err(error) => {
+                            gate.close();
+                            return Err(PartError::Failed(source_error(error)));
+                        }
                     };
-                    Ok((admitted, part))
+                    let admitted = match client::ask(&shared, &address, grant, &sources).await {
+                        Ok(asked) => client::verdict(&shared, &address, grant, &sources, asked).await,
+                        Err(error) => Err(error),
+                    };
+                    let admitted = match admitted {
+                        Ok(admitted) => admitted,
+                        Err(error) => {
+                            gate.close();
+                            return Err(PartError::Failed(error));
+                        }
+                    };
+                    if !gate.admitted(gate_bound).await {
+                        // Another part was not admitted (or the gate timed
+                        // out): drop this part's connection before its payload.
+                        drop(admitted);
+                        return Err(PartError::Abandoned);
+                    }
+                    client::finish(&shared, &address, admitted, &sources).await.map_err(PartError::Failed)
                 })
             })
             .collect();
-        let mut admitted = Vec::with_capacity(asks.len());
         let mut failure: Option<TransportError> = None;
-        for ask in asks {
-            match ask.await.unwrap_or_else(|join| Err(join_error(join))) {
-                Ok(part) => admitted.push(part),
-                Err(error) => failure = Some(more_telling(failure, error)),
+        let mut abandoned = 0;
+        for task in tasks {
+            let outcome = task.await.unwrap_or_else(|join| {
+                Err(PartError::Failed(TransportError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(join),
+                }))
+            });
+            match outcome {
+                Ok(()) => {}
+                Err(PartError::Abandoned) => abandoned += 1,
+                Err(PartError::Failed(error)) => failure = Some(more_telling(failure, error)),
             }
         }
-        if let Some(error) = failure {
-            debug!(peer = %peer, grant = %grant, abandoned = admitted.len(), %error,
-                "a part of a split batch was not admitted: abandoning the admitted parts, nothing sent");
-            drop(admitted);
-            return Err(error);
+        if abandoned > 0 && failure.is_none() {
+            // Every part was admitted, but not all before the gate's bound.
+            failure = Some(TransportError::Timeout {
+                peer: peer.to_string(),
+                what: "admission of every part of a split batch",
+                after: gate_bound,
+            });
         }
-        // Step 2: every part was admitted: the payloads, each part on its own
-        // task so the copies run on several cores; every part is awaited, so
-        // on return none is still writing.
-        let sends: Vec<JoinHandle<Result<(), TransportError>>> = admitted
-            .into_iter()
-            .map(|(admitted, part)| {
-                let shared = Arc::clone(&self.shared);
-                let address = peer.address.clone();
-                self.shared.tracker.spawn(async move {
-                    let sources = Sources::check(&shared.memory, &part).map_err(source_error)?;
-                    client::finish(&shared, &address, admitted, &sources).await
-                })
-            })
-            .collect();
-        let mut result = Ok(());
-        for send in sends {
-            let outcome = send.await.unwrap_or_else(|join| Err(join_error(join)));
-            if result.is_ok() {
-                result = outcome;
+        match failure {
+            Some(error) => {
+                if !gate.opened() {
+                    debug!(peer = %peer, grant = %grant, %error,
+                        "a part of a split batch was not admitted: the admitted parts were abandoned, nothing sent");
+                }
+                Err(error)
             }
+            None => Ok(()),
         }
-        result
     }
 }
 
-/// A part of a split batch the receiver admitted, with its ops.
-type AdmittedPart = (Admitted, Vec<WriteOp>);
+/// How one part of a split batch ended, if not with success.
+enum PartError {
+    /// Another part was not admitted; this one sent no payload.
+    Abandoned,
+    /// This part failed (refused, or a connection error).
+    Failed(TransportError),
+}
+
+/// Where the parts of a split batch meet once the receiver answered each:
+/// it opens when the last part is admitted, and closes for good as soon as
+/// one is not. The last part admitted goes on without waiting.
+#[derive(Debug)]
+struct Gate {
+    parts: usize,
+    admitted: AtomicUsize,
+    state: watch::Sender<GateState>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GateState {
+    Waiting,
+    Open,
+    Closed,
+}
+
+impl Gate {
+    fn new(parts: usize) -> Self {
+        Self { parts, admitted: AtomicUsize::new(0), state: watch::Sender::new(GateState::Waiting) }
+    }
+
+    /// A part was not admitted: no part sends its payload.
+    fn close(&self) {
+        self.state.send_if_modified(|state| {
+            let waiting = *state == GateState::Waiting;
+            if waiting {
+                *state = GateState::Closed;
+            }
+            waiting
+        });
+    }
+
+    /// Whether every part was admitted.
+    fn opened(&self) -> bool {
+        *self.state.borrow() == GateState::Open
+    }
+
+    /// A part was admitted: waits (at most `bound`) until every part was,
+    /// and returns whether all were.
+    async fn admitted(&self, bound: Duration) -> bool {
+        if self.admitted.fetch_add(1, Ordering::AcqRel) + 1 == self.parts {
+            self.state.send_if_modified(|state| {
+                let waiting = *state == GateState::Waiting;
+                if waiting {
+                    *state = GateState::Open;
+                }
+                waiting
+            });
+        }
+        let mut state = self.state.subscribe();
+        let decided = tokio::time::timeout(bound, state.wait_for(|s| *s != GateState::Waiting)).await;
+        match decided {
+            Ok(Ok(state)) => *state == GateState::Open,
+            Ok(Err(_)) | Err(_) => {
+                self.close();
+                self.opened()
+            }
+        }
+    }
+}
 
 /// The error a batch reports when several parts failed: a refusal (the
 /// peer's verdict on the batch) over a connection error, else the first.

@@ -95,9 +95,12 @@ async fn a_split_batch_under_a_forged_grant_is_refused() {
     let err = a.transport.batch_write(&b.transport.endpoint(), &forged, &batch).await.unwrap_err();
     assert!(matches!(&err, TransportError::Refused { reason, .. } if reason.contains("no live grant")), "{err:?}");
     assert!(b.buf.is_zero());
-    assert_eq!(a.transport.idle_connections(), 2, "refused parts keep their connections");
+    // Refused parts keep their connections (two, or one if a part finished
+    // before the other picked a connection and both used it in turn).
+    let opened = a.transport.connections_opened();
+    assert_eq!(a.transport.idle_connections() as u64, opened, "a refused part dropped its connection");
     let grant = b.grant_all().await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
-    assert_eq!(a.transport.connections_opened(), 2);
+    assert!(a.transport.connections_opened() <= 2);
 }

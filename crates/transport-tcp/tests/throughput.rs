@@ -21,7 +21,9 @@ use transport_tcp::{TcpConfig, TcpTransport};
 const RUNS: usize = 5;
 
 async fn measure(label: &str, src_len: usize, dst_len: usize, rounds: usize, make: impl Fn(u64, u64) -> Vec<WriteOp>) {
-    let a = TcpTransport::bind(TcpConfig::default()).await.unwrap();
+    // BENCH_STREAMS overrides the sender's parallel_streams (default 2).
+    let streams = std::env::var("BENCH_STREAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let a = TcpTransport::bind(TcpConfig { parallel_streams: streams, ..TcpConfig::default() }).await.unwrap();
     let b = TcpTransport::bind(TcpConfig::default()).await.unwrap();
     let src = TestBuf::new(src_len);
     let dst = TestBuf::new(dst_len);
