@@ -301,3 +301,46 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
     assert!(line.contains(&format!("grant={forged}")), "no grant: {line}");
     assert!(!text.contains(&"c3".repeat(16)), "the whole grant id was logged: {text}");
 }
+
+/// The receiver's side of PRECHECK: a verdict before any payload byte is
+/// read; a refused question sends no payload and keeps the connection in
+/// step; an admitted batch whose sender goes away before the payload writes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prechecked_batch_is_answered_before_its_payload() {
+    use transport_tcp::wire::BATCH_FLAG_PRECHECK;
+    let rx = Receiver::new(64 * KIB).await;
+    let grant = rx.grant(0, 4 * KIB).await;
+    let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
+
+    client.batch_with_flags(1, BATCH_FLAG_PRECHECK, grant.id, &[(rx.at(0), 4)], 4, &[]).await;
+    let (admitted, _) = client.reply().await;
+    assert_eq!((admitted.batch_id, admitted.status), (1, ReplyStatus::Ok), "admitted before the payload");
+    client.send(&[1, 2, 3, 4]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
+
+    let forged = GrantId::from_bytes([0x77; 16]);
+    client.batch_with_flags(2, BATCH_FLAG_PRECHECK, forged, &[(rx.at(8), 4)], 4, &[]).await;
+    let (refused, reason) = client.reply().await;
+    assert_eq!((refused.batch_id, refused.status), (2, ReplyStatus::Refused), "{reason}");
+    // No payload follows a refused question: the next batch is in step.
+    client.batch(3, grant.id, &[(rx.at(16), 2)], 2, &[5, 6]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
+
+    client.batch_with_flags(4, BATCH_FLAG_PRECHECK, grant.id, &[(rx.at(100), 4)], 4, &[]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
+    drop(client); // abandoned before its payload
+
+    // The receiver keeps serving, and nothing of the abandoned batch landed.
+    let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
+    client.batch(5, grant.id, &[(rx.at(200), 1)], 1, &[9]).await;
+    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
+    rx.transport.revoke(&grant.id).await;
+    let bytes = rx.dst.bytes();
+    assert_eq!((&bytes[..4], &bytes[16..18], bytes[200]), (&[1, 2, 3, 4][..], &[5, 6][..], 9));
+    let mut expected = vec![0u8; 64 * KIB];
+    expected[..4].copy_from_slice(&[1, 2, 3, 4]);
+    expected[16..18].copy_from_slice(&[5, 6]);
+    expected[200] = 9;
+    assert_eq!(bytes, &expected[..], "bytes landed outside the acknowledged batches");
+}

@@ -104,3 +104,105 @@ async fn a_split_batch_under_a_forged_grant_is_refused() {
     check(&b.buf, &batch);
     assert!(a.transport.connections_opened() <= 2);
 }
+
+/// What a fake receiver answers the second part's question.
+#[derive(Clone, Copy, Debug)]
+enum SecondPart {
+    /// Admits it too: both payloads follow.
+    Admitted,
+    /// Refuses it.
+    Refused,
+    /// Closes its connection without a verdict.
+    Closed,
+}
+
+/// A fake receiver sees the wire of a split batch: both parts ask first
+/// (PRECHECK, no payload), and a part's payload follows only once both were
+/// admitted; otherwise the admitted part's connection closes before any
+/// payload byte.
+#[rstest]
+#[case::admitted(SecondPart::Admitted)]
+#[case::refused(SecondPart::Refused)]
+#[case::closed(SecondPart::Closed)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_follow_only_once_every_part_was_admitted(#[case] second: SecondPart) {
+    use kv_proto::dataplane::ReplyStatus;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use transport_tcp::wire::{
+        encode_reply, Accept, AcceptStatus, BatchHeader, BATCH_HEADER_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
+    };
+
+    let mut a = Node::new(config(2), 2 << 20).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let batch = vec![WriteOp { src: a.buf.addr(), dst: 0x10_0000, len: 2 << 20 }];
+    fill(&mut a.buf, &batch);
+    let fake = tokio::spawn(async move {
+        let mut parts = Vec::new();
+        for _ in 0..2 {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut preamble = [0u8; PREAMBLE_LEN];
+            s.read_exact(&mut preamble).await.unwrap();
+            let accept = Accept {
+                version: VERSION,
+                status: AcceptStatus::Accepted,
+                max_ops_per_batch: 1024,
+                idle_timeout_ms: 60_000,
+            };
+            s.write_all(&accept.encode()).await.unwrap();
+            parts.push(s);
+        }
+        let mut headers = Vec::new();
+        for s in &mut parts {
+            let mut h = [0u8; BATCH_HEADER_LEN];
+            s.read_exact(&mut h).await.unwrap();
+            let header = BatchHeader::decode(&h);
+            assert!(header.wants_precheck(), "a part of a split batch asks first");
+            let mut ops = vec![0u8; header.op_count as usize * OP_LEN];
+            s.read_exact(&mut ops).await.unwrap();
+            headers.push(header);
+        }
+        let mut second_conn = parts.pop().unwrap();
+        let mut first = parts.pop().unwrap();
+        first.write_all(&encode_reply(headers[0].batch_id, ReplyStatus::Ok, "")).await.unwrap();
+        let (status, reason) = match second {
+            SecondPart::Admitted => (ReplyStatus::Ok, ""),
+            SecondPart::Refused => (ReplyStatus::Refused, "op 0: outside the grant"),
+            SecondPart::Closed => {
+                // Close without a verdict; the admitted part is abandoned.
+                drop(second_conn);
+                let mut rest = Vec::new();
+                first.read_to_end(&mut rest).await.unwrap();
+                assert!(rest.is_empty(), "{} payload bytes of an abandoned part were sent", rest.len());
+                return;
+            }
+        };
+        second_conn.write_all(&encode_reply(headers[1].batch_id, status, reason)).await.unwrap();
+        if status == ReplyStatus::Ok {
+            for (s, header) in [(&mut first, headers[0]), (&mut second_conn, headers[1])] {
+                let mut payload = vec![0u8; header.total_bytes as usize];
+                s.read_exact(&mut payload).await.unwrap();
+                s.write_all(&encode_reply(header.batch_id, ReplyStatus::Ok, "")).await.unwrap();
+            }
+        } else {
+            // The admitted part is abandoned: end of stream, not a byte of payload.
+            let mut rest = Vec::new();
+            first.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty(), "{} payload bytes of an abandoned part were sent", rest.len());
+        }
+    });
+    let peer = kv_proto::Endpoint { protocol: kv_proto::Protocol::Tcp, address, details: Vec::new() };
+    let grant = kv_proto::Grant::plain(kv_proto::GrantId::from_bytes([9; 16]));
+    let result = tokio::time::timeout(common::BOUND, a.transport.batch_write(&peer, &grant, &batch))
+        .await
+        .expect("unbounded wait");
+    tokio::time::timeout(common::BOUND, fake).await.expect("the fake receiver hung").unwrap();
+    match second {
+        SecondPart::Admitted => result.unwrap(),
+        SecondPart::Refused => {
+            let err = result.unwrap_err();
+            assert!(matches!(&err, TransportError::Refused { reason, .. } if reason.contains("outside")), "{err:?}");
+        }
+        SecondPart::Closed => assert!(matches!(result, Err(TransportError::PeerClosed { .. })), "{result:?}"),
+    }
+}
