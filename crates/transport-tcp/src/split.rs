@@ -5,7 +5,8 @@
 //! its own, so to keep "a batch with one op outside its grant is refused
 //! whole, nothing written", the parts are pre-checked first: every part's
 //! header and op list go out asking for an admission verdict, and payloads
-//! follow only once every part was admitted (see `TcpTransport::batch_write`).
+//! follow only once every part was admitted (see `TcpTransport::write_split`
+//! and its gate).
 
 use kv_proto::WriteOp;
 
