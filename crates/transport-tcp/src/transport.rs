@@ -12,8 +12,8 @@ use kv_proto::{
 };
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
@@ -146,14 +146,15 @@ impl TcpTransport {
         let config = &self.shared.config;
         let gate_bound = 2 * (config.connect_timeout + config.io_timeout);
         // Each part on its own task, so the copies run on several cores;
-        // every part is awaited, so on return none is still writing.
-        let tasks: Vec<JoinHandle<Result<(), PartError>>> = parts
+        // every part is awaited, so on return none is still writing, and
+        // dropping this future aborts them (it stops the batch).
+        let tasks: Vec<AbortOnDropHandle<Result<(), PartError>>> = parts
             .into_iter()
             .map(|part| {
                 let shared = Arc::clone(&self.shared);
                 let address = peer.address.clone();
                 let gate = Arc::clone(&gate);
-                self.shared.tracker.spawn(async move {
+                AbortOnDropHandle::new(self.shared.tracker.spawn(async move {
                     let sources = match Sources::check(&shared.memory, &part) {
                         Ok(sources) => sources,
                         Err(error) => {
@@ -179,7 +180,7 @@ impl TcpTransport {
                         return Err(PartError::Abandoned);
                     }
                     client::finish(&shared, &address, admitted, &sources).await.map_err(PartError::Failed)
-                })
+                }))
             })
             .collect();
         let mut failure: Option<TransportError> = None;

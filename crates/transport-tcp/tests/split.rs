@@ -206,3 +206,72 @@ async fn payloads_follow_only_once_every_part_was_admitted(#[case] second: Secon
         SecondPart::Closed => assert!(matches!(result, Err(TransportError::PeerClosed { .. })), "{result:?}"),
     }
 }
+
+/// Dropping the `batch_write` future of a split batch stops it: a fake
+/// receiver admits one part, holds the other's verdict until the future is
+/// dropped, then admits it too; no payload byte follows on either
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_split_batch_before_its_gate_opens_sends_no_payload() {
+    use kv_proto::dataplane::ReplyStatus;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use transport_tcp::wire::{
+        encode_reply, Accept, AcceptStatus, BatchHeader, BATCH_HEADER_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
+    };
+
+    let mut a = Node::new(config(2), 2 << 20).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let batch = vec![WriteOp { src: a.buf.addr(), dst: 0x10_0000, len: 2 << 20 }];
+    fill(&mut a.buf, &batch);
+    let (asked_tx, asked_rx) = tokio::sync::oneshot::channel::<()>();
+    let (dropped_tx, dropped_rx) = tokio::sync::oneshot::channel::<()>();
+    let fake = tokio::spawn(async move {
+        let mut parts = Vec::new();
+        for _ in 0..2 {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut preamble = [0u8; PREAMBLE_LEN];
+            s.read_exact(&mut preamble).await.unwrap();
+            let accept = Accept {
+                version: VERSION,
+                status: AcceptStatus::Accepted,
+                max_ops_per_batch: 1024,
+                idle_timeout_ms: 60_000,
+            };
+            s.write_all(&accept.encode()).await.unwrap();
+            let mut h = [0u8; BATCH_HEADER_LEN];
+            s.read_exact(&mut h).await.unwrap();
+            let header = BatchHeader::decode(&h);
+            let mut ops = vec![0u8; header.op_count as usize * OP_LEN];
+            s.read_exact(&mut ops).await.unwrap();
+            parts.push((s, header.batch_id));
+        }
+        let (first, first_id) = &mut parts[0];
+        first.write_all(&encode_reply(*first_id, ReplyStatus::Ok, "")).await.unwrap();
+        asked_tx.send(()).unwrap();
+        dropped_rx.await.unwrap();
+        let (second, second_id) = &mut parts[1];
+        // The sender may have closed already: the verdict may not arrive.
+        let _ = second.write_all(&encode_reply(*second_id, ReplyStatus::Ok, "")).await;
+        for (s, _) in &mut parts {
+            let mut received = 0;
+            let mut chunk = [0u8; 4096];
+            loop {
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => received += n,
+                }
+            }
+            assert_eq!(received, 0, "payload bytes followed a dropped batch");
+        }
+    });
+    let peer = kv_proto::Endpoint { protocol: kv_proto::Protocol::Tcp, address, details: Vec::new() };
+    let grant = kv_proto::Grant::plain(kv_proto::GrantId::from_bytes([9; 16]));
+    tokio::select! {
+        result = a.transport.batch_write(&peer, &grant, &batch) => panic!("the batch ended: {result:?}"),
+        asked = asked_rx => asked.unwrap(),
+    }
+    // The batch_write future is dropped here, one part admitted, one waiting.
+    dropped_tx.send(()).unwrap();
+    tokio::time::timeout(common::BOUND, fake).await.expect("a dropped batch's connection stayed open").unwrap();
+}
