@@ -109,6 +109,7 @@
 mod client;
 mod config;
 pub mod details;
+mod hello;
 mod io;
 mod memory;
 mod server;

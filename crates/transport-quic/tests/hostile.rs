@@ -1,18 +1,23 @@
 //! Hostile peers on both sides of the wire: a raw QUIC client (pinned to the
-//! victim's certificate) feeding the receiver bad streams, and fake receivers
-//! answering a sender badly. Each bad stream costs only itself: the same
-//! connection and other senders keep being served, nothing lands outside the
-//! bad batch's own (valid) destinations, and every wait is bounded.
+//! victim's certificate, speaking the wire by hand) feeding the receiver bad
+//! streams, and fake receivers answering a sender badly. Each bad stream
+//! costs only itself: the same connection and other senders keep being
+//! served, nothing lands outside the bad batch's own (granted) destinations,
+//! and every wait is bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::time::Duration;
 
-use common::{assert_still_serves, check, fill, reply, request, FakeReceiver, Node, RawClient, BOUND};
+use common::{
+    any_grant, assert_still_serves, check, fake_server_hello, fill, reply, request, verdict, FakeReceiver, Node,
+    RawClient, BOUND,
+};
+use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 use rstest::rstest;
-use transport_quic::wire::{encode_reply, BatchHeader, ReplyStatus};
+use transport_quic::wire::{BatchHeader, BATCH_HEADER_LEN};
 use transport_quic::QuicConfig;
 
 /// Small bounds, so the stalling cases end quickly.
@@ -54,8 +59,8 @@ enum Abuse {
     StalledOpList,
     /// Part of the payload, then silence.
     StalledPayload,
-    /// A destination outside the registered region (refused, not an error).
-    OutsideRegions,
+    /// A destination outside the grant (refused, not an error).
+    OutsideGrant,
     /// Part of the payload, then RESET_STREAM.
     ResetMidPayload,
     /// Part of the payload, then CONNECTION_CLOSE.
@@ -87,7 +92,7 @@ async fn a_hostile_stream_costs_only_itself(
         Abuse::StalledHeader,
         Abuse::StalledOpList,
         Abuse::StalledPayload,
-        Abuse::OutsideRegions,
+        Abuse::OutsideGrant,
         Abuse::ResetMidPayload,
         Abuse::ClosedMidPayload
     )]
@@ -95,9 +100,11 @@ async fn a_hostile_stream_costs_only_itself(
 ) {
     let victim = Node::new(victim_config(), VICTIM_LEN).await;
     let base = victim.buf.addr();
+    let grant = victim.grant(0, BAD_AREA as u64).await.id;
     let client = RawClient::connect(&victim).await;
     let (mut send, mut recv) = client.stream().await;
-    let header = |op_count: u64, total_bytes: u64| BatchHeader { op_count, total_bytes }.encode().to_vec();
+    let header = |op_count: u64, total_bytes: u64| BatchHeader { grant, op_count, total_bytes }.encode().to_vec();
+    let request = |ops: &[(u64, u64)], total: u64, payload: &[u8]| request(&grant, ops, total, payload);
     // Whether bytes of the bad batch may land (inside its valid destinations).
     let mut partial = false;
     let mut expect = Expect::ProtocolError;
@@ -111,7 +118,8 @@ async fn a_hostile_stream_costs_only_itself(
         Abuse::EmptyStream => Vec::new(),
         Abuse::TruncatedHeader => vec![1; 10],
         Abuse::TruncatedOpList => {
-            header(4, 64)[..].iter().chain(&request(&[(base, 32), (base + 32, 32)], 0, &[])[16..]).copied().collect()
+            let ops = request(&[(base, 32), (base + 32, 32)], 0, &[]);
+            [header(4, 64), ops[BATCH_HEADER_LEN..].to_vec()].concat()
         }
         Abuse::TruncatedPayload => {
             partial = true;
@@ -127,16 +135,16 @@ async fn a_hostile_stream_costs_only_itself(
         }
         Abuse::StalledOpList => {
             finish = false;
-            [header(4, 64), request(&[(base, 16)], 0, &[])[16..].to_vec()].concat()
+            [header(4, 64), request(&[(base, 16)], 0, &[])[BATCH_HEADER_LEN..].to_vec()].concat()
         }
         Abuse::StalledPayload => {
             finish = false;
             partial = true;
             request(&[(base, 64)], 64, &[7; 32])
         }
-        Abuse::OutsideRegions => {
+        Abuse::OutsideGrant => {
             expect = Expect::Refused;
-            request(&[(base, 16), (victim.buf.end(), 16)], 32, &[7; 32])
+            request(&[(base, 16), (base + BAD_AREA as u64, 16)], 32, &[7; 32])
         }
         Abuse::ResetMidPayload | Abuse::ClosedMidPayload => {
             finish = false;
@@ -160,28 +168,31 @@ async fn a_hostile_stream_costs_only_itself(
     let got = reply(&mut recv).await;
     match expect {
         Expect::ProtocolError => {
-            let (h, reason) = got.unwrap_or_else(|e| panic!("{abuse:?}: no reply: {e}"));
-            assert_eq!(h.status, ReplyStatus::ProtocolError, "{abuse:?}: {reason}");
+            let (status, reason) = got.unwrap_or_else(|e| panic!("{abuse:?}: no reply: {e}"));
+            assert_eq!(status, ReplyStatus::ProtocolError, "{abuse:?}: {reason}");
             assert!(!reason.is_empty());
         }
         Expect::Refused => {
-            let (h, reason) = got.unwrap();
-            assert_eq!(h.status, ReplyStatus::Refused);
+            let (status, reason) = got.unwrap();
+            assert_eq!(status, ReplyStatus::Refused);
             assert!(reason.contains("op 1"), "{reason}");
         }
-        Expect::NoOkReply => assert!(!matches!(got, Ok((ref h, _)) if h.status == ReplyStatus::Ok), "{got:?}"),
+        Expect::NoOkReply => assert!(!matches!(got, Ok((ReplyStatus::Ok, _))), "{got:?}"),
     }
     drop(send);
     if !partial {
         assert!(victim.buf.bytes()[..BAD_AREA].iter().all(|&b| b == 0), "{abuse:?}: bytes landed");
     }
+    assert!(victim.buf.bytes()[BAD_AREA..].iter().all(|&b| b == 0), "{abuse:?}: bytes landed outside the grant");
 
     // The same connection still carries a valid batch, unless it was closed.
     if !matches!(abuse, Abuse::ClosedMidPayload) {
         let dst = base + BAD_AREA as u64;
+        let good = victim.grant(BAD_AREA as u64, 256).await.id;
         let payload: Vec<u8> = (0..256).map(|i| common::pattern(99, i)).collect();
-        let (h, reason) = client.exchange(&request(&[(dst, 256)], 256, &payload)).await.unwrap();
-        assert_eq!(h.status, ReplyStatus::Ok, "{abuse:?}: {reason}");
+        let (status, reason) = client.exchange(&common::request(&good, &[(dst, 256)], 256, &payload)).await.unwrap();
+        assert_eq!(status, ReplyStatus::Ok, "{abuse:?}: {reason}");
+        victim.transport.revoke(&good).await;
         assert_eq!(&victim.buf.bytes()[BAD_AREA..BAD_AREA + 256], &payload[..]);
     }
     assert_still_serves(&victim).await;
@@ -244,15 +255,16 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
         let mut held = Vec::new();
         while let Some(incoming) = accepting.accept().await {
             let Ok(conn) = incoming.await else { continue };
+            if fake_server_hello(&conn).await.is_err() {
+                continue;
+            }
             while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                 let _ = recv.read_to_end(1 << 20).await;
                 match bad {
                     BadReceiver::NeverReplies => {}
-                    BadReceiver::UnknownStatus => {
-                        send.write_all(&encode_reply(ReplyStatus::Unknown(9), "?")).await.unwrap()
-                    }
+                    BadReceiver::UnknownStatus => send.write_all(&verdict(ReplyStatus::Unknown(9), "?")).await.unwrap(),
                     BadReceiver::OverlongReason => {
-                        let mut r = encode_reply(ReplyStatus::Ok, "");
+                        let mut r = verdict(ReplyStatus::Ok, "");
                         r[4..8].copy_from_slice(&5000u32.to_le_bytes());
                         send.write_all(&r).await.unwrap();
                         send.write_all(&[b'x'; 5000]).await.unwrap();
@@ -264,7 +276,7 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
                     BadReceiver::ResetsStream => send.reset(5u32.into()).unwrap(),
                     BadReceiver::ClosesConnection => conn.close(9u32.into(), b"bye"),
                     BadReceiver::ReportsProtocolError => {
-                        send.write_all(&encode_reply(ReplyStatus::ProtocolError, "nope")).await.unwrap();
+                        send.write_all(&verdict(ReplyStatus::ProtocolError, "nope")).await.unwrap();
                         send.finish().unwrap();
                     }
                 }
@@ -275,7 +287,7 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
     let ops: Vec<WriteOp> =
         (0..4).map(|k| WriteOp { src: sender.buf.addr() + k * 4096, dst: 0x10_0000 + k * 4096, len: 4096 }).collect();
     fill(&mut sender.buf, &ops);
-    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&fake.endpoint(), &ops))
+    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&fake.endpoint(), &any_grant(), &ops))
         .await
         .expect("the batch did not fail within the bound");
     let err = result.expect_err("a batch the receiver did not acknowledge succeeded");
@@ -289,7 +301,9 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
     let receiver = Node::with_defaults(1 << 16).await;
     let good: Vec<WriteOp> =
         ops.iter().map(|op| WriteOp { dst: receiver.buf.addr() + (op.dst - 0x10_0000), ..*op }).collect();
-    sender.transport.batch_write(&receiver.transport.endpoint(), &good).await.unwrap();
+    let grant = receiver.grant_all().await;
+    sender.transport.batch_write(&receiver.transport.endpoint(), &grant, &good).await.unwrap();
+    receiver.transport.revoke(&grant.id).await;
     check(&receiver.buf, &good);
     fake.endpoint.close(0u32.into(), b"done");
     server.await.unwrap();
