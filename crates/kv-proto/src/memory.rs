@@ -94,16 +94,14 @@ impl RegionSet {
     /// registered twice); overlapping, empty or wrapping regions are errors
     /// and leave the set unchanged.
     pub fn insert(&mut self, regions: &[MemoryRegion]) -> Result<(), RegionError> {
-        let mut next = self.sorted.clone();
-        for r in regions {
-            if r.len == 0 || r.end().is_none() {
-                return Err(RegionError::Invalid { addr: r.addr, len: r.len });
-            }
-            if !next.contains(r) {
-                next.push(*r);
-            }
+        if let Some(r) = regions.iter().find(|r| r.len == 0 || r.end().is_none()) {
+            return Err(RegionError::Invalid { addr: r.addr, len: r.len });
         }
-        next.sort_by_key(|r| r.addr);
+        let mut next = Vec::with_capacity(self.sorted.len() + regions.len());
+        next.extend_from_slice(&self.sorted);
+        next.extend_from_slice(regions);
+        next.sort_unstable_by_key(|r| (r.addr, r.len));
+        next.dedup();
         for pair in next.windows(2) {
             let (a, b) = (pair[0], pair[1]);
             // `end()` is Some for every region admitted above.

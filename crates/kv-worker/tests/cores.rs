@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kv_proto::{Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
+use kv_proto::{GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
 use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
 
@@ -135,10 +135,14 @@ fn receiver_outcomes(
     let mut core = ReceiverCore::new(0, Duration::from_secs(5));
     let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2])), ("b", recv("p", 1, &[3]))]), t0);
     let xfer_id = batches[0].xfer_id;
+    core.handle_granted(xfer_id, GrantId::from_bytes([1; 16]));
     match event {
-        Some(outcomes) => core.handle_reply(&reply(xfer_id, &outcomes)),
+        Some(outcomes) => core.handle_reply(reply(xfer_id, &outcomes)),
         None => core.handle_batch_failed(xfer_id, "connection refused"),
     }
+    let fenced = core.poll_finished();
+    assert!(fenced.received.is_empty() && fenced.failed.is_empty(), "nothing is reported before the grant is fenced");
+    core.handle_fenced(xfer_id);
     let done = core.poll_finished();
     assert_eq!(done.received.iter().map(ReqId::as_str).collect::<Vec<_>>(), received);
     assert_eq!(done.failed.keys().map(ReqId::as_str).collect::<Vec<_>>(), failed_reqs);
@@ -150,20 +154,41 @@ fn receiver_outcomes(
 }
 
 #[test]
-fn a_pull_without_reply_fails_at_its_deadline_and_a_late_reply_is_ignored() {
+fn a_pull_without_reply_fails_at_its_deadline_once_fenced_and_a_late_reply_is_ignored() {
     // Defect 2 of the reference: a failed or silent pull was only logged.
     let t0 = Instant::now();
     let timeout = Duration::from_secs(5);
     let mut core = ReceiverCore::new(0, timeout);
     let batches = core.start(&reqs(&[("a", recv("p", 1, &[7]))]), t0);
+    let (xfer_id, grant) = (batches[0].xfer_id, GrantId::from_bytes([7; 16]));
+    core.handle_granted(xfer_id, grant);
     assert_eq!(core.next_deadline(), Some(t0 + timeout));
-    core.handle_timeout(t0 + timeout - Duration::from_millis(1));
+    assert!(core.handle_timeout(t0 + timeout - Duration::from_millis(1)).is_empty());
     assert!(core.poll_finished().failed.is_empty());
-    core.handle_timeout(t0 + timeout);
-    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![7])]));
-    core.handle_reply(&reply(batches[0].xfer_id, &[("a", Outcome::Done)]));
+    assert_eq!(core.handle_timeout(t0 + timeout), vec![(xfer_id, Some(grant))], "the driver must revoke this grant");
+    assert!(core.handle_timeout(t0 + timeout).is_empty(), "asked to fence once");
+    assert_eq!(core.next_deadline(), None);
+    assert!(core.poll_finished().failed.is_empty(), "a late writer could still land: not reported yet");
+    core.handle_reply(reply(xfer_id, &[("a", Outcome::Done)]));
+    core.handle_fenced(xfer_id);
+    assert_eq!(
+        core.poll_finished().failed,
+        BTreeMap::from([(r("a"), vec![7])]),
+        "the timeout decided, not the late reply"
+    );
+    core.handle_fenced(xfer_id);
     let late = core.poll_finished();
     assert!(late.received.is_empty() && late.failed.is_empty(), "each request is reported exactly once");
+    assert_eq!(core.in_flight(), 0);
+}
+
+#[test]
+fn a_pull_fenced_before_any_outcome_fails() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2]))]), Instant::now());
+    core.handle_fenced(batches[0].xfer_id);
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![1, 2])]));
+    assert_eq!(core.in_flight(), 0);
 }
 
 #[test]

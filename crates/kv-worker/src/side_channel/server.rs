@@ -402,4 +402,6 @@ async fn write_ready(
     }
     drop(sender);
     shared.sender_changed.notify_waiters();
+    // Their blocks may be freed now, not when the whole transfer request ends.
+    shared.finished_changed.notify_waiters();
 }
