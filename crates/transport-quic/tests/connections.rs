@@ -169,3 +169,118 @@ async fn a_connection_the_receiver_closed_is_replaced_on_the_next_batch() {
     fake.endpoint.close(0u32.into(), b"done");
     server.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_acknowledges_but_never_answers_fails_the_batch_at_the_deadline() {
+    const IO_TIMEOUT: Duration = Duration::from_millis(500);
+    let mut a = Node::new(QuicConfig { io_timeout: IO_TIMEOUT, ..QuicConfig::default() }, 1 << 20).await;
+    // A receiver that reads (and so acknowledges) every batch, answers every
+    // batch but the first, and never answers the first.
+    let fake = FakeReceiver::kvlink();
+    let accepting = fake.endpoint.clone();
+    let (first_read_tx, first_read_rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(async move {
+        let mut first_read = Some(first_read_tx);
+        let mut silent = Vec::new();
+        while let Some(incoming) = accepting.accept().await {
+            let Ok(conn) = incoming.await else { continue };
+            if fake_server_hello(&conn).await.is_err() {
+                continue;
+            }
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                if let Some(tx) = first_read.take() {
+                    recv.read_to_end(1 << 24).await.unwrap();
+                    let _ = tx.send(Instant::now());
+                    silent.push((send, recv));
+                    continue;
+                }
+                tokio::spawn(async move {
+                    if recv.read_to_end(1 << 24).await.is_ok() {
+                        let _ = send.write_all(&verdict(ReplyStatus::Ok, "")).await;
+                        let _ = send.finish();
+                    }
+                });
+            }
+        }
+    });
+    let ops: Vec<WriteOp> =
+        (0..16).map(|k| WriteOp { src: a.buf.addr() + k * 4096, dst: k * 4096, len: 4096 }).collect();
+    fill(&mut a.buf, &ops);
+    let endpoint = fake.endpoint();
+    let silent = {
+        let (writer, endpoint, ops) = (Arc::clone(&a.transport), endpoint.clone(), ops.clone());
+        tokio::spawn(async move { writer.batch_write(&endpoint, &any_grant(), &ops).await })
+    };
+    let read_at = tokio::time::timeout(BOUND, first_read_rx).await.expect("the fake never got the batch").unwrap();
+    // Other batches on the same connection keep it acknowledging busily.
+    let mut answered = 0u32;
+    let result = loop {
+        if silent.is_finished() {
+            break silent.await.unwrap();
+        }
+        assert!(read_at.elapsed() < BOUND, "the unanswered batch is still waiting after {BOUND:?}");
+        a.transport.batch_write(&endpoint, &any_grant(), &ops[..1]).await.unwrap();
+        answered += 1;
+    };
+    let waited = read_at.elapsed();
+    match result {
+        Err(TransportError::Timeout { what, after, .. }) => {
+            assert_eq!(what, "reply");
+            assert_eq!(after, IO_TIMEOUT);
+        }
+        other => panic!("expected a reply timeout, got {other:?}"),
+    }
+    assert!(waited < IO_TIMEOUT + Duration::from_secs(2), "failed only after {waited:?}");
+    assert!(answered > 0, "no other batch was acknowledged meanwhile");
+    assert_eq!(a.transport.connections_opened(), 1, "the other batches shared the connection");
+    fake.endpoint.close(0u32.into(), b"done");
+    server.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_batch_write_resets_its_stream() {
+    const WINDOW: u32 = 64 * 1024;
+    let mut a = Node::with_defaults(1 << 20).await;
+    // A receiver with a small stream window that stops reading after one
+    // window's worth, so the batch cannot finish on its own.
+    let mut transport = quinn::TransportConfig::default();
+    transport.stream_receive_window(WINDOW.into());
+    let fake = FakeReceiver::bind_with(transport_quic::wire::ALPN, transport);
+    let accepting = fake.endpoint.clone();
+    let (half_tx, half_rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(async move {
+        let incoming = accepting.accept().await.unwrap();
+        let conn = incoming.await.unwrap();
+        fake_server_hello(&conn).await.unwrap();
+        let (_send, mut recv) = conn.accept_bi().await.unwrap();
+        let mut read = 0usize;
+        while read < WINDOW as usize {
+            read += recv.read_chunk(usize::MAX, true).await.unwrap().unwrap().bytes.len();
+        }
+        half_tx.send(()).unwrap();
+        // What the stream does once the sender dropped the batch.
+        loop {
+            match recv.read_chunk(usize::MAX, true).await {
+                Ok(Some(_)) => continue,
+                other => break other.map(|c| c.map(|c| c.bytes.len())),
+            }
+        }
+    });
+    let ops: Vec<WriteOp> =
+        (0..16).map(|k| WriteOp { src: a.buf.addr() + k * 65536, dst: k * 65536, len: 65536 }).collect();
+    fill(&mut a.buf, &ops);
+    let (endpoint, grant) = (fake.endpoint(), any_grant());
+    tokio::select! {
+        result = a.transport.batch_write(&endpoint, &grant, &ops) => panic!("the batch ended: {result:?}"),
+        half = half_rx => half.unwrap(),
+    }
+    // The batch_write future is dropped: the receiver sees a reset, never a
+    // clean end of a truncated batch.
+    let end = tokio::time::timeout(BOUND, server).await.expect("the stream neither ended nor reset").unwrap();
+    match end {
+        Err(quinn::ReadError::Reset(code)) => {
+            assert_eq!(code.into_inner(), u64::from(transport_quic::wire::RESET_CANCELLED))
+        }
+        other => panic!("expected a reset, got {other:?}"),
+    }
+}

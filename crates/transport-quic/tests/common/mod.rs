@@ -332,6 +332,12 @@ pub struct FakeReceiver {
 impl FakeReceiver {
     /// Binds on loopback with a fresh certificate, offering `alpn`.
     pub fn bind(alpn: &[u8]) -> Self {
+        Self::bind_with(alpn, quinn::TransportConfig::default())
+    }
+
+    /// Binds on loopback with a fresh certificate, offering `alpn`, with
+    /// these transport parameters.
+    pub fn bind_with(alpn: &[u8], transport: quinn::TransportConfig) -> Self {
         let certified = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_owned()]).unwrap();
         let cert: CertificateDer<'static> = certified.cert.der().clone();
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(certified.key_pair.serialize_der()));
@@ -345,7 +351,8 @@ impl FakeReceiver {
                 .unwrap();
         crypto.alpn_protocols = vec![alpn.to_vec()];
         let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(crypto).unwrap();
-        let config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        config.transport_config(Arc::new(transport));
         let endpoint = quinn::Endpoint::server(config, SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
         Self { endpoint, fingerprint }
     }
