@@ -126,7 +126,7 @@ pub(crate) async fn write_batch(
                 // once, on a new connection (under the same grant, so the
                 // receiver checks it again).
                 if reused && !retried && !matches!(error, ConnectionError::LocallyClosed) {
-                    debug!(peer = label, %error, "reused connection was lost, retrying on a new one");
+                    debug!(peer = label, grant = %grant, %error, "reused connection was lost, retrying on a new one");
                     retried = true;
                     continue;
                 }
