@@ -9,7 +9,8 @@
 //! ```
 //!
 //! All integers are little-endian; the details are exactly [`DETAILS_LEN`]
-//! bytes. Version 1 also listed the receiver's registered regions; with
+//! bytes (magic and version are checked first, so an endpoint of another
+//! layout is reported by its version). Version 1 also listed the receiver's registered regions; with
 //! grants a sender cannot check destinations itself (only the receiver knows
 //! its grants, and it refuses a bad batch whole before reading its payload),
 //! so version 2 lists none. No flag is defined: any set bit makes the
@@ -70,7 +71,8 @@ impl EndpointDetails {
 
     /// Parses details (peer input: every malformation is an error).
     pub fn decode(b: &[u8]) -> Result<Self, DetailsError> {
-        if b.len() != DETAILS_LEN {
+        // Magic and version first, so details of another layout say so.
+        if b.len() < 6 {
             return Err(DetailsError::BadLength(b.len()));
         }
         let mut buf = b;
@@ -82,6 +84,9 @@ impl EndpointDetails {
         let version = buf.get_u16_le();
         if version != VERSION {
             return Err(DetailsError::UnsupportedVersion(version));
+        }
+        if b.len() != DETAILS_LEN {
+            return Err(DetailsError::BadLength(b.len()));
         }
         let flags = buf.get_u16_le();
         if flags != 0 {
@@ -133,9 +138,14 @@ mod tests {
             (Vec::new(), |e| matches!(e, DetailsError::BadLength(0))),
             (good[..47].to_vec(), |e| matches!(e, DetailsError::BadLength(47))),
             ([&good[..], &[0u8]].concat(), |e| matches!(e, DetailsError::BadLength(49))),
-            (vec![0; kv_proto::MAX_ENDPOINT_DETAILS_LEN + 1], |e| matches!(e, DetailsError::BadLength(_))),
+            (vec![0; kv_proto::MAX_ENDPOINT_DETAILS_LEN + 1], |e| matches!(e, DetailsError::BadMagic(_))),
+            (good[..5].to_vec(), |e| matches!(e, DetailsError::BadLength(5))),
             (with(0, b"X"), |e| matches!(e, DetailsError::BadMagic(_))),
             (with(4, &1u16.to_le_bytes()), |e| matches!(e, DetailsError::UnsupportedVersion(1))),
+            // Version 1's layout (with a region list) names its version.
+            ([&with(4, &1u16.to_le_bytes())[..], &[0u8; 20]].concat(), |e| {
+                matches!(e, DetailsError::UnsupportedVersion(1))
+            }),
             (with(4, &3u16.to_le_bytes()), |e| matches!(e, DetailsError::UnsupportedVersion(3))),
             (with(6, &1u16.to_le_bytes()), |e| matches!(e, DetailsError::UnknownFlags(1))),
             (with(7, &[0x80]), |e| matches!(e, DetailsError::UnknownFlags(_))),
