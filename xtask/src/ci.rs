@@ -11,10 +11,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps};
+use crate::{cmd, deps, rdma_test};
 
-/// Crates left out of the workspace-wide clippy (all features), test and doc
-/// steps: RDMA needs system libraries that are not always installed.
+/// Crates left out of the workspace-wide all-features clippy, test and doc
+/// steps: transport-rdma's `verbs` feature needs cmake, libclang and, to run,
+/// an RDMA device. Its own steps below cover it: clippy with `verbs`, its
+/// device-free tests on the host, and `rdma-test` (every test, in a
+/// Soft-RoCE guest).
 const EXCLUDED: &[&str] = &["--exclude", "transport-rdma"];
 
 /// Clippy is run once per feature set: `(step suffix, cargo clippy args)`.
@@ -23,7 +26,14 @@ const CLIPPY_FEATURE_SETS: &[(&str, &[&str])] = &[
     ("default", &["--workspace", "--all-targets"]),
     ("kv-worker-no-default", &["-p", "kv-worker", "--no-default-features", "--all-targets"]),
     ("all-features", &["--workspace", "--all-targets", "--all-features", "--exclude", "transport-rdma"]),
+    ("rdma", &["-p", "transport-rdma", "--all-targets", "--features", "verbs"]),
 ];
+
+/// The checks that must hold without debug assertions or overflow checks
+/// (cache shape arithmetic, block bounds), run in a release build: one test
+/// file of one crate, no transport.
+const RELEASE_CHECKS: &[&str] =
+    &["test", "--release", "-p", "kv-worker", "--no-default-features", "--test", "checked_shapes"];
 
 /// Arguments of `cargo xtask ci`.
 #[derive(Debug, clap::Args)]
@@ -44,6 +54,8 @@ enum Action {
     Cargo { args: Vec<&'static str>, env: Vec<(&'static str, OsString)> },
     /// The crate dependency rule (see [`deps`]).
     DependencyRule,
+    /// `cargo xtask rdma-test` (see [`rdma_test`]).
+    RdmaTest,
 }
 
 /// One CI step.
@@ -70,6 +82,9 @@ impl Step {
                 format!("{env}cargo {}", args.join(" "))
             }
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
+            Action::RdmaTest => {
+                "cargo xtask rdma-test (transport-rdma, feature verbs, in a Soft-RoCE guest)".to_owned()
+            }
         }
     }
 
@@ -81,6 +96,7 @@ impl Step {
                 cmd::run_inherited(command, &self.describe())
             }
             Action::DependencyRule => deps::check(root),
+            Action::RdmaTest => rdma_test::run_step(),
         }
     }
 }
@@ -102,6 +118,10 @@ fn steps() -> Vec<Step> {
     test.extend_from_slice(EXCLUDED);
     test.push("--no-fail-fast");
     steps.push(Step::cargo("test", "test", test));
+    steps.push(Step::cargo("release-checks", "release-checks", RELEASE_CHECKS.to_vec()));
+    // transport-rdma's device-free tests (planner, window, handshake) need no verbs.
+    steps.push(Step::cargo("test:rdma-host", "test", vec!["test", "-p", "transport-rdma", "--no-fail-fast"]));
+    steps.push(Step { name: "rdma-test".to_owned(), group: "rdma-test", action: Action::RdmaTest });
 
     let mut doc = vec!["doc", "--workspace", "--no-deps"];
     doc.extend_from_slice(EXCLUDED);
@@ -114,7 +134,15 @@ fn steps() -> Vec<Step> {
     steps.push(Step {
         name: "doc".to_owned(),
         group: "doc",
-        action: Action::Cargo { args: doc, env: vec![("RUSTDOCFLAGS", rustdocflags)] },
+        action: Action::Cargo { args: doc, env: vec![("RUSTDOCFLAGS", rustdocflags.clone())] },
+    });
+    steps.push(Step {
+        name: "doc:rdma".to_owned(),
+        group: "doc",
+        action: Action::Cargo {
+            args: vec!["doc", "-p", "transport-rdma", "--features", "verbs", "--no-deps"],
+            env: vec![("RUSTDOCFLAGS", rustdocflags)],
+        },
     });
     steps
 }
@@ -127,7 +155,7 @@ fn select(all: Vec<Step>, wanted: &[String]) -> Result<Vec<Step>> {
     for name in wanted {
         if !all.iter().any(|step| step.name == *name || step.group == name) {
             let known: Vec<&str> = all.iter().map(|step| step.name.as_str()).collect();
-            bail!("unknown step `{name}`; steps are: {} (and the group `clippy`)", known.join(", "));
+            bail!("unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`)", known.join(", "));
         }
     }
     Ok(all.into_iter().filter(|step| wanted.iter().any(|name| step.name == *name || step.group == name)).collect())

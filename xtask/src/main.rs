@@ -4,21 +4,27 @@
 //! (`cargo xtask` = `cargo run --quiet --package xtask --`).
 //!
 //! * `cargo xtask ci` runs every CI step (fmt, dependency rule, clippy per
-//!   feature set, tests, docs), keeps going after a failure, prints a summary
-//!   and exits non-zero if any step failed.
+//!   feature set, tests, the RDMA tests in a Soft-RoCE guest, docs), keeps
+//!   going after a failure, prints a summary and exits non-zero if any step
+//!   failed.
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
+//! * `cargo xtask rdma-test` builds transport-rdma's tests with its verbs
+//!   layer and runs them in a QEMU guest with a Soft-RoCE device.
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
-//! the runner, [`deps`] checks the crate dependency rule.
+//! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
+//! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod rdma_test;
+mod vm;
 
 use std::process::ExitCode;
 
@@ -41,6 +47,8 @@ enum Command {
     Ci(ci::CiArgs),
     /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
     Bench(bench::BenchArgs),
+    /// Build transport-rdma's tests (feature `verbs`) and run them in a Soft-RoCE QEMU guest.
+    RdmaTest(rdma_test::RdmaTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +56,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Ci(args) => ci::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::RdmaTest(args) => rdma_test::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -11,7 +11,7 @@ pub type BlockId = u32;
 /// A request id as the engine names it (vLLM's `request_id`).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct ReqId(String);
+pub struct ReqId(#[serde(deserialize_with = "crate::bounded::text")] String);
 
 impl ReqId {
     /// Wraps an engine request id.
@@ -52,7 +52,7 @@ impl From<String> for ReqId {
 /// The id of one engine instance (vLLM's `kv_transfer_config.engine_id`).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct EngineId(String);
+pub struct EngineId(#[serde(deserialize_with = "crate::bounded::text")] String);
 
 impl EngineId {
     /// Wraps an engine id.

@@ -23,6 +23,7 @@
 //! input is an error value, never a panic and never an unbounded allocation.
 
 pub mod auth;
+mod bounded;
 mod codec;
 mod config;
 pub mod dataplane;
@@ -34,9 +35,11 @@ mod metadata;
 mod params;
 pub mod random;
 mod registered;
+mod throttle;
 mod wire;
 mod writer;
 
+pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
     ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,
@@ -49,6 +52,7 @@ pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
 pub use registered::{DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError};
+pub use throttle::LogThrottle;
 pub use wire::{
     CacheLayout, Hello, HelloReply, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage, XferReply,
     XferRequest,

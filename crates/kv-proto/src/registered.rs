@@ -102,6 +102,12 @@ pub enum DestinationError {
         /// Its length.
         len: u64,
     },
+    /// Two ops of the batch write the same bytes (always a sender's bug):
+    /// the batch is refused whole.
+    OverlappingOps {
+        /// Where the later-starting of the two begins.
+        dst: u64,
+    },
     /// The memory is closed (the transport is shut down).
     Closed,
 }
@@ -119,6 +125,9 @@ impl std::fmt::Display for DestinationError {
             DestinationError::ExpiredGrant => f.write_str("the grant has expired"),
             DestinationError::OutsideGrant { index, dst, len } => {
                 write!(f, "op {index}: destination {dst:#x}+{len} is outside the grant")
+            }
+            DestinationError::OverlappingOps { dst } => {
+                write!(f, "two ops of the batch write the bytes at {dst:#x}")
             }
             DestinationError::Closed => f.write_str("the transport's memory is closed"),
         }
@@ -164,6 +173,13 @@ impl GrantAccess {
     pub fn is_live(&self) -> bool {
         *self.entry.live.read().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// Where two of `ops` overlap, if they do (ops already checked not to wrap).
+fn first_overlap(ops: impl IntoIterator<Item = (u64, u64)>) -> Option<u64> {
+    let mut ranges: Vec<(u64, u64)> = ops.into_iter().filter(|&(_, len)| len > 0).collect();
+    ranges.sort_unstable();
+    ranges.windows(2).find(|pair| pair[1].0 < pair[0].0.saturating_add(pair[0].1)).map(|pair| pair[1].0)
 }
 
 impl RegisteredMemory {
@@ -301,10 +317,20 @@ impl RegisteredMemory {
             }
             entry
         };
-        for (index, (dst, len)) in ops.into_iter().enumerate() {
+        // One pass checks the grant and, for ops in ascending order (the
+        // common case), that none overlaps the previous one.
+        let mut ascending_end = Some(0u64);
+        for (index, (dst, len)) in ops.clone().into_iter().enumerate() {
             if !entry.ranges.contains(dst, len) || usize::try_from(len).is_err() {
                 return Err(DestinationError::OutsideGrant { index, dst, len });
             }
+            if len > 0 {
+                // `dst + len` fits: the range lies inside a grant range.
+                ascending_end = ascending_end.filter(|&end| dst >= end).map(|_| dst + len);
+            }
+        }
+        if ascending_end.is_none() {
+            first_overlap(ops).map_or(Ok(()), |dst| Err(DestinationError::OverlappingOps { dst }))?;
         }
         Ok(GrantAccess { entry })
     }
@@ -412,6 +438,27 @@ mod tests {
         assert_eq!(
             mem.admit(&id(1), [(5100, u64::MAX), (5100, 2)], 1, now).unwrap_err(),
             DestinationError::LengthMismatch { declared: 1, sum: None }
+        );
+    }
+
+    #[test]
+    fn overlapping_ops_are_refused_in_any_order() {
+        let mem = memory();
+        let now = Instant::now();
+        mem.issue_grant(id(1), &[MemoryRegion::new(5000, 1000)], now, Duration::from_secs(10)).unwrap();
+        assert!(mem.admit(&id(1), [(5000, 10), (5010, 10), (5100, 0), (5100, 5)], 25, now).is_ok());
+        assert!(mem.admit(&id(1), [(5500, 10), (5000, 10), (5020, 10)], 30, now).is_ok(), "unsorted, disjoint");
+        assert_eq!(
+            mem.admit(&id(1), [(5000, 10), (5005, 10)], 20, now).unwrap_err(),
+            DestinationError::OverlappingOps { dst: 5005 }
+        );
+        assert_eq!(
+            mem.admit(&id(1), [(5500, 10), (5000, 100), (5050, 1)], 111, now).unwrap_err(),
+            DestinationError::OverlappingOps { dst: 5050 }
+        );
+        assert_eq!(
+            mem.admit(&id(1), [(5000, 10), (5000, 10)], 20, now).unwrap_err(),
+            DestinationError::OverlappingOps { dst: 5000 }
         );
     }
 

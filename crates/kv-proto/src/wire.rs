@@ -36,6 +36,32 @@ pub struct CacheLayout {
     pub region_count: u32,
     /// Bytes of one block in one region.
     pub block_len: u64,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Bytes per element (2 for bf16); 0 when the engine did not declare it.
+    pub dtype_bytes: u32,
+}
+
+impl CacheLayout {
+    /// What differs between this layout (`ours`, named `our_name`) and a
+    /// peer's, each difference naming both values; empty when they agree.
+    /// An undeclared dtype (0) on either side is not compared.
+    pub fn mismatches(&self, our_name: &str, theirs: &CacheLayout, their_name: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut differ = |what: &str, ours: String, other: String| {
+            if ours != other {
+                out.push(format!("{what}: {our_name} has {ours}, {their_name} has {other}"));
+            }
+        };
+        differ("K/V layout", format!("{:?}", self.kind), format!("{:?}", theirs.kind));
+        differ("region count", self.region_count.to_string(), theirs.region_count.to_string());
+        differ("bytes per block", self.block_len.to_string(), theirs.block_len.to_string());
+        differ("tokens per block", self.block_tokens.to_string(), theirs.block_tokens.to_string());
+        if self.dtype_bytes != 0 && theirs.dtype_bytes != 0 {
+            differ("bytes per element", self.dtype_bytes.to_string(), theirs.dtype_bytes.to_string());
+        }
+        out
+    }
 }
 
 /// First message on a side-channel connection, from D.
@@ -71,6 +97,9 @@ pub enum HelloReply {
     Accepted {
         /// P's engine id.
         engine_id: EngineId,
+        /// P closes a connection idle this long (no transfer request in
+        /// progress); D retires its connection before that.
+        idle_timeout: Duration,
     },
     /// P requires the shared secret: it proves it knows it, and D must
     /// answer with [`SideMessage::AuthProof`] before anything else.
@@ -83,7 +112,8 @@ pub enum HelloReply {
     /// Something disagrees; the reason names both values. P closes the
     /// connection after sending it.
     Rejected {
-        /// What disagrees.
+        /// What disagrees (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,
     },
 }
@@ -94,7 +124,9 @@ pub struct RequestBlocks {
     /// The request.
     pub req_id: ReqId,
     /// D's blocks, in prompt order; may be shorter than P's (partial prefix
-    /// hit: P sends its last blocks) or empty (P only frees).
+    /// hit: P sends its last blocks) or empty (P only frees). At most
+    /// [`crate::MAX_BLOCKS_PER_REQUEST`].
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_BLOCKS_PER_REQUEST }>")]
     pub block_ids: Vec<BlockId>,
 }
 
@@ -113,9 +145,12 @@ pub struct XferRequest {
     /// does not start writing once this has passed (D will have revoked the
     /// grant and reported the blocks failed).
     pub wait_budget: Duration,
-    /// Base address of each of D's regions, in registration order.
+    /// Base address of each of D's regions, in registration order (at most
+    /// [`crate::MAX_REGIONS`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REGIONS }>")]
     pub region_base_addrs: Vec<u64>,
-    /// The requests and their D blocks.
+    /// The requests and their D blocks (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub requests: Vec<RequestBlocks>,
 }
 
@@ -127,7 +162,8 @@ pub enum Outcome {
     Done,
     /// The KV was not (entirely) written; D must treat the blocks as lost.
     Failed {
-        /// Why, for logs.
+        /// Why, for logs (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,
     },
 }
@@ -147,6 +183,7 @@ pub struct XferReply {
     /// The request's `xfer_id`.
     pub xfer_id: u64,
     /// One entry per request of the transfer request.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub outcomes: Vec<RequestOutcome>,
 }
 
@@ -163,4 +200,57 @@ pub enum SideMessage {
     XferReply(XferReply),
     /// D → P, answer to [`HelloReply::Challenge`]: [`crate::auth::client_proof`].
     AuthProof(crate::auth::Proof),
+    /// P → D, instead of an [`XferReply`]: the transfer request is refused
+    /// whole (e.g. its reply could not fit in a frame); nothing was written
+    /// and every request of it has failed.
+    XferRefused {
+        /// The request's `xfer_id`.
+        xfer_id: u64,
+        /// Why (at most [`crate::MAX_TEXT_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::text")]
+        reason: String,
+    },
+}
+
+impl XferRequest {
+    /// The most bytes this request's [`XferReply`] can take once encoded
+    /// (every request failed with a reason of the longest length), so a
+    /// server can refuse a request whose reply would not fit in a frame
+    /// before doing any work for it.
+    pub fn reply_bound(&self) -> usize {
+        // xfer_id, vector length, and per outcome: id length prefix, enum
+        // tag, reason length prefix (varints of at most 9 bytes each).
+        const FIXED: usize = 9 + 9;
+        const PER_OUTCOME: usize = 9 + 1 + 9 + crate::bounded::MAX_TEXT_LEN;
+        self.requests.iter().fold(FIXED, |sum, r| sum.saturating_add(PER_OUTCOME + r.req_id.as_str().len()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_mismatches_name_both_values() {
+        let ours = CacheLayout {
+            kind: LayoutKind::SplitKv,
+            region_count: 64,
+            block_len: 32768,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        };
+        assert!(ours.mismatches("p", &ours, "d").is_empty());
+        let theirs = CacheLayout { kind: LayoutKind::Fused, block_tokens: 32, dtype_bytes: 1, ..ours };
+        let found = ours.mismatches("p", &theirs, "d");
+        assert_eq!(
+            found,
+            [
+                "K/V layout: p has SplitKv, d has Fused",
+                "tokens per block: p has 16, d has 32",
+                "bytes per element: p has 2, d has 1"
+            ]
+        );
+        let undeclared = CacheLayout { dtype_bytes: 0, ..ours };
+        assert!(ours.mismatches("p", &undeclared, "d").is_empty(), "an undeclared dtype is not compared");
+    }
 }

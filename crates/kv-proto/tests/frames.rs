@@ -7,7 +7,7 @@ use bytes::BytesMut;
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply, LayoutKind, Outcome,
     Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN,
-    PROTOCOL_VERSION,
+    MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -17,7 +17,13 @@ fn hello() -> SideMessage {
         client_nonce: [9; 32],
         engine_id: EngineId::new("decode-0"),
         protocol: Protocol::Tcp,
-        layout: CacheLayout { kind: LayoutKind::SplitKv, region_count: 64, block_len: 65536 },
+        layout: CacheLayout {
+            kind: LayoutKind::SplitKv,
+            region_count: 64,
+            block_len: 65536,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        },
     })
 }
 
@@ -53,7 +59,8 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 
 #[rstest]
 #[case::hello(hello())]
-#[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p") }))]
+#[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p"), idle_timeout: Duration::from_secs(300) }))]
+#[case::transfer_refused(SideMessage::XferRefused { xfer_id: 7, reason: "too big".into() })]
 #[case::hello_challenge(SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] }))]
 #[case::auth_proof(SideMessage::AuthProof([3; 32]))]
 #[case::hello_rejected(SideMessage::HelloReply(HelloReply::Rejected { reason: "block_len 1 vs 2".into() }))]
@@ -166,6 +173,54 @@ fn huge_claimed_collection_inside_a_small_frame_is_refused() {
     frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
     frame.extend_from_slice(&body);
     assert!(FrameCodec::default().decode_exact(&frame).is_err());
+}
+
+fn many_requests(count: usize, id_len: usize) -> XferRequest {
+    XferRequest {
+        xfer_id: 1,
+        endpoint: Endpoint { protocol: Protocol::Tcp, address: "h:1".into(), details: vec![] },
+        grant: Grant::plain(GrantId::from_bytes([0; 16])),
+        wait_budget: Duration::from_secs(1),
+        region_base_addrs: vec![],
+        requests: (0..count)
+            .map(|i| RequestBlocks { req_id: ReqId::new(format!("{i:0id_len$}")), block_ids: vec![] })
+            .collect(),
+    }
+}
+
+#[test]
+fn element_counts_are_bounded_while_decoding() {
+    let codec = FrameCodec::new(64 << 20);
+    let at_limit = SideMessage::XferRequest(many_requests(MAX_REQUESTS_PER_TRANSFER, 1));
+    assert_eq!(codec.decode_exact(&encode_with(&codec, &at_limit)).unwrap(), at_limit);
+    let over = SideMessage::XferRequest(many_requests(MAX_REQUESTS_PER_TRANSFER + 1, 1));
+    assert!(matches!(codec.decode_exact(&encode_with(&codec, &over)), Err(FrameError::Codec(_))));
+    let long_id = SideMessage::XferRequest(many_requests(1, MAX_TEXT_LEN + 1));
+    assert!(matches!(codec.decode_exact(&encode_with(&codec, &long_id)), Err(FrameError::Codec(_))));
+}
+
+#[test]
+fn a_reply_never_exceeds_its_bound() {
+    let request = many_requests(100, 40);
+    let reply = SideMessage::XferReply(XferReply {
+        xfer_id: u64::MAX,
+        outcomes: request
+            .requests
+            .iter()
+            .map(|r| RequestOutcome {
+                req_id: r.req_id.clone(),
+                outcome: Outcome::Failed { reason: "é".repeat(MAX_TEXT_LEN / 2) },
+            })
+            .collect(),
+    });
+    let encoded = encode(&reply);
+    assert!(encoded.len() - FRAME_HEADER_LEN <= request.reply_bound(), "{} > {}", encoded.len(), request.reply_bound());
+}
+
+fn encode_with(codec: &FrameCodec, msg: &SideMessage) -> Vec<u8> {
+    let mut buf = BytesMut::new();
+    codec.encode(msg, &mut buf).unwrap();
+    buf.to_vec()
 }
 
 proptest! {

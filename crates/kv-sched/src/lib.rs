@@ -22,7 +22,10 @@
 //! the worker for a request that then finishes without delay-free (stopped
 //! early, aborted, nothing to send) is withdrawn with
 //! [`SendUpdate::Forget`](kv_proto::SendUpdate::Forget) instead of being
-//! leaked (the reference's defect 3).
+//! leaked (the reference's defect 3); a request whose params ask for a remote
+//! prefill but name no side channel counts no external tokens (the reference
+//! counts them, records no pull, and the request waits for KV that never
+//! comes), so the engine computes it locally.
 //!
 //! What this crate must never do: perform I/O, read a clock, spawn threads or
 //! tasks, or depend on tokio or on any transport. It is plain methods in and

@@ -66,9 +66,16 @@ impl ConnectorScheduler {
     /// locally (prefix cache), and whether they load asynchronously (between
     /// scheduler steps).
     ///
-    /// For a request with `do_remote_prefill`, all uncomputed prompt tokens
+    /// For a request with `do_remote_prefill` and a side channel to pull
+    /// from (`remote_host` and `remote_port`), all uncomputed prompt tokens
     /// are pulled: `(prompt_len - num_computed_tokens, true)` when that is
     /// positive. Otherwise `(0, false)`.
+    ///
+    /// Unlike the reference, params with `do_remote_prefill` but no side
+    /// channel count no external tokens: no pull can be recorded for them
+    /// (see [`update_state_after_alloc`](Self::update_state_after_alloc)), so
+    /// an engine that waited for their KV would wait forever. The engine
+    /// computes such a request locally instead.
     pub fn get_num_new_matched_tokens(&self, req: &EngineRequest, num_computed_tokens: usize) -> (usize, bool) {
         debug!(
             request_id = %req.request_id,
@@ -76,7 +83,15 @@ impl ConnectorScheduler {
             params = ?req.kv_transfer_params,
             "get_num_new_matched_tokens"
         );
-        if req.kv_transfer_params.as_ref().is_some_and(|p| p.do_remote_prefill) {
+        if let Some(params) = req.kv_transfer_params.as_ref().filter(|p| p.do_remote_prefill) {
+            if params.remote().is_none() {
+                // update_state_after_alloc warns once it sees the request.
+                debug!(
+                    request_id = %req.request_id,
+                    "do_remote_prefill without remote_host and remote_port: no external tokens"
+                );
+                return (0, false);
+            }
             let count = req.prompt_len.saturating_sub(num_computed_tokens);
             if count > 0 {
                 return (count, true);

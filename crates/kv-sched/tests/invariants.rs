@@ -1,10 +1,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! Invariants over arbitrary interleavings of scheduler calls on a `kv_both`
-//! instance: at most one pull per request, every announced send entry ends in
-//! exactly one `Ready` or `Forget`, and nothing is tracked once every request
-//! has finished.
+//! instance, driven the way an engine drives them (what
+//! `get_num_new_matched_tokens` returns is what `update_state_after_alloc`
+//! gets): at most one pull per request, every request counted as external
+//! (the engine waits for its KV) has its pull in the next step's metadata,
+//! every announced send entry ends in exactly one `Ready` or `Forget`, and
+//! nothing is tracked once every request has finished.
 
 mod common;
+
+use std::collections::BTreeSet;
 
 use common::*;
 use kv_proto::{KvRole, KvTransferParams, ReqId, SendUpdate};
@@ -16,6 +21,8 @@ use proptest::prelude::*;
 enum Kind {
     Plain,
     Pull,
+    PullWithoutHost,
+    PullWithoutPort,
     PullWithoutEndpoint,
     RemoteDecode,
 }
@@ -25,7 +32,9 @@ impl Kind {
         match self {
             Kind::Plain => None,
             Kind::Pull => Some(pull_from_p()),
-            Kind::PullWithoutEndpoint => Some(params(true, false, None, Some(P_PORT))),
+            Kind::PullWithoutHost => Some(params(true, false, None, Some(P_PORT))),
+            Kind::PullWithoutPort => Some(params(true, false, Some(P_HOST), None)),
+            Kind::PullWithoutEndpoint => Some(params(true, false, None, None)),
             Kind::RemoteDecode => Some(decode_elsewhere()),
         }
     }
@@ -33,8 +42,9 @@ impl Kind {
 
 #[derive(Clone, Debug)]
 enum Op {
-    /// Schedule (or reschedule after preemption) request `i`.
-    Alloc { i: usize, num_external_tokens: usize },
+    /// Schedule (or reschedule after preemption) request `i`, of which the
+    /// prefix cache already holds `num_computed_tokens`.
+    Alloc { i: usize, num_computed_tokens: usize },
     /// Finish request `i`.
     Finish { i: usize, status: RequestStatus, num_blocks: usize },
     /// End of a scheduler step.
@@ -42,9 +52,17 @@ enum Op {
 }
 
 const N: usize = 6;
+const PROMPT_LEN: usize = 64;
 
 fn kind() -> impl Strategy<Value = Kind> {
-    prop_oneof![Just(Kind::Plain), Just(Kind::Pull), Just(Kind::PullWithoutEndpoint), Just(Kind::RemoteDecode)]
+    prop_oneof![
+        Just(Kind::Plain),
+        Just(Kind::Pull),
+        Just(Kind::PullWithoutHost),
+        Just(Kind::PullWithoutPort),
+        Just(Kind::PullWithoutEndpoint),
+        Just(Kind::RemoteDecode),
+    ]
 }
 
 fn status() -> impl Strategy<Value = RequestStatus> {
@@ -58,7 +76,8 @@ fn status() -> impl Strategy<Value = RequestStatus> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        (0..N, 0usize..3).prop_map(|(i, n)| Op::Alloc { i, num_external_tokens: n * 16 }),
+        // 0 to 4 blocks of 16 tokens cached: none, partial and full prefix hits.
+        (0..N, 0usize..=4).prop_map(|(i, n)| Op::Alloc { i, num_computed_tokens: n * 16 }),
         (0..N, status(), 0usize..3).prop_map(|(i, status, num_blocks)| Op::Finish { i, status, num_blocks }),
         Just(Op::Build),
     ]
@@ -71,10 +90,14 @@ proptest! {
         let mut reqs: Vec<EngineRequest> = kinds
             .iter()
             .enumerate()
-            .map(|(i, k)| req(&format!("r{i}"), 64, RequestStatus::Waiting, k.params()))
+            .map(|(i, k)| req(&format!("r{i}"), PROMPT_LEN, RequestStatus::Waiting, k.params()))
             .collect();
         let mut finished = [false; N];
         let mut emitted = Vec::new();
+        // Counted as external since the last build: the engine parks these
+        // until the worker reports their pull, so the pull must go out.
+        let mut awaited: BTreeSet<ReqId> = BTreeSet::new();
+        let mut ever_awaited = [false; N];
 
         let all_ops = ops.into_iter().chain((0..N).map(|i| Op::Finish {
             i,
@@ -83,7 +106,16 @@ proptest! {
         }));
         for op in all_ops.chain([Op::Build]) {
             match op {
-                Op::Alloc { i, num_external_tokens } if !finished[i] => {
+                Op::Alloc { i, num_computed_tokens } if !finished[i] => {
+                    let (num_external_tokens, load_async) = s.get_num_new_matched_tokens(&reqs[i], num_computed_tokens);
+                    prop_assert_eq!(load_async, num_external_tokens > 0);
+                    if load_async {
+                        prop_assert!(matches!(kinds[i], Kind::Pull), "{:?} counted as external", kinds[i]);
+                        prop_assert_eq!(num_external_tokens, PROMPT_LEN - num_computed_tokens);
+                        prop_assert!(!ever_awaited[i], "counted as external twice");
+                        ever_awaited[i] = true;
+                        awaited.insert(reqs[i].request_id.clone());
+                    }
                     reqs[i].status = RequestStatus::Running;
                     s.update_state_after_alloc(&mut reqs[i], &[1, 2, 3], num_external_tokens).unwrap();
                 }
@@ -98,9 +130,21 @@ proptest! {
                     prop_assert_eq!(returned, capped.then(points_here));
                 }
                 Op::Alloc { .. } | Op::Finish { .. } => {}
-                Op::Build => emitted.push(s.build_connector_meta()),
+                Op::Build => {
+                    let meta = s.build_connector_meta();
+                    for id in std::mem::take(&mut awaited) {
+                        prop_assert!(
+                            meta.reqs_to_recv.contains_key(&id),
+                            "{} is awaited by the engine but no pull went out: {:?}",
+                            id,
+                            meta
+                        );
+                    }
+                    emitted.push(meta);
+                }
             }
         }
+        prop_assert!(awaited.is_empty());
 
         prop_assert_eq!(s.live_send_entries(), 0);
         prop_assert!(s.build_connector_meta().is_empty());
@@ -111,7 +155,12 @@ proptest! {
             let sends: Vec<_> = emitted.iter().filter_map(|m| m.reqs_to_send.get(&id)).collect();
             match k {
                 // Exactly one pull: on scheduling, or on abort before scheduling.
-                Kind::Pull => prop_assert_eq!(recvs.len(), 1),
+                Kind::Pull => {
+                    prop_assert_eq!(recvs.len(), 1);
+                    if ever_awaited[i] {
+                        prop_assert_eq!(&recvs[0].local_block_ids, &vec![1, 2, 3], "pulled into its blocks");
+                    }
+                }
                 _ => prop_assert!(recvs.is_empty()),
             }
             if matches!(k, Kind::RemoteDecode) {

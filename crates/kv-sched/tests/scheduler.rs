@@ -36,7 +36,13 @@ fn decode_on_consumer(id: &str) -> SchedError {
 #[case::remote_prefill_without_prefix_hit_loads_whole_prompt(Some(pull_from_p()), 100, 0, (100, true))]
 #[case::remote_prefill_fully_computed_loads_nothing(Some(pull_from_p()), 100, 100, (0, false))]
 #[case::remote_prefill_overcomputed_saturates_to_nothing(Some(pull_from_p()), 10, 20, (0, false))]
-#[case::remote_prefill_counts_even_without_remote_endpoint(Some(params(true, false, None, None)), 64, 32, (32, true))]
+// The reference counts these and then, in update_state_after_alloc ("Got
+// invalid KVTransferParams ... will not utilize KVTransfer"), records no pull:
+// the request would wait for KV nobody sends. Here it loads nothing and the
+// engine computes it locally.
+#[case::invalid_params_missing_host_loads_nothing(Some(params(true, false, None, Some(P_PORT))), 64, 32, (0, false))]
+#[case::invalid_params_missing_port_loads_nothing(Some(params(true, false, Some(P_HOST), None)), 64, 32, (0, false))]
+#[case::invalid_params_missing_host_and_port_loads_nothing(Some(params(true, false, None, None)), 64, 32, (0, false))]
 fn get_num_new_matched_tokens(
     #[values(Producer, Consumer, Both)] role: KvRole,
     #[case] given: Option<KvTransferParams>,
@@ -485,6 +491,34 @@ fn abort_before_schedule_twice_notifies_once(#[values(Consumer, Both)] role: KvR
     assert_eq!(s.request_finished(&mut r, &[]), Ok((false, None)));
     assert_eq!(s.request_finished(&mut r, &[]), Ok((false, None)));
     assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(&[]))], vec![]));
+}
+
+/// The engine's whole loop for a request whose params ask for a remote
+/// prefill but name no side channel: it is counted as no external tokens, so
+/// the engine computes it locally; no pull is recorded and none is expected.
+/// (The reference counts it, records no pull, and the request waits forever.)
+#[rstest]
+#[case::invalid_params_missing_host(params(true, false, None, Some(P_PORT)))]
+#[case::invalid_params_missing_port(params(true, false, Some(P_HOST), None))]
+#[case::invalid_params_missing_host_and_port(params(true, false, None, None))]
+fn invalid_params_are_computed_locally_never_awaited(
+    #[values(Consumer, Both)] role: KvRole,
+    #[case] given: KvTransferParams,
+    #[values(0, 16)] prefix_hit_tokens: usize,
+) {
+    let mut s = sched(role);
+    let mut r = req("r1", 64, Waiting, Some(given.clone()));
+    let (external, load_async) = s.get_num_new_matched_tokens(&r, prefix_hit_tokens);
+    assert_eq!((external, load_async), (0, false), "nothing to wait for");
+    r.status = Running;
+    s.update_state_after_alloc(&mut r, UNHASHED, external).unwrap();
+    assert_eq!(s.build_connector_meta(), empty(), "no pull without a side channel");
+    let cleared = KvTransferParams { do_remote_prefill: false, ..given };
+    assert_eq!(r.kv_transfer_params.as_ref(), Some(&cleared), "one attempt per request");
+    assert_eq!(s.get_num_new_matched_tokens(&r, prefix_hit_tokens), (0, false));
+    r.status = FinishedStopped;
+    assert_eq!(s.request_finished(&mut r, UNHASHED), Ok((false, None)));
+    assert_eq!(s.build_connector_meta(), empty());
 }
 
 // ---------------------------------------------------------------------------

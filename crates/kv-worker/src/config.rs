@@ -17,8 +17,9 @@ pub struct WorkerConfig {
     pub protocol: Protocol,
     /// Transfers P runs at once (`num_workers`).
     pub num_workers: usize,
-    /// Transfer requests P admits at once, waiting ones included; further
-    /// requests wait on their connection (back-pressure).
+    /// Transfer requests P admits at once, waiting ones included, until
+    /// their reply is written; further requests wait on their connection
+    /// (back-pressure). One connection may hold at most half of them.
     pub queue_depth: usize,
     /// Address the side-channel listener binds (P).
     pub side_channel_bind: IpAddr,
@@ -51,6 +52,25 @@ pub struct WorkerConfig {
     /// Which data endpoints P writes to (default: only one on the host the
     /// side-channel peer connected from).
     pub data_endpoint_policy: DataEndpointPolicy,
+    /// P: side-channel connections still in their hello (and authentication)
+    /// at once; more are closed at accept (default 64). Kept apart from
+    /// established connections, so peers that never finish a hello cannot
+    /// take the places of those that did.
+    pub side_channel_max_handshakes: usize,
+    /// P: of those, at most this many from one host (default 16), so one
+    /// misbehaving host cannot hold every handshake place.
+    pub side_channel_max_handshakes_per_host: usize,
+    /// P: established side-channel connections at once; a hello past it is
+    /// rejected (default 512).
+    pub side_channel_max_conns: usize,
+    /// P: an established side-channel connection with no transfer request
+    /// in progress for this long is closed (default 300 s); D learns it in
+    /// the hello and retires its connection before.
+    pub side_channel_idle_timeout: Duration,
+    /// P: bound on writing one reply to D (a D that does not read its
+    /// replies loses its connection, and with it the admission it held;
+    /// default 30 s).
+    pub reply_timeout: Duration,
 }
 
 /// Which data-plane endpoints a prefill worker agrees to write to: a
@@ -92,6 +112,11 @@ impl WorkerConfig {
             data_io_timeout: Duration::from_secs(30),
             auth_secret: None,
             data_endpoint_policy: DataEndpointPolicy::SamePeerHost,
+            side_channel_max_handshakes: 64,
+            side_channel_max_handshakes_per_host: 16,
+            side_channel_max_conns: 512,
+            side_channel_idle_timeout: Duration::from_secs(300),
+            reply_timeout: Duration::from_secs(30),
         }
     }
 

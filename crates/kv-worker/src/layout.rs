@@ -97,6 +97,8 @@ pub struct RegisteredCache {
     regions: Vec<MemoryRegion>,
     num_blocks: u64,
     block_len: u64,
+    block_tokens: u32,
+    dtype_bytes: u32,
 }
 
 impl RegisteredCache {
@@ -157,12 +159,32 @@ impl RegisteredCache {
             }
         }
         let first = first.ok_or(LayoutError::NoLayers)?;
-        Ok(Self { kind, regions, num_blocks: first.num_blocks, block_len: first.len / first.num_blocks })
+        Ok(Self {
+            kind,
+            regions,
+            num_blocks: first.num_blocks,
+            block_len: first.len / first.num_blocks,
+            block_tokens: engine_block_size,
+            dtype_bytes: 0,
+        })
+    }
+
+    /// Declares the bytes per element of the cache (2 for bf16), which P and
+    /// D then also check at hello; 0 (the default) leaves it unchecked.
+    pub fn with_dtype_bytes(self, dtype_bytes: u32) -> Self {
+        Self { dtype_bytes, ..self }
     }
 
     /// A cache with no regions (placeholder while one is being built).
     pub(crate) fn empty() -> Self {
-        Self { kind: LayoutKind::SplitKv, regions: Vec::new(), num_blocks: 0, block_len: 0 }
+        Self {
+            kind: LayoutKind::SplitKv,
+            regions: Vec::new(),
+            num_blocks: 0,
+            block_len: 0,
+            block_tokens: 0,
+            dtype_bytes: 0,
+        }
     }
 
     /// The regions to register, in registration order.
@@ -192,6 +214,8 @@ impl RegisteredCache {
             // A cache of more than 4 billion regions cannot be allocated.
             region_count: u32::try_from(self.regions.len()).unwrap_or(u32::MAX),
             block_len: self.block_len,
+            block_tokens: self.block_tokens,
+            dtype_bytes: self.dtype_bytes,
         }
     }
 
@@ -201,10 +225,10 @@ impl RegisteredCache {
     }
 }
 
-/// The shape of a model's KV cache, to allocate one (tests, the CLI) or to
-/// describe one (the bench).
+/// The dimensions of a model's KV cache as given, unchecked: what
+/// [`CacheShape::try_new`] checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CacheShape {
+pub struct CacheDims {
     /// How layers map to regions.
     pub kind: LayoutKind,
     /// Attention layers.
@@ -221,11 +245,73 @@ pub struct CacheShape {
     pub dtype_bytes: u32,
 }
 
+/// Cache dimensions whose sizes cannot be computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// A size (named by `what`) does not fit in its integer type.
+    #[error("cache shape {dims:?} is too large to address: its {what} overflow")]
+    Overflow {
+        /// Which size: `bytes per block`, `bytes per region`, `regions` or
+        /// `total bytes`.
+        what: &'static str,
+        /// The dimensions refused.
+        dims: CacheDims,
+    },
+}
+
+/// The shape of a model's KV cache, to allocate one (tests, the CLI) or to
+/// describe one (the bench): [`CacheDims`] whose every size was computed
+/// with checked arithmetic.
+///
+/// A value only exists if its bytes per block, bytes per region, region
+/// count and total bytes all fit their types, so the getters never wrap.
+/// A shape may still have no bytes (a zero dimension, e.g. a template whose
+/// `num_blocks` is set later with [`CacheShape::with_num_blocks`]);
+/// allocating one is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    dims: CacheDims,
+    block_len: u64,
+    region_len: u64,
+    region_count: u32,
+    total_bytes: u64,
+}
+
 impl CacheShape {
+    /// Checks `dims`: every size of the cache must fit (bytes in `u64`, the
+    /// region count in `u32`).
+    ///
+    /// # Errors
+    ///
+    /// [`ShapeError::Overflow`] naming the first size that does not fit.
+    pub fn try_new(dims: CacheDims) -> Result<Self, ShapeError> {
+        let overflow = |what| ShapeError::Overflow { what, dims };
+        let kv: u64 = if dims.kind == LayoutKind::Fused { 2 } else { 1 };
+        let block_len = [
+            u64::from(dims.num_kv_heads),
+            u64::from(dims.head_dim),
+            u64::from(dims.dtype_bytes),
+            u64::from(dims.block_size),
+            kv,
+        ]
+        .into_iter()
+        .try_fold(1u64, u64::checked_mul)
+        .ok_or(overflow("bytes per block"))?;
+        let region_len = block_len.checked_mul(dims.num_blocks).ok_or(overflow("bytes per region"))?;
+        let region_count = dims.num_layers.checked_mul(regions_per_layer(dims.kind)).ok_or(overflow("regions"))?;
+        let total_bytes = region_len.checked_mul(u64::from(region_count)).ok_or(overflow("total bytes"))?;
+        Ok(Self { dims, block_len, region_len, region_count, total_bytes })
+    }
+
     /// A llama-3-8B-shaped cache: 32 layers, 8 KV heads, head dim 128, bf16,
     /// 16-token blocks, K and V split.
-    pub fn llama3_8b(num_blocks: u64) -> Self {
-        Self {
+    ///
+    /// # Errors
+    ///
+    /// [`ShapeError::Overflow`] if `num_blocks` makes the cache too large to
+    /// address.
+    pub fn llama3_8b(num_blocks: u64) -> Result<Self, ShapeError> {
+        Self::try_new(CacheDims {
             kind: LayoutKind::SplitKv,
             num_layers: 32,
             num_blocks,
@@ -233,37 +319,102 @@ impl CacheShape {
             num_kv_heads: 8,
             head_dim: 128,
             dtype_bytes: 2,
-        }
+        })
+    }
+
+    /// This shape with `num_blocks` blocks per region.
+    ///
+    /// # Errors
+    ///
+    /// [`ShapeError::Overflow`] if the cache becomes too large to address.
+    pub fn with_num_blocks(self, num_blocks: u64) -> Result<Self, ShapeError> {
+        Self::try_new(CacheDims { num_blocks, ..self.dims })
+    }
+
+    /// The dimensions it was made from.
+    pub fn dims(&self) -> CacheDims {
+        self.dims
+    }
+
+    /// How layers map to regions.
+    pub fn kind(&self) -> LayoutKind {
+        self.dims.kind
+    }
+
+    /// Attention layers.
+    pub fn num_layers(&self) -> u32 {
+        self.dims.num_layers
+    }
+
+    /// Blocks per region.
+    pub fn num_blocks(&self) -> u64 {
+        self.dims.num_blocks
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.dims.block_size
+    }
+
+    /// KV heads (1 for MLA).
+    pub fn num_kv_heads(&self) -> u32 {
+        self.dims.num_kv_heads
+    }
+
+    /// Head dimension (MLA: the latent width).
+    pub fn head_dim(&self) -> u32 {
+        self.dims.head_dim
+    }
+
+    /// Bytes per element.
+    pub fn dtype_bytes(&self) -> u32 {
+        self.dims.dtype_bytes
     }
 
     /// Regions per layer.
     pub fn regions_per_layer(&self) -> u32 {
-        match self.kind {
-            LayoutKind::SplitKv => 2,
-            LayoutKind::Fused | LayoutKind::Mla => 1,
-        }
+        regions_per_layer(self.dims.kind)
     }
 
     /// Bytes of one block in one region (a fused block holds K and V).
     pub fn block_len(&self) -> u64 {
-        let per_token = u64::from(self.num_kv_heads) * u64::from(self.head_dim) * u64::from(self.dtype_bytes);
-        let kv = if self.kind == LayoutKind::Fused { 2 } else { 1 };
-        per_token * u64::from(self.block_size) * kv
+        self.block_len
     }
 
     /// Bytes of one region.
     pub fn region_len(&self) -> u64 {
-        self.block_len() * self.num_blocks
+        self.region_len
     }
 
     /// Number of regions.
     pub fn region_count(&self) -> u32 {
-        self.num_layers * self.regions_per_layer()
+        self.region_count
     }
 
     /// Bytes of the whole cache.
     pub fn total_bytes(&self) -> u64 {
-        self.region_len() * u64::from(self.region_count())
+        self.total_bytes
+    }
+}
+
+impl TryFrom<CacheDims> for CacheShape {
+    type Error = ShapeError;
+
+    fn try_from(dims: CacheDims) -> Result<Self, ShapeError> {
+        Self::try_new(dims)
+    }
+}
+
+impl From<CacheShape> for CacheDims {
+    fn from(shape: CacheShape) -> Self {
+        shape.dims
+    }
+}
+
+fn regions_per_layer(kind: LayoutKind) -> u32 {
+    match kind {
+        LayoutKind::SplitKv => 2,
+        LayoutKind::Fused | LayoutKind::Mla => 1,
     }
 }
 
@@ -292,7 +443,16 @@ mod tests {
         .unwrap();
         assert_eq!(c.base_addrs(), vec![0x1000, 0x2000, 0x3000, 0x4000]);
         assert_eq!(c.block_len(), 100);
-        assert_eq!(c.layout(), CacheLayout { kind: LayoutKind::SplitKv, region_count: 4, block_len: 100 });
+        assert_eq!(
+            c.layout(),
+            CacheLayout {
+                kind: LayoutKind::SplitKv,
+                region_count: 4,
+                block_len: 100,
+                block_tokens: 16,
+                dtype_bytes: 0
+            }
+        );
     }
 
     #[test]
@@ -328,8 +488,42 @@ mod tests {
 
     #[test]
     fn llama_shape() {
-        let s = CacheShape::llama3_8b(100);
+        let s = CacheShape::llama3_8b(100).unwrap();
         assert_eq!(s.block_len(), 16 * 8 * 128 * 2);
+        assert_eq!(s.region_len(), 100 * 16 * 8 * 128 * 2);
         assert_eq!(s.region_count(), 64);
+        assert_eq!(s.total_bytes(), 64 * 100 * 16 * 8 * 128 * 2);
+        assert_eq!(s.with_num_blocks(7).unwrap().num_blocks(), 7);
+        assert_eq!(CacheShape::try_new(s.dims()), Ok(s));
+    }
+
+    #[test]
+    fn overflow_names_the_size() {
+        let dims = CacheDims {
+            kind: LayoutKind::Mla,
+            num_layers: 1,
+            num_blocks: u64::MAX,
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 64,
+            dtype_bytes: 2,
+        };
+        let err = CacheShape::try_new(dims).unwrap_err();
+        assert!(err.to_string().ends_with("is too large to address: its bytes per region overflow"), "{err}");
+    }
+
+    #[test]
+    fn fused_blocks_hold_k_and_v() {
+        let dims = CacheDims {
+            kind: LayoutKind::Fused,
+            num_layers: 3,
+            num_blocks: 5,
+            block_size: 16,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype_bytes: 2,
+        };
+        let s = CacheShape::try_new(dims).unwrap();
+        assert_eq!((s.block_len(), s.region_count(), s.total_bytes()), (1024, 3, 3 * 5 * 1024));
     }
 }

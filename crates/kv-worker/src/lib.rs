@@ -34,10 +34,10 @@ mod side_channel;
 pub mod transport;
 mod worker;
 
-pub use cache::{AllocError, OwnedKvCache};
+pub use cache::{AllocError, BlockError, OwnedKvCache};
 pub use config::{AuthSecret, DataEndpointPolicy, WorkerConfig};
 pub use error::WorkerError;
-pub use layout::{CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache};
+pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};
 pub use plan::GrantPlanError;
 pub use receiver::{PullBatch, ReceiverCore, RecvFinished, SideChannelAddr};
 pub use sender::{Claim, SenderCore};

@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     pub(crate) finished_changed: Notify,
     pub(crate) receiver: Mutex<ReceiverCore>,
     pub(crate) admission: Arc<Semaphore>,
+    /// Places for established side-channel connections (P).
+    pub(crate) established: Arc<Semaphore>,
     pub(crate) transfer_slots: Semaphore,
     pub(crate) clients: Mutex<HashMap<SideChannelAddr, Arc<SideChannelClient>>>,
     pub(crate) cancel: CancellationToken,
@@ -206,6 +208,7 @@ impl Worker {
             finished_changed: Notify::new(),
             receiver: Mutex::new(ReceiverCore::new(config.tp_rank, config.transfer_timeout)),
             admission: Arc::new(Semaphore::new(config.queue_depth.max(1))),
+            established: Arc::new(Semaphore::new(config.side_channel_max_conns.max(1))),
             transfer_slots: Semaphore::new(config.num_workers.max(1)),
             clients: Mutex::new(HashMap::new()),
             cancel: CancellationToken::new(),

@@ -1,4 +1,5 @@
 //! Side-channel shared-secret authentication between real workers on loopback.
+#![cfg(feature = "tcp")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -6,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_proto::{ConnectorMetadata, KvRole, LayoutKind, RecvReqMeta, ReqId, SendUpdate};
-use kv_worker::{AuthSecret, CacheShape, Finished, OwnedKvCache, Worker, WorkerConfig};
+use kv_worker::{AuthSecret, CacheDims, CacheShape, Finished, OwnedKvCache, Worker, WorkerConfig};
 use rstest::rstest;
 
 const BOUND: Duration = Duration::from_secs(20);
 
 fn shape() -> CacheShape {
-    CacheShape {
+    CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 2,
         num_blocks: 8,
@@ -20,7 +21,8 @@ fn shape() -> CacheShape {
         num_kv_heads: 1,
         head_dim: 8,
         dtype_bytes: 2,
-    }
+    })
+    .unwrap()
 }
 
 async fn worker(role: KvRole, secret: Option<&str>) -> Worker {

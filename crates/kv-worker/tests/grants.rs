@@ -19,7 +19,7 @@ use kv_proto::{
     RecvReqMeta, RegionAccess, ReqId, SendUpdate, TransportError, WriteOp,
 };
 use kv_worker::in_memory::InMemoryNetwork;
-use kv_worker::{pattern, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
+use kv_worker::{pattern, CacheDims, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -29,7 +29,7 @@ const BOUND: Duration = Duration::from_secs(20);
 const SHORT: Duration = Duration::from_millis(300);
 
 fn shape() -> CacheShape {
-    CacheShape {
+    CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 2,
         num_blocks: 8,
@@ -37,7 +37,8 @@ fn shape() -> CacheShape {
         num_kv_heads: 2,
         head_dim: 16,
         dtype_bytes: 2,
-    }
+    })
+    .unwrap()
 }
 
 /// A writer that holds its first `held` batches until the test opens the
@@ -137,33 +138,37 @@ fn config(role: KvRole, name: &str) -> WorkerConfig {
 
 /// Writes request `seed`'s KV into `blocks` of every region (prompt positions from 0).
 fn fill(cache: &OwnedKvCache, seed: u64, blocks: &[BlockId]) {
+    let mut buf = vec![0u8; cache.block_len()];
     for region in 0..cache.shape().region_count() {
         for (position, &block) in blocks.iter().enumerate() {
+            pattern::fill(&mut buf, pattern::block_seed(seed, region, position as u32));
             // SAFETY: no transfer reads or writes these blocks while the test fills them.
-            let buf = unsafe { cache.block_mut(region as usize, block) }.unwrap();
-            pattern::fill(buf, pattern::block_seed(seed, region, position as u32));
+            unsafe { cache.write_block(region as usize, block, &buf) }.unwrap();
         }
     }
+}
+
+/// `block` of `region`, copied out.
+fn read(cache: &OwnedKvCache, region: u32, block: BlockId) -> Vec<u8> {
+    let mut buf = vec![0u8; cache.block_len()];
+    // SAFETY: the test reads only blocks whose pull was reported (or never
+    // started): no transfer writes them any more.
+    unsafe { cache.read_block(region as usize, block, &mut buf) }.unwrap();
+    buf
 }
 
 /// Whether `blocks` hold request `seed`'s KV in every region.
 fn holds(cache: &OwnedKvCache, seed: u64, blocks: &[BlockId]) -> bool {
     (0..cache.shape().region_count()).all(|region| {
         blocks.iter().enumerate().all(|(position, &block)| {
-            // SAFETY: the pull into these blocks was reported; nothing writes them.
-            let buf = unsafe { cache.block(region as usize, block) }.unwrap();
-            pattern::matches(buf, pattern::block_seed(seed, region, position as u32))
+            pattern::matches(&read(cache, region, block), pattern::block_seed(seed, region, position as u32))
         })
     })
 }
 
 fn all_zero(cache: &OwnedKvCache, blocks: &[BlockId]) -> bool {
-    (0..cache.shape().region_count()).all(|region| {
-        blocks.iter().all(|&block| {
-            // SAFETY: as in `holds`.
-            unsafe { cache.block(region as usize, block) }.unwrap().iter().all(|&b| b == 0)
-        })
-    })
+    (0..cache.shape().region_count())
+        .all(|region| blocks.iter().all(|&block| read(cache, region, block).iter().all(|&b| b == 0)))
 }
 
 fn ready(p: &Instance, req: &str, blocks: &[BlockId]) {

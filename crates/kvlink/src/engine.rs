@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kv_proto::{BlockId, KvRole, KvTransferParams, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
-use kv_worker::{AllocError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
+use kv_worker::{AllocError, BlockError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{BlockPattern, BlockPool};
@@ -27,6 +27,9 @@ pub enum EngineError {
     /// The cache could not be allocated.
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A block the pool handed out is not in the cache.
+    #[error(transparent)]
+    Block(#[from] BlockError),
     /// Not enough free blocks.
     #[error("{instance}: no room for {needed} blocks ({free} free)")]
     OutOfBlocks {
@@ -51,6 +54,9 @@ pub enum EngineError {
     /// The scheduler did not return transfer params for a finished request.
     #[error("request {0}: prefill returned no transfer params")]
     NoParams(ReqId),
+    /// A pull names no prefill side channel (no remote host or port).
+    #[error("request {0}: its transfer params name no prefill side channel to pull from")]
+    NoRemote(ReqId),
 }
 
 /// A request to prefill on P.
@@ -130,7 +136,7 @@ impl PrefillInstance {
             sched,
             worker,
             cache,
-            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             held: HashMap::new(),
             write_patterns: true,
         })
@@ -177,7 +183,7 @@ impl PrefillInstance {
             kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
         };
         let (external, _) = self.sched.get_num_new_matched_tokens(&req, 0);
-        let needed = blocks_for(p.prompt_len, self.cache.shape().block_size as usize);
+        let needed = blocks_for(p.prompt_len, self.cache.shape().block_size() as usize);
         let free = self.pool.free_count();
         let blocks = self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "prefill", needed, free })?;
         self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
@@ -197,7 +203,7 @@ impl PrefillInstance {
         let mut out = Vec::with_capacity(running.len());
         for (spec, mut req, blocks) in running {
             if self.write_patterns {
-                fill::fill_request(&self.cache, spec.seed, &blocks);
+                fill::fill_request(&self.cache, spec.seed, &blocks)?;
             }
             req.status = RequestStatus::FinishedLengthCapped;
             let (delay_free, params) = self.sched.request_finished(&mut req, &blocks)?;
@@ -348,7 +354,7 @@ impl DecodeInstance {
             sched,
             worker,
             cache,
-            pool: BlockPool::new(shape.num_blocks, pattern, seed),
+            pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             pulling: HashMap::new(),
             verify: true,
         })
@@ -382,7 +388,13 @@ impl DecodeInstance {
     /// One engine step in which `pulls` are scheduled: blocks allocated for
     /// what the prefix cache lacks, pulls started.
     pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
-        let block_size = self.cache.shape().block_size as usize;
+        let block_size = self.cache.shape().block_size() as usize;
+        // The scheduler records no pull for params without a side channel
+        // (the engine computes such a request itself): refuse them here
+        // rather than wait for a report that never comes.
+        if let Some(p) = pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
+            return Err(EngineError::NoRemote(p.id.clone()));
+        }
         let mut started = Vec::with_capacity(pulls.len());
         for p in pulls {
             let mut req = EngineRequest {

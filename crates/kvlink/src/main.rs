@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
-use kv_worker::{AuthSecret, CacheShape};
+use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{ServeOptions, Server, ShapePins};
@@ -217,6 +217,12 @@ fn print_report(title: &str, r: &RunReport) {
     println!("{title}");
     let check = if r.verified { "verified" } else { "received (not verified)" };
     println!("  requests   {} {check}, {} failed, {} corrupt", r.received, r.failed, r.corrupt);
+    if r.warmup_failed > 0 || r.received < r.requests {
+        println!(
+            "  INCOMPLETE {} of {} measured requests received; {} warm-up requests failed",
+            r.received, r.requests, r.warmup_failed
+        );
+    }
     println!(
         "  moved      {:.2} GB in {:.2} s = {:.2} GB/s, {:.0} requests/s",
         r.bytes as f64 / 1e9,
@@ -241,7 +247,8 @@ fn print_report(title: &str, r: &RunReport) {
 }
 
 async fn demo(requests: usize) -> anyhow::Result<bool> {
-    let shape = CacheShape::llama3_8b(0);
+    // The runner sizes `num_blocks` for the requests in flight.
+    let shape = CacheShape::llama3_8b(0)?;
     let opts = RunOptions {
         protocol: Protocol::Tcp,
         shape,
@@ -268,14 +275,14 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
     let report = run(&opts, &bar).await.context("demo failed")?;
     bar.finish_and_clear();
     print_report("result:", &report);
-    let ok = report.failed == 0 && report.corrupt == 0 && report.received == requests;
+    let ok = report.complete();
     println!("{}", if ok { "OK: every byte verified" } else { "FAILED: see the errors above" });
     Ok(ok)
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
     let protocol = Protocol::from(args.protocol);
-    let shape = CacheShape {
+    let dims = CacheDims {
         kind: args.layout.into(),
         num_layers: args.layers,
         num_blocks: 0,
@@ -291,7 +298,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         .checked_mul(args.in_flight.max(1))
         .and_then(|n| u64::try_from(n).ok()?.checked_add(1))
         .context("--blocks-per-request x --in-flight is too large")?;
-    check_shape(&CacheShape { num_blocks, ..shape }, u64::MAX)?;
+    let shape = check_shape(CacheDims { num_blocks, ..dims }, u64::MAX)?;
     let opts = RunOptions {
         protocol,
         shape,
@@ -328,7 +335,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
             &report,
         );
     }
-    Ok(report.failed == 0 && report.corrupt == 0)
+    Ok(report.complete())
 }
 
 /// A future that resolves on Ctrl-C or SIGTERM; the handlers are in place

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use kv_proto::{BlockId, KvRole, KvTransferParams, Protocol, ReqId};
-use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, WorkerConfig};
+use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, ShapeError, WorkerConfig};
 use serde::Serialize;
 
 use crate::blocks::BlockPattern;
@@ -57,6 +57,20 @@ pub enum RunError {
     /// The session with the remote side failed.
     #[error(transparent)]
     Control(#[from] ControlError),
+    /// The caches sized for the requests in flight are too large to address.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// The OS random source failed (request ids must be unguessable).
+    #[error("no OS randomness for request ids")]
+    NoRandomness,
+}
+
+impl RunReport {
+    /// Whether the run did everything it was asked: every measured request
+    /// received (and verified, if on), nothing failed, warm-up included.
+    pub fn complete(&self) -> bool {
+        self.failed == 0 && self.corrupt == 0 && self.warmup_failed == 0 && self.received == self.requests
+    }
 }
 
 /// What happened.
@@ -72,6 +86,9 @@ pub struct RunReport {
     pub failed: usize,
     /// Requests whose bytes were wrong.
     pub corrupt: usize,
+    /// Warm-up requests that failed or arrived wrong (not measured, but a
+    /// run with any is not a success).
+    pub warmup_failed: usize,
     /// Whether bytes were verified.
     pub verified: bool,
     /// KV bytes moved (measured requests).
@@ -288,13 +305,12 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
 
 /// Runs the loop; `progress` ticks once per measured request.
 pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport, RunError> {
-    let mut shape = opts.shape;
     let window = opts.in_flight.max(1);
     // Scattered and random ids need free blocks between the allocated ones:
     // twice the blocks in flight, so a scattered request really is one op per
     // block rather than falling back to adjacent blocks.
     let slack = if opts.pattern == BlockPattern::Contiguous { 1 } else { 2 };
-    shape.num_blocks = (opts.blocks_per_request * window * slack) as u64 + 1;
+    let shape = opts.shape.with_num_blocks((opts.blocks_per_request * window * slack) as u64 + 1)?;
     let mut report = RunReport {
         protocol: opts.protocol.to_string(),
         requests: opts.requests,
@@ -303,7 +319,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     };
     let mut sides = start_sides(opts, shape, &mut report).await?;
 
-    let block_size = shape.block_size as usize;
+    let block_size = shape.block_size() as usize;
     let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
     let total = opts.warmup + opts.requests;
     let mut latencies = Latencies::default();
@@ -312,6 +328,10 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let mut measure_start: Option<(Instant, Duration)> = None;
     let mut peer_start = None;
     let mut failing = false;
+    // Request ids no one can guess (a peer of an unauthenticated side channel
+    // must not be able to claim another request's KV by naming it).
+    let run_tag: String =
+        kv_proto::random::array::<8>().ok_or(RunError::NoRandomness)?.iter().map(|b| format!("{b:02x}")).collect();
     while finished < next || next < total {
         // After a failed or corrupt pull, stop issuing: the prefill side holds
         // failed requests' blocks until their lease ends, and the run's
@@ -331,7 +351,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
             let spec = PromptSpec {
-                id: ReqId::new(format!("req-{next}")),
+                id: ReqId::new(format!("req-{run_tag}-{next}")),
                 prompt_len: opts.blocks_per_request * block_size,
                 seed: next as u64,
             };
@@ -365,6 +385,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             if is_warmup {
                 if let Completion::Failed { id, .. } | Completion::Corrupt { id, .. } = &c {
                     tracing::error!(req_id = %id, "warm-up request failed");
+                    report.warmup_failed += 1;
                 }
                 continue;
             }

@@ -69,12 +69,12 @@ impl ShapePins {
         }
         let mut out = Vec::new();
         diff(&mut out, "protocol", self.protocol, protocol);
-        diff(&mut out, "layout", self.kind, shape.kind);
-        diff(&mut out, "layers", self.num_layers, shape.num_layers);
-        diff(&mut out, "block_size", self.block_size, shape.block_size);
-        diff(&mut out, "heads", self.num_kv_heads, shape.num_kv_heads);
-        diff(&mut out, "head_dim", self.head_dim, shape.head_dim);
-        diff(&mut out, "dtype_bytes", self.dtype_bytes, shape.dtype_bytes);
+        diff(&mut out, "layout", self.kind, shape.kind());
+        diff(&mut out, "layers", self.num_layers, shape.num_layers());
+        diff(&mut out, "block_size", self.block_size, shape.block_size());
+        diff(&mut out, "heads", self.num_kv_heads, shape.num_kv_heads());
+        diff(&mut out, "head_dim", self.head_dim, shape.head_dim());
+        diff(&mut out, "dtype_bytes", self.dtype_bytes, shape.dtype_bytes());
         if out.is_empty() {
             Ok(())
         } else {
@@ -329,8 +329,7 @@ async fn start(
     if version != CONTROL_VERSION {
         return Err(format!("control protocol version mismatch: client {version}, server {CONTROL_VERSION}"));
     }
-    let shape = CacheShape::from(shape);
-    check_shape(&shape, opts.max_cache_bytes).map_err(|e| match e {
+    let shape = check_shape(shape.into(), opts.max_cache_bytes).map_err(|e| match e {
         crate::control::ShapeError::OverLimit { what: "bytes", .. } => format!("{e} (the server's --max-cache-gib)"),
         e => e.to_string(),
     })?;
@@ -369,7 +368,7 @@ fn wait_of(timeout_ms: u64) -> Duration {
 }
 
 fn blocks_needed(shape: &CacheShape, prompt_len: usize) -> usize {
-    prompt_len.div_ceil(shape.block_size.max(1) as usize)
+    prompt_len.div_ceil(shape.block_size().max(1) as usize)
 }
 
 impl Served {
@@ -444,8 +443,8 @@ async fn prefill(p: &mut PrefillInstance, shape: &CacheShape, prompts: &[PromptS
         }
         needed = needed.saturating_add(blocks_needed(shape, spec.prompt_len));
     }
-    if needed as u64 > shape.num_blocks {
-        return Err(format!("the requests need {needed} blocks, the cache has {}", shape.num_blocks));
+    if needed as u64 > shape.num_blocks() {
+        return Err(format!("the requests need {needed} blocks, the cache has {}", shape.num_blocks()));
     }
     // Blocks come back as decode pulls them; wait (bounded) for room.
     let deadline = Instant::now() + MAX_WAIT;
@@ -645,7 +644,7 @@ mod tests {
 
     #[test]
     fn pins_name_every_difference() {
-        let shape = CacheShape::llama3_8b(10);
+        let shape = CacheShape::llama3_8b(10).unwrap();
         assert_eq!(ShapePins::default().check(Protocol::Tcp, &shape), Ok(()));
         let pins = ShapePins { num_layers: Some(32), head_dim: Some(64), dtype_bytes: Some(1), ..ShapePins::default() };
         assert_eq!(

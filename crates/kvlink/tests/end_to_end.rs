@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use kv_proto::{KvRole, KvTransferParams, LayoutKind, ReqId};
-use kv_worker::{CacheShape, WorkerConfig};
+use kv_worker::{CacheDims, CacheShape, WorkerConfig};
 use kvlink::{BlockPattern, Completion, DecodeInstance, PrefillInstance, PromptSpec, PullSpec};
 use rstest::rstest;
 
 /// Llama-shaped (32 layers, K/V split, 16-token blocks) but narrow, so a
 /// debug build moves hundreds of requests quickly: 2 KiB per block per region.
 fn shape(num_blocks: u64) -> CacheShape {
-    CacheShape {
+    CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 32,
         num_blocks,
@@ -20,7 +20,8 @@ fn shape(num_blocks: u64) -> CacheShape {
         num_kv_heads: 1,
         head_dim: 64,
         dtype_bytes: 2,
-    }
+    })
+    .unwrap()
 }
 
 const BOUND: Duration = Duration::from_secs(20);
@@ -231,8 +232,7 @@ async fn two_prefill_instances_feed_one_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layout_mismatch_fails_fast_naming_both_sides() {
     let mut p = prefill(BlockPattern::Contiguous).await;
-    let mut other = shape(400);
-    other.head_dim = 128;
+    let other = CacheShape::try_new(CacheDims { head_dim: 128, ..shape(400).dims() }).unwrap();
     let mut d =
         DecodeInstance::start(WorkerConfig::loopback(KvRole::Consumer, "d"), other, BlockPattern::Contiguous, 1)
             .await

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
@@ -46,11 +47,32 @@ struct Connection {
     sink: Mutex<Sink>,
     /// Replies awaited, by `xfer_id`; `None` once the reader has ended.
     pending: std::sync::Mutex<Option<HashMap<u64, Pending>>>,
+    /// When a request was last sent or a reply last received.
+    last_active: std::sync::Mutex<Instant>,
+    /// Retired once idle this long (half of P's idle timeout), before P
+    /// closes it under a request in flight.
+    retire_after: Duration,
+    /// Ends the reader when the connection is retired.
+    retired: CancellationToken,
 }
 
 impl Connection {
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u64, Pending>>> {
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn touch(&self) {
+        *self.last_active.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
+    }
+
+    /// Whether it can carry another request: its reader is alive, and it
+    /// has not sat idle long enough that P may be closing it.
+    fn usable(&self) -> bool {
+        let idle = self.last_active.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed();
+        match self.lock_pending().as_ref() {
+            None => false,
+            Some(pending) => !pending.is_empty() || idle < self.retire_after,
+        }
     }
 }
 
@@ -76,6 +98,7 @@ impl SideChannelClient {
                 Some(pending) => pending.insert(xfer_id, tx),
                 None => continue, // its reader ended: the connection is gone
             };
+            conn.touch();
             if let Err(e) = conn.sink.lock().await.send(SideMessage::XferRequest(request)).await {
                 if let Some(pending) = conn.lock_pending().as_mut() {
                     pending.remove(&xfer_id);
@@ -89,24 +112,32 @@ impl SideChannelClient {
 
     async fn connection(&self, fresh: bool) -> Result<Arc<Connection>, String> {
         let mut slot = self.conn.lock().await;
-        if let Some(conn) = slot.as_ref() {
-            if !fresh && conn.lock_pending().is_some() {
-                return Ok(conn.clone());
+        if let Some(conn) = slot.take() {
+            if !fresh && conn.usable() {
+                *slot = Some(conn.clone());
+                return Ok(conn);
             }
+            conn.retired.cancel();
         }
-        *slot = None;
-        let framed = tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await.map_err(|_| {
-            format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout)
-        })??;
+        let (framed, idle_timeout) =
+            tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await.map_err(|_| {
+                format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout)
+            })??;
         let (sink, stream) = framed.split();
-        let conn =
-            Arc::new(Connection { sink: Mutex::new(sink), pending: std::sync::Mutex::new(Some(HashMap::new())) });
-        self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), self.cancel.clone()));
+        let retired = self.cancel.child_token();
+        let conn = Arc::new(Connection {
+            sink: Mutex::new(sink),
+            pending: std::sync::Mutex::new(Some(HashMap::new())),
+            last_active: std::sync::Mutex::new(Instant::now()),
+            retire_after: idle_timeout / 2,
+            retired: retired.clone(),
+        });
+        self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), retired));
         *slot = Some(conn.clone());
         Ok(conn)
     }
 
-    async fn handshake(&self) -> Result<Framed<TcpStream, SideChannelCodec>, String> {
+    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration), String> {
         let stream = TcpStream::connect((self.peer.host.as_str(), self.peer.port))
             .await
             .map_err(|e| format!("cannot connect to prefill side channel {}: {e}", self.peer))?;
@@ -142,9 +173,9 @@ impl SideChannelClient {
             return Err(format!("prefill {} did not authenticate (no shared secret configured there?)", self.peer));
         }
         match reply {
-            HelloReply::Accepted { engine_id } => {
-                tracing::debug!(peer = %self.peer, peer_engine = %engine_id, "side channel connected");
-                Ok(framed)
+            HelloReply::Accepted { engine_id, idle_timeout } => {
+                tracing::debug!(peer = %self.peer, peer_engine = %engine_id, ?idle_timeout, "side channel connected");
+                Ok((framed, idle_timeout))
             }
             HelloReply::Rejected { reason } => {
                 tracing::error!(peer = %self.peer, %reason, "prefill refused this decode instance");
@@ -174,22 +205,25 @@ async fn read_replies(
 ) {
     let reason = loop {
         let frame = tokio::select! {
-            () = cancel.cancelled() => break "decode worker shutting down".to_owned(),
+            () = cancel.cancelled() => break "connection retired or decode worker shutting down".to_owned(),
             frame = stream.next() => frame,
         };
-        match frame {
-            Some(Ok(SideMessage::XferReply(reply))) => {
-                let waiter = conn.lock_pending().as_mut().and_then(|p| p.remove(&reply.xfer_id));
-                match waiter {
-                    Some(waiter) => {
-                        let _ = waiter.send(Ok(reply));
-                    }
-                    None => tracing::warn!(%peer, xfer_id = reply.xfer_id, "reply to no pending transfer"),
-                }
+        let (xfer_id, result) = match frame {
+            Some(Ok(SideMessage::XferReply(reply))) => (reply.xfer_id, Ok(reply)),
+            Some(Ok(SideMessage::XferRefused { xfer_id, reason })) => {
+                (xfer_id, Err(format!("{peer} refused the transfer request: {reason}")))
             }
             Some(Ok(_)) => break "unexpected message from prefill".to_owned(),
             Some(Err(e)) => break format!("bad frame from prefill: {e}"),
             None => break "prefill closed the connection".to_owned(),
+        };
+        conn.touch();
+        let waiter = conn.lock_pending().as_mut().and_then(|p| p.remove(&xfer_id));
+        match waiter {
+            Some(waiter) => {
+                let _ = waiter.send(result);
+            }
+            None => tracing::warn!(%peer, xfer_id, "reply to no pending transfer"),
         }
     };
     let pending = conn.lock_pending().take().unwrap_or_default();

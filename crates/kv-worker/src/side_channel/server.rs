@@ -2,18 +2,19 @@
 //! transfer requests on a bounded queue and answers each with one outcome per
 //! request.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{
-    BlockId, Endpoint, FrameCodec, Grant, Hello, HelloReply, Outcome, RequestOutcome, SideMessage, WriteOp, XferReply,
-    XferRequest,
+    BlockId, Endpoint, FrameCodec, Grant, Hello, HelloReply, LogThrottle, Outcome, RequestOutcome, SideMessage,
+    WriteOp, XferReply, XferRequest,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::codec::Framed;
 
 use crate::config::{AuthSecret, DataEndpointPolicy};
@@ -22,8 +23,19 @@ use crate::sender::Claim;
 use crate::side_channel::SideChannelCodec;
 use crate::worker::Shared;
 
-/// Accepts connections until the worker shuts down.
+/// Pause after a failed `accept` (e.g. out of file descriptors), so the loop
+/// does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Accepts connections until the worker shuts down. A connection first needs
+/// a handshake place (hello and authentication, bounded in number and time),
+/// then an established place; the two pools are separate, so connections
+/// that never finish a hello cannot crowd out those that did.
 pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
+    let handshakes = Arc::new(Semaphore::new(shared.config.side_channel_max_handshakes.max(1)));
+    let per_host = PerHost::new(shared.config.side_channel_max_handshakes_per_host.max(1));
+    let mut accept_errors = LogThrottle::new(Duration::from_secs(1));
+    let mut refusals = LogThrottle::new(Duration::from_secs(1));
     loop {
         let accepted = tokio::select! {
             () = shared.cancel.cancelled() => break,
@@ -31,16 +43,31 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
         };
         match accepted {
             Ok((stream, peer)) => {
+                let place = per_host.enter(peer.ip()).zip(handshakes.clone().try_acquire_owned().ok());
+                let Some(handshake) = place else {
+                    if let Some(suppressed) = refusals.allow(Instant::now()) {
+                        tracing::warn!(%peer, limit = shared.config.side_channel_max_handshakes, per_host = shared.config.side_channel_max_handshakes_per_host, suppressed, "side-channel handshake limit reached, closing new connections");
+                    }
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let conn_shared = shared.clone();
                 shared.tracker.spawn(async move {
-                    match serve_connection(conn_shared, stream, peer).await {
+                    match serve_connection(conn_shared, stream, peer, handshake).await {
                         Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
                         Err(reason) => tracing::warn!(%peer, %reason, "side-channel connection dropped"),
                     }
                 });
             }
-            Err(e) => tracing::warn!(error = %e, "side-channel accept failed"),
+            Err(error) => {
+                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
+                    tracing::warn!(%error, suppressed, "side-channel accept failed");
+                }
+                tokio::select! {
+                    () = shared.cancel.cancelled() => break,
+                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                }
+            }
         }
     }
 }
@@ -48,78 +75,192 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
 fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     let ours = shared.cache.layout();
     let protocol = shared.writer.protocol();
+    let decode = format!("decode {}", hello.engine_id);
+    let prefill = format!("prefill {}", shared.config.engine_id);
+    let mut mismatches = Vec::new();
     if hello.protocol != protocol {
-        return Err(format!(
-            "transport mismatch: decode {} uses {}, prefill {} uses {}",
-            hello.engine_id, hello.protocol, shared.config.engine_id, protocol
-        ));
+        mismatches.push(format!("transport: {decode} uses {}, {prefill} uses {protocol}", hello.protocol));
     }
-    if hello.layout != ours {
-        return Err(format!(
-            "cache layout mismatch: decode {} has {:?}, {} regions, block_len {}; prefill {} has {:?}, {} regions, block_len {}",
-            hello.engine_id, hello.layout.kind, hello.layout.region_count, hello.layout.block_len,
-            shared.config.engine_id, ours.kind, ours.region_count, ours.block_len
-        ));
+    mismatches.extend(hello.layout.mismatches(&decode, &ours, &prefill));
+    if mismatches.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("incompatible peers ({})", mismatches.join("; ")))
     }
-    Ok(())
 }
 
-async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) -> Result<(), String> {
-    let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
+/// Handshakes in progress per source host.
+#[derive(Clone)]
+struct PerHost {
+    limit: usize,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One host's handshake place; given back on drop.
+struct HostPlace {
+    host: IpAddr,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerHost {
+    fn new(limit: usize) -> Self {
+        Self { limit, counts: Arc::default() }
+    }
+
+    /// A place for `host`, unless it holds `limit` already.
+    fn enter(&self, host: IpAddr) -> Option<HostPlace> {
+        let host = host.to_canonical();
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = counts.entry(host).or_insert(0);
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(HostPlace { host, counts: Arc::clone(&self.counts) })
+    }
+}
+
+impl Drop for HostPlace {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = counts.get_mut(&self.host) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.host);
+            }
+        }
+    }
+}
+
+type Conn = Framed<TcpStream, SideChannelCodec>;
+
+/// Reads the hello, authenticates, checks what must agree and answers; all
+/// of it within one deadline (`connect_timeout`), not one per read.
+async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<Hello>, String> {
     let first = tokio::select! {
-        () = shared.cancel.cancelled() => return Ok(()),
-        r = tokio::time::timeout(shared.config.connect_timeout, framed.next()) => r,
+        () = shared.cancel.cancelled() => return Ok(None),
+        first = framed.next() => first,
     };
     let hello = match first {
-        Err(_) => return Err(format!("no hello within {:?}", shared.config.connect_timeout)),
-        Ok(None) => return Ok(()),
-        Ok(Some(Err(e))) => return Err(e.to_string()),
-        Ok(Some(Ok(SideMessage::Hello(hello)))) => hello,
-        Ok(Some(Ok(other))) => return Err(format!("expected hello, got {}", message_name(&other))),
+        None => return Ok(None),
+        Some(Err(e)) => return Err(e.to_string()),
+        Some(Ok(SideMessage::Hello(hello))) => hello,
+        Some(Ok(other)) => return Err(format!("expected hello, got {}", message_name(&other))),
     };
     if let Some(secret) = &shared.config.auth_secret {
-        authenticate(&shared, secret, &hello, &mut framed).await?;
+        authenticate(secret, &hello, framed).await?;
     }
-    if let Err(reason) = check_hello(&shared, &hello) {
+    if let Err(reason) = check_hello(shared, &hello) {
         tracing::error!(peer_engine = %hello.engine_id, %reason, "refusing decode instance");
-        let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
+        reject(framed, &reason).await;
         return Err(reason);
     }
-    framed
-        .send(SideMessage::HelloReply(HelloReply::Accepted { engine_id: shared.config.engine_id.clone() }))
+    Ok(Some(hello))
+}
+
+async fn reject(framed: &mut Conn, reason: &str) {
+    let rejected = HelloReply::Rejected { reason: kv_proto::bounded_text(reason) };
+    let _ = framed.send(SideMessage::HelloReply(rejected)).await;
+}
+
+async fn serve_connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    handshake_place: (HostPlace, OwnedSemaphorePermit),
+) -> Result<(), String> {
+    let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
+    let deadline = shared.config.connect_timeout;
+    let hello = match tokio::time::timeout(deadline, handshake(&shared, &mut framed)).await {
+        Err(_) => return Err(format!("hello not completed within {deadline:?}")),
+        Ok(Err(reason)) => return Err(reason),
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Ok(Some(hello))) => hello,
+    };
+    let Ok(_established) = shared.established.clone().try_acquire_owned() else {
+        let reason = format!("prefill serves {} decode connections already", shared.config.side_channel_max_conns);
+        reject(&mut framed, &reason).await;
+        return Err(reason);
+    };
+    drop(handshake_place);
+    let accepted = HelloReply::Accepted {
+        engine_id: shared.config.engine_id.clone(),
+        idle_timeout: shared.config.side_channel_idle_timeout,
+    };
+    tokio::time::timeout(deadline, framed.send(SideMessage::HelloReply(accepted)))
         .await
+        .map_err(|_| format!("hello reply not written within {deadline:?}"))?
         .map_err(|e| e.to_string())?;
-    tracing::debug!(peer_engine = %hello.engine_id, "decode instance connected");
+    tracing::debug!(%peer, peer_engine = %hello.engine_id, "decode instance connected");
 
     let (sink, mut stream) = framed.split();
-    // Each transfer writes its own reply: no hand-off to a writer task.
+    // Each transfer writes its own reply: no hand-off to a writer task. A
+    // reply that cannot be written in time ends the connection.
     let sink = Arc::new(tokio::sync::Mutex::new(sink));
+    let closed = shared.cancel.child_token();
+    let _close_on_exit = closed.clone().drop_guard();
+    let per_connection = Arc::new(Semaphore::new((shared.config.queue_depth / 2).max(1)));
+    let idle = shared.config.side_channel_idle_timeout;
     loop {
         let next = tokio::select! {
-            () = shared.cancel.cancelled() => return Ok(()),
-            next = stream.next() => next,
+            () = closed.cancelled() => return Ok(()),
+            next = tokio::time::timeout(idle, stream.next()) => next,
         };
         let request = match next {
-            None => return Ok(()),
-            Some(Err(e)) => return Err(e.to_string()),
-            Some(Ok(SideMessage::XferRequest(request))) => request,
-            Some(Ok(other)) => return Err(format!("unexpected {} after hello", message_name(&other))),
+            Err(_) if per_connection.available_permits() == (shared.config.queue_depth / 2).max(1) => {
+                tracing::debug!(%peer, ?idle, "side-channel connection idle, closing");
+                return Ok(());
+            }
+            Err(_) => continue,
+            Ok(None) => return Ok(()),
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(Some(Ok(SideMessage::XferRequest(request)))) => request,
+            Ok(Some(Ok(other))) => return Err(format!("unexpected {} after hello", message_name(&other))),
         };
-        let permit = tokio::select! {
-            () = shared.cancel.cancelled() => return Ok(()),
-            permit = shared.admission.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => return Ok(()),
+        // Admission is held until the reply is written: a D that does not
+        // read its replies stops being read from, then loses the connection.
+        let permits = tokio::select! {
+            () = closed.cancelled() => return Ok(()),
+            permits = async {
+                let mine = per_connection.clone().acquire_owned().await;
+                let global = shared.admission.clone().acquire_owned().await;
+                mine.ok().zip(global.ok())
+            } => match permits {
+                Some(permits) => permits,
+                None => return Ok(()),
             },
         };
         let received_at = Instant::now();
         let job_shared = shared.clone();
         let job_sink = sink.clone();
+        let job_closed = closed.clone();
         shared.tracker.spawn(async move {
-            let reply = serve_transfer(&job_shared, request, peer.ip(), received_at, permit).await;
-            let xfer_id = reply.xfer_id;
-            if let Err(e) = job_sink.lock().await.send(SideMessage::XferReply(reply)).await {
-                tracing::warn!(xfer_id, error = %e, "cannot send transfer reply");
+            let xfer_id = request.xfer_id;
+            let bound = request.reply_bound();
+            let message = if bound > job_shared.config.max_frame_len {
+                let reason = format!(
+                    "the reply to {} requests could take {bound} bytes, more than the frame limit of {}; send fewer per transfer request",
+                    request.requests.len(),
+                    job_shared.config.max_frame_len
+                );
+                tracing::warn!(%peer, xfer_id, %reason, "refusing transfer request");
+                SideMessage::XferRefused { xfer_id, reason }
+            } else {
+                SideMessage::XferReply(serve_transfer(&job_shared, request, peer.ip(), received_at).await)
+            };
+            let after = job_shared.config.reply_timeout;
+            let sent = tokio::time::timeout(after, async { job_sink.lock().await.send(message).await }).await;
+            drop(permits);
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, xfer_id, error = %e, "cannot send transfer reply; closing the connection");
+                    job_closed.cancel();
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, xfer_id, ?after, "decode did not take its reply in time; closing the connection");
+                    job_closed.cancel();
+                }
             }
         });
     }
@@ -127,15 +268,10 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAd
 
 /// Challenges D to prove the shared secret (and proves it to D); refuses
 /// the connection unless D's proof matches.
-async fn authenticate(
-    shared: &Shared,
-    secret: &AuthSecret,
-    hello: &Hello,
-    framed: &mut Framed<TcpStream, SideChannelCodec>,
-) -> Result<(), String> {
+async fn authenticate(secret: &AuthSecret, hello: &Hello, framed: &mut Conn) -> Result<(), String> {
     let Some(server_nonce) = auth::fresh_nonce() else {
         let reason = "no OS randomness for the side-channel nonce".to_owned();
-        let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
+        reject(framed, &reason).await;
         return Err(reason);
     };
     let context = hello.auth_context();
@@ -150,10 +286,7 @@ async fn authenticate(
         .send(SideMessage::HelloReply(HelloReply::Challenge { server_nonce, server_proof }))
         .await
         .map_err(|e| e.to_string())?;
-    let answer = tokio::time::timeout(shared.config.connect_timeout, framed.next())
-        .await
-        .map_err(|_| format!("no authentication proof within {:?}", shared.config.connect_timeout))?;
-    let proof = match answer {
+    let proof = match framed.next().await {
         Some(Ok(SideMessage::AuthProof(proof))) => proof,
         Some(Ok(other)) => return Err(format!("expected an authentication proof, got {}", message_name(&other))),
         Some(Err(e)) => return Err(e.to_string()),
@@ -162,7 +295,7 @@ async fn authenticate(
     if !auth::verify_client_proof(secret, &transcript, &proof) {
         tracing::error!(peer_engine = %hello.engine_id, "decode instance failed side-channel authentication");
         let reason = "side-channel authentication failed".to_owned();
-        let _ = framed.send(SideMessage::HelloReply(HelloReply::Rejected { reason: reason.clone() })).await;
+        reject(framed, &reason).await;
         return Err(reason);
     }
     Ok(())
@@ -175,6 +308,7 @@ fn message_name(msg: &SideMessage) -> &'static str {
         SideMessage::XferRequest(_) => "transfer request",
         SideMessage::XferReply(_) => "transfer reply",
         SideMessage::AuthProof(_) => "authentication proof",
+        SideMessage::XferRefused { .. } => "transfer refusal",
     }
 }
 
@@ -188,8 +322,8 @@ fn claim_failure(claim: &Claim) -> Option<&'static str> {
     }
 }
 
-fn failed(reason: impl Into<String>) -> Outcome {
-    Outcome::Failed { reason: reason.into() }
+fn failed(reason: impl AsRef<str>) -> Outcome {
+    Outcome::Failed { reason: kv_proto::bounded_text(reason.as_ref()) }
 }
 
 /// Whether two addresses are one host: equal, or both loopback (a D that
@@ -235,13 +369,7 @@ async fn checked_endpoint(shared: &Shared, endpoint: &Endpoint, peer_ip: IpAddr)
 /// is ready on P (all at once when they are), and each group that becomes
 /// ready is written at once, so one slow request cannot starve the others'
 /// leases. Nothing is written once D's wait budget has passed.
-async fn serve_transfer(
-    shared: &Shared,
-    request: XferRequest,
-    peer_ip: IpAddr,
-    received_at: Instant,
-    _admitted: OwnedSemaphorePermit,
-) -> XferReply {
+async fn serve_transfer(shared: &Shared, request: XferRequest, peer_ip: IpAddr, received_at: Instant) -> XferReply {
     let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
     let budget_end = received_at + wait_budget;
     let ready_wait_end = budget_end.min(received_at + shared.config.abort_request_timeout);

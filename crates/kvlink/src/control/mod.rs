@@ -30,7 +30,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_proto::{BlockId, KvRole, LayoutKind, Protocol, ReqId};
-use kv_worker::CacheShape;
+use kv_worker::{CacheDims, CacheShape};
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
@@ -83,19 +83,26 @@ pub struct WireShape {
 
 impl From<CacheShape> for WireShape {
     fn from(s: CacheShape) -> Self {
+        s.dims().into()
+    }
+}
+
+impl From<CacheDims> for WireShape {
+    fn from(d: CacheDims) -> Self {
         Self {
-            kind: s.kind,
-            num_layers: s.num_layers,
-            num_blocks: s.num_blocks,
-            block_size: s.block_size,
-            num_kv_heads: s.num_kv_heads,
-            head_dim: s.head_dim,
-            dtype_bytes: s.dtype_bytes,
+            kind: d.kind,
+            num_layers: d.num_layers,
+            num_blocks: d.num_blocks,
+            block_size: d.block_size,
+            num_kv_heads: d.num_kv_heads,
+            head_dim: d.head_dim,
+            dtype_bytes: d.dtype_bytes,
         }
     }
 }
 
-impl From<WireShape> for CacheShape {
+/// Unchecked: [`check_shape`] makes a [`CacheShape`] of it.
+impl From<WireShape> for CacheDims {
     fn from(s: WireShape) -> Self {
         Self {
             kind: s.kind,
@@ -116,8 +123,8 @@ pub enum ShapeError {
     #[error("the cache shape has no bytes ({0} is 0)")]
     Empty(&'static str),
     /// The sizes overflow.
-    #[error("the cache shape is too large to address")]
-    Overflow,
+    #[error(transparent)]
+    Overflow(#[from] kv_worker::ShapeError),
     /// Over one of the bounds.
     #[error("the cache shape has {what} {got}, more than the {limit} allowed")]
     OverLimit {
@@ -130,46 +137,37 @@ pub enum ShapeError {
     },
 }
 
-/// Checks `shape` with overflow-safe arithmetic (before any of
-/// `CacheShape`'s own size methods run on it); returns its total bytes.
-pub fn check_shape(shape: &CacheShape, max_bytes: u64) -> Result<u64, ShapeError> {
+/// Checks `dims` from a peer or the command line: no zero dimension, within
+/// [`MAX_BLOCKS`], [`MAX_REGIONS`] and `max_bytes`, and every size computable
+/// ([`CacheShape::try_new`]). Returns the checked shape.
+pub fn check_shape(dims: CacheDims, max_bytes: u64) -> Result<CacheShape, ShapeError> {
     for (name, v) in [
-        ("layers", u64::from(shape.num_layers)),
-        ("num_blocks", shape.num_blocks),
-        ("block_size", u64::from(shape.block_size)),
-        ("heads", u64::from(shape.num_kv_heads)),
-        ("head_dim", u64::from(shape.head_dim)),
-        ("dtype_bytes", u64::from(shape.dtype_bytes)),
+        ("layers", u64::from(dims.num_layers)),
+        ("num_blocks", dims.num_blocks),
+        ("block_size", u64::from(dims.block_size)),
+        ("heads", u64::from(dims.num_kv_heads)),
+        ("head_dim", u64::from(dims.head_dim)),
+        ("dtype_bytes", u64::from(dims.dtype_bytes)),
     ] {
         if v == 0 {
             return Err(ShapeError::Empty(name));
         }
     }
-    if shape.num_blocks > MAX_BLOCKS {
-        return Err(ShapeError::OverLimit { what: "blocks per region", got: shape.num_blocks, limit: MAX_BLOCKS });
+    if dims.num_blocks > MAX_BLOCKS {
+        return Err(ShapeError::OverLimit { what: "blocks per region", got: dims.num_blocks, limit: MAX_BLOCKS });
     }
-    let per_layer: u32 = if shape.kind == LayoutKind::SplitKv { 2 } else { 1 };
-    let regions = shape.num_layers.checked_mul(per_layer).ok_or(ShapeError::Overflow)?;
-    if regions > MAX_REGIONS {
-        return Err(ShapeError::OverLimit { what: "regions", got: u64::from(regions), limit: u64::from(MAX_REGIONS) });
+    let shape = CacheShape::try_new(dims)?;
+    if shape.region_count() > MAX_REGIONS {
+        return Err(ShapeError::OverLimit {
+            what: "regions",
+            got: u64::from(shape.region_count()),
+            limit: u64::from(MAX_REGIONS),
+        });
     }
-    let fused: u64 = if shape.kind == LayoutKind::Fused { 2 } else { 1 };
-    let total = [
-        u64::from(shape.num_kv_heads),
-        u64::from(shape.head_dim),
-        u64::from(shape.dtype_bytes),
-        u64::from(shape.block_size),
-        fused,
-        shape.num_blocks,
-        u64::from(regions),
-    ]
-    .into_iter()
-    .try_fold(1u64, u64::checked_mul)
-    .ok_or(ShapeError::Overflow)?;
-    if total > max_bytes {
-        return Err(ShapeError::OverLimit { what: "bytes", got: total, limit: max_bytes });
+    if shape.total_bytes() > max_bytes {
+        return Err(ShapeError::OverLimit { what: "bytes", got: shape.total_bytes(), limit: max_bytes });
     }
-    Ok(total)
+    Ok(shape)
 }
 
 /// A pull the client asks a consumer server to start.
@@ -376,8 +374,8 @@ pub enum ControlError {
 mod tests {
     use super::*;
 
-    fn shape() -> CacheShape {
-        CacheShape {
+    fn shape() -> CacheDims {
+        CacheDims {
             kind: LayoutKind::SplitKv,
             num_layers: 2,
             num_blocks: 10,
@@ -390,15 +388,15 @@ mod tests {
 
     #[test]
     fn shape_check_counts_bytes_and_refuses_what_it_cannot_hold() {
-        assert_eq!(check_shape(&shape(), u64::MAX), Ok(4 * 10 * 2048));
-        assert_eq!(check_shape(&CacheShape { head_dim: 0, ..shape() }, u64::MAX), Err(ShapeError::Empty("head_dim")));
-        let huge = CacheShape { num_layers: u32::MAX, num_kv_heads: u32::MAX, head_dim: u32::MAX, ..shape() };
-        assert!(check_shape(&huge, u64::MAX).is_err());
-        let wide = CacheShape { num_kv_heads: u32::MAX, head_dim: u32::MAX, dtype_bytes: u32::MAX, ..shape() };
-        assert_eq!(check_shape(&wide, u64::MAX), Err(ShapeError::Overflow));
-        assert!(matches!(check_shape(&shape(), 1000), Err(ShapeError::OverLimit { what: "bytes", .. })));
-        let many = CacheShape { num_blocks: MAX_BLOCKS + 1, ..shape() };
-        assert!(matches!(check_shape(&many, u64::MAX), Err(ShapeError::OverLimit { .. })));
+        assert_eq!(check_shape(shape(), u64::MAX).map(|s| s.total_bytes()), Ok(4 * 10 * 2048));
+        assert_eq!(check_shape(CacheDims { head_dim: 0, ..shape() }, u64::MAX), Err(ShapeError::Empty("head_dim")));
+        let huge = CacheDims { num_layers: u32::MAX, num_kv_heads: u32::MAX, head_dim: u32::MAX, ..shape() };
+        assert!(check_shape(huge, u64::MAX).is_err());
+        let wide = CacheDims { num_kv_heads: u32::MAX, head_dim: u32::MAX, dtype_bytes: u32::MAX, ..shape() };
+        assert!(matches!(check_shape(wide, u64::MAX), Err(ShapeError::Overflow(_))));
+        assert!(matches!(check_shape(shape(), 1000), Err(ShapeError::OverLimit { what: "bytes", .. })));
+        let many = CacheDims { num_blocks: MAX_BLOCKS + 1, ..shape() };
+        assert!(matches!(check_shape(many, u64::MAX), Err(ShapeError::OverLimit { .. })));
     }
 
     #[test]

@@ -1,0 +1,315 @@
+//! P's side channel against hostile clients speaking its wire by hand, each
+//! case with an honest decode worker pulling at the same time, and the
+//! process's file descriptors back to where they were afterwards.
+//!
+//! Attackers connect from 127.0.0.2 (any 127/8 address is loopback on
+//! Linux), the honest D from 127.0.0.1: two hosts as P sees them.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use kv_proto::{
+    auth, ConnectorMetadata, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KvRole, LayoutKind,
+    Protocol, RecvReqMeta, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
+};
+use kv_worker::in_memory::InMemoryNetwork;
+use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_util::codec::Framed;
+
+const BOUND: Duration = Duration::from_secs(20);
+const ATTACKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+
+fn shape() -> CacheShape {
+    CacheShape::try_new(CacheDims {
+        kind: LayoutKind::SplitKv,
+        num_layers: 2,
+        num_blocks: 16,
+        block_size: 16,
+        num_kv_heads: 1,
+        head_dim: 8,
+        dtype_bytes: 2,
+    })
+    .unwrap()
+}
+
+struct Pair {
+    p: Worker,
+    d: Worker,
+    _caches: (Arc<OwnedKvCache>, Arc<OwnedKvCache>),
+    next: u32,
+}
+
+/// A prefill worker configured by `tune`, and an honest decode worker.
+async fn pair(tune: impl FnOnce(&mut WorkerConfig)) -> Pair {
+    let net = InMemoryNetwork::new();
+    let mut p_config =
+        WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..WorkerConfig::loopback(KvRole::Producer, "p") };
+    tune(&mut p_config);
+    let d_config =
+        WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..WorkerConfig::loopback(KvRole::Consumer, "d") };
+    let p_cache = Arc::new(OwnedKvCache::allocate(shape()).unwrap());
+    let d_cache = Arc::new(OwnedKvCache::allocate(shape()).unwrap());
+    // SAFETY: the caches outlive the workers (the pair drops the workers
+    // first; the test reads no block).
+    let p =
+        unsafe { Worker::start_with_writer(p_config, p_cache.registered().clone(), net.writer("p")) }.await.unwrap();
+    // SAFETY: as above.
+    let d =
+        unsafe { Worker::start_with_writer(d_config, d_cache.registered().clone(), net.writer("d")) }.await.unwrap();
+    Pair { p, d, _caches: (p_cache, d_cache), next: 0 }
+}
+
+impl Pair {
+    fn side_channel(&self) -> SocketAddr {
+        self.p.side_channel_addr().unwrap()
+    }
+
+    /// One honest pull of a ready request, start to finish.
+    async fn honest_pull(&mut self) {
+        self.next += 1;
+        let req = ReqId::new(format!("honest-{}", self.next));
+        let mut send = ConnectorMetadata::default();
+        send.reqs_to_send.insert(req.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
+        self.p.start_load_kv(&send);
+        let addr = self.side_channel();
+        let meta =
+            RecvReqMeta { local_block_ids: vec![2, 3], remote_host: addr.ip().to_string(), remote_port: addr.port() };
+        let recv = ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() };
+        self.d.start_load_kv(&recv);
+        let finished = self.d.next_finished(BOUND).await;
+        assert!(finished.receiving.contains(&req), "the honest pull failed: {finished:?}");
+    }
+
+    async fn shutdown(self) {
+        self.p.shutdown().await;
+        self.d.shutdown().await;
+    }
+}
+
+/// Open file descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Waits (bounded) until the fd count is back to `baseline`.
+async fn fds_back_to(baseline: usize) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let now = open_fds();
+        if now <= baseline {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{now} fds open, {baseline} before the attack");
+        tokio::task::yield_now().await;
+    }
+}
+
+type Raw = Framed<TcpStream, SideChannelCodec>;
+
+async fn connect_from(source: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((source, 0))).unwrap();
+    socket.connect(to).await.unwrap()
+}
+
+fn framed(stream: TcpStream) -> Raw {
+    Framed::new(stream, SideChannelCodec(FrameCodec::new(64 << 20)))
+}
+
+/// A raw client that completes the hello as a decode instance would.
+async fn hello(to: SocketAddr, codec_limit: usize) -> (Raw, HelloReply) {
+    hello_with(to, codec_limit, OwnedKvCache::allocate(shape()).unwrap().registered().layout()).await
+}
+
+/// A raw client that says hello with `layout`.
+async fn hello_with(to: SocketAddr, codec_limit: usize, layout: kv_proto::CacheLayout) -> (Raw, HelloReply) {
+    let stream = connect_from(ATTACKER, to).await;
+    let mut raw = Framed::new(stream, SideChannelCodec(FrameCodec::new(codec_limit)));
+    let hello = Hello {
+        client_nonce: auth::fresh_nonce().unwrap(),
+        engine_id: EngineId::new("mallory"),
+        protocol: Protocol::Tcp,
+        layout,
+    };
+    raw.send(SideMessage::Hello(hello)).await.unwrap();
+    let reply = match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::HelloReply(reply))) => reply,
+        other => panic!("expected a hello reply, got {other:?}"),
+    };
+    (raw, reply)
+}
+
+fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> XferRequest {
+    XferRequest {
+        xfer_id,
+        endpoint: Endpoint { protocol: Protocol::Tcp, address: "mem://mallory".into(), details: vec![] },
+        grant: Grant::plain(GrantId::random().unwrap()),
+        wait_budget: Duration::from_secs(30),
+        region_base_addrs: vec![0x1000; 4],
+        requests: ids.into_iter().map(|id| RequestBlocks { req_id: ReqId::new(id), block_ids: vec![] }).collect(),
+    }
+}
+
+/// Many connections from one host that never say hello cannot keep an
+/// honest decode instance from another host out, and all go away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_from_one_host_do_not_lock_out_another() {
+    let baseline = open_fds();
+    let mut pair = pair(|c| {
+        c.side_channel_max_handshakes = 8;
+        c.side_channel_max_handshakes_per_host = 4;
+        c.connect_timeout = Duration::from_millis(500);
+    })
+    .await;
+    // The honest D's connection to P stays open for reuse: count it in.
+    pair.honest_pull().await;
+    let with_workers = open_fds();
+    let mut silent = Vec::new();
+    for _ in 0..64 {
+        silent.push(connect_from(ATTACKER, pair.side_channel()).await);
+    }
+    pair.honest_pull().await;
+    // P drops the silent ones at the handshake deadline (or at once, past the limits).
+    for mut stream in silent {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(BOUND, tokio::io::AsyncReadExt::read(&mut stream, &mut byte)).await.unwrap();
+        assert!(matches!(read, Ok(0) | Err(_)), "P kept a silent connection open: {read:?}");
+    }
+    pair.honest_pull().await;
+    fds_back_to(with_workers).await;
+    pair.shutdown().await;
+    fds_back_to(baseline).await;
+}
+
+/// Connections that complete the hello and then idle are capped, and P
+/// closes them at its idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_established_connections_are_capped_and_closed() {
+    let mut pair = pair(|c| {
+        c.side_channel_max_conns = 4;
+        c.side_channel_idle_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let with_workers = open_fds();
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let (raw, reply) = hello(pair.side_channel(), 1 << 20).await;
+        assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
+        idle.push(raw);
+    }
+    // The honest D takes the fourth place; a fifth connection is turned away.
+    pair.honest_pull().await;
+    let (_, reply) = hello(pair.side_channel(), 1 << 20).await;
+    assert!(matches!(&reply, HelloReply::Rejected { reason } if reason.contains("already")), "{reply:?}");
+    for mut raw in idle {
+        let end = tokio::time::timeout(BOUND, raw.next()).await.expect("P never closed an idle connection");
+        assert!(end.is_none(), "expected P to close, got {end:?}");
+    }
+    // The honest D retires its idle connection too, and pulls again on a new one.
+    pair.honest_pull().await;
+    drop(reply);
+    pair.shutdown().await;
+    fds_back_to(with_workers).await;
+}
+
+/// A decode instance whose cache differs is turned away at the hello, with
+/// every difference named with both values, not request by request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incompatible_decode_instance_is_rejected_at_hello() {
+    let mut pair = pair(|_| {}).await;
+    let ours = OwnedKvCache::allocate(shape()).unwrap().registered().layout();
+    let theirs = kv_proto::CacheLayout { block_tokens: 32, dtype_bytes: 1, ..ours };
+    let (_, reply) = hello_with(pair.side_channel(), 1 << 20, theirs).await;
+    match reply {
+        HelloReply::Rejected { reason } => {
+            assert!(reason.contains("tokens per block: decode mallory has 32, prefill p has 16"), "{reason}");
+            assert!(reason.contains("bytes per element: decode mallory has 1, prefill p has 2"), "{reason}");
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
+/// A transfer request whose reply could not fit in a frame is refused whole
+/// at once, without serving (or building the reply of) any request of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_could_not_fit_is_refused_not_built() {
+    let mut pair = pair(|c| c.max_frame_len = 1 << 20).await;
+    let (mut raw, reply) = hello(pair.side_channel(), 1 << 20).await;
+    assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
+    raw.send(SideMessage::XferRequest(transfer_request(9, (0..10_000).map(|i| i.to_string())))).await.unwrap();
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::XferRefused { xfer_id: 9, reason })) => assert!(reason.contains("frame"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // The connection stays usable for requests that fit.
+    raw.send(SideMessage::XferRequest(transfer_request(10, ["nope".to_owned()]))).await.unwrap();
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::XferReply(reply))) => assert_eq!(reply.outcomes.len(), 1),
+        other => panic!("expected a reply, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
+/// A client that pipelines transfer requests and never reads the replies
+/// holds at most its share of P's admission, then loses its connection;
+/// an honest D keeps pulling meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_a_client_never_reads_are_bounded() {
+    let mut pair = pair(|c| {
+        c.queue_depth = 8;
+        c.reply_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((ATTACKER, 0))).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let stream = socket.connect(pair.side_channel()).await.unwrap();
+    let mut raw = framed(stream);
+    let cache = OwnedKvCache::allocate(shape()).unwrap();
+    let hello = Hello {
+        client_nonce: auth::fresh_nonce().unwrap(),
+        engine_id: EngineId::new("mallory"),
+        protocol: Protocol::Tcp,
+        layout: cache.registered().layout(),
+    };
+    raw.send(SideMessage::Hello(hello)).await.unwrap();
+    assert!(matches!(raw.next().await, Some(Ok(SideMessage::HelloReply(HelloReply::Accepted { .. })))));
+    // Each reply fails 1,000 unknown requests (about 100 kB); none is ever
+    // read. The flood goes on until P closes the connection under it.
+    let (mut sink, stream) = raw.split();
+    let flood = tokio::spawn(async move {
+        for xfer_id in 0.. {
+            let ids = (0..1000).map(|i| format!("unknown-{xfer_id}-{i}"));
+            if sink.send(SideMessage::XferRequest(transfer_request(xfer_id, ids))).await.is_err() {
+                break;
+            }
+        }
+    });
+    pair.honest_pull().await;
+    // Meanwhile the client holds at most its share (half of the queue) of
+    // P's admission, and the honest D keeps being served.
+    let deadline = Instant::now() + BOUND;
+    let mut most = 0;
+    while !flood.is_finished() {
+        most = most.max(pair.p.transfers_in_progress());
+        assert!(Instant::now() < deadline, "P kept the connection of a client that does not read its replies");
+        tokio::task::yield_now().await;
+    }
+    assert!(most <= 4, "one connection held {most} of P's 8 admissions");
+    while pair.p.transfers_in_progress() > 0 {
+        assert!(Instant::now() < deadline, "P still holds {} admissions", pair.p.transfers_in_progress());
+        tokio::task::yield_now().await;
+    }
+    drop(stream);
+    flood.await.unwrap();
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
