@@ -1,14 +1,14 @@
 //! `kvlink_vllm._native`: kvlink's scheduler and worker for the Python
 //! package that vLLM loads as a KV connector.
 //!
-//! - [`sched`]: `Scheduler`, the sans-IO scheduler side (no thread, no runtime);
-//! - [`worker`]: `Worker`, a kv-worker over the engine's KV cache, which the
+//! - `sched`: `Scheduler`, the sans-IO scheduler side (no thread, no runtime);
+//! - `worker`: `Worker`, a kv-worker over the engine's KV cache, which the
 //!   caller describes with plain integers (see its safety contract);
-//! - [`settings`] / [`config`]: `Settings`, `--kv-transfer-config` with every
+//! - `settings` / `config`: `Settings`, `--kv-transfer-config` with every
 //!   `kv_connector_extra_config` key checked;
-//! - [`engine`]: the only module that calls kv-worker's API;
-//! - [`step`]: the per-step metadata envelope and what may be reported to vLLM;
-//! - [`runtime`]: the lazily created, process-bound tokio runtime (fork guard).
+//! - `engine`: the only module that calls kv-worker's API;
+//! - `step`: the per-step metadata envelope and what may be reported to vLLM;
+//! - `runtime`: the lazily created, process-bound tokio runtime (fork guard).
 //!
 //! Importing the module starts no thread; the runtime and the log subscriber
 //! are created when the first worker starts. No Python object is touched from

@@ -44,7 +44,9 @@ def test_flashinfer_fused_and_mla_layouts():
 
 
 def test_kernel_blocks_smaller_than_engine_blocks_are_grouped():
-    c = layout.describe({"l0": t((2, N, H, B, D))}, 2 * B)
+    # vLLM splits each 32-token block into two 16-token kernel blocks: the
+    # tensor holds twice kv_cache_config.num_blocks.
+    c = layout.describe({"l0": t((2, N, H, B, D))}, 2 * B, num_blocks=N // 2)
     (_, (k, _)), = c.layers
     assert k.num_blocks == N // 2 and c.block_len == 2 * H * B * D * E and k.block_size == 2 * B
 

@@ -147,8 +147,10 @@ def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | 
             raise bad("an MLA cache has 3 dimensions (blocks, block_size, head_size)")
         kind, kv_dim, block_dim, kernel_dim = "mla", None, 0, 1
     elif len(shape) == 5:
-        split = shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks)
-        fused = shape[1] == 2 and (num_blocks is None or shape[0] == num_blocks)
+        # With kernel blocks smaller than the engine's, a tensor holds a
+        # multiple of the engine's block count.
+        split = shape[0] == 2 and (not num_blocks or shape[1] % num_blocks == 0)
+        fused = shape[1] == 2 and (not num_blocks or shape[0] % num_blocks == 0)
         if split:
             # CPU: (2, blocks, H, block_size, D); CUDA: (2, blocks, block_size, H, D).
             kind, kv_dim, block_dim, kernel_dim = "split", 0, 1, (3 if cpu else 2)
