@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps};
+use crate::{cmd, deps, python};
 
 /// Crates left out of the workspace-wide clippy (all features), test and doc
 /// steps: RDMA needs system libraries that are not always installed.
@@ -44,6 +44,8 @@ enum Action {
     Cargo { args: Vec<&'static str>, env: Vec<(&'static str, OsString)> },
     /// The crate dependency rule (see [`deps`]).
     DependencyRule,
+    /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
+    Python,
 }
 
 /// One CI step.
@@ -70,6 +72,11 @@ impl Step {
                 format!("{env}cargo {}", args.join(" "))
             }
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
+            Action::Python => format!(
+                "kvlink_vllm: venv, pip install {} {}, pip install crates/kvlink-py, pytest",
+                python::MATURIN,
+                python::PYTEST
+            ),
         }
     }
 
@@ -81,6 +88,7 @@ impl Step {
                 cmd::run_inherited(command, &self.describe())
             }
             Action::DependencyRule => deps::check(root),
+            Action::Python => python::ci(root),
         }
     }
 }
@@ -116,6 +124,7 @@ fn steps() -> Vec<Step> {
         group: "doc",
         action: Action::Cargo { args: doc, env: vec![("RUSTDOCFLAGS", rustdocflags)] },
     });
+    steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
     steps
 }
 

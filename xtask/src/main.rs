@@ -8,17 +8,21 @@
 //!   and exits non-zero if any step failed.
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
+//! * `cargo xtask vllm-check` installs vLLM 0.14.0 in a scratch virtual
+//!   environment and runs the connector against vLLM's own scheduler (not in CI).
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
-//! the runner, [`deps`] checks the crate dependency rule.
+//! the runner, [`deps`] checks the crate dependency rule, [`python`] builds
+//! and tests the `kvlink_vllm` package.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod python;
 
 use std::process::ExitCode;
 
@@ -37,10 +41,12 @@ struct Cli {
 /// arm to the `match` in [`main`].
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs.
+    /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs, the Python package.
     Ci(ci::CiArgs),
     /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
     Bench(bench::BenchArgs),
+    /// Install vLLM 0.14.0 in a scratch venv and run kvlink against vLLM's own scheduler (offline, CPU).
+    VllmCheck(python::VllmCheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +54,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Ci(args) => ci::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::VllmCheck(args) => python::vllm_check(&args),
     };
     match result {
         Ok(code) => code,
