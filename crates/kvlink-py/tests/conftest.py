@@ -96,7 +96,8 @@ def step_until(procs: list[Proc], done, timeout: float = 20.0, what: str = "cond
         if done(events):
             return events
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s: {events}")
+            last = {name: evs[-3:] for name, evs in events.items()}
+            raise AssertionError(f"{what} not reached within {timeout} s; last steps: {last}")
         time.sleep(0.005)  # pace the steps like an engine's loop; the condition, not the sleep, ends the wait
 
 

@@ -252,7 +252,8 @@ class Instance:
     # ------------------------------------------------------------------ the step
 
     def _schedule(self) -> tuple[Any, set[str], list[Request]]:
-        scheduled: list[Request] = []
+        # Running requests first (decode, or a prefill still in progress), then waiting ones.
+        scheduled: list[Request] = list(self.running)
         for req in list(self.waiting):
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if req.request_id not in self.finished_recving_kv_req_ids:
@@ -310,6 +311,7 @@ class Instance:
             if not req.loaded and req.num_computed_tokens < len(req.prompt_token_ids):
                 first = req.num_computed_tokens // self.block_size
                 self.write_kv(req, range(first, len(req.block_ids)))
+                req.num_computed_tokens = len(req.prompt_token_ids)
         w.wait_for_save()
         sending, recving = w.get_finished(finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()

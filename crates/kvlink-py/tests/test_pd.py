@@ -150,3 +150,31 @@ def test_prefill_killed_mid_transfer(instances):
     state = d.call("state")
     assert state["recompute"] == ["r5"] and state["requests"]["r5"] == "RUNNING"
     assert state["violations"] == []
+
+
+def test_decode_abort_during_pull_is_not_reported(instances):
+    p, d = start_pair(instances)
+    port = p.ready["side_channel_port"]
+    prefill(p, "r6", prompt_len=2 * BLOCK, hold=True)  # still prefilling on P
+    d.call(
+        "add",
+        request_id="r6",
+        prompt_len=2 * BLOCK,
+        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+        max_tokens=100,
+    )
+    d.call("step")  # D starts the pull
+    deadline = time.monotonic() + 10
+    while p.call("state")["transfers_in_progress"] < 1:
+        assert time.monotonic() < deadline, "P never admitted D's transfer request"
+        time.sleep(0.01)
+    # vLLM aborts the request on D while its pull is in flight (and frees its blocks).
+    assert d.call("abort", request_id="r6") == {"delay_free": False, "kv_transfer_params": None}
+    # P finishes the prefill: the pull completes, but vLLM no longer knows r6.
+    p.call("release", request_id="r6")
+    ev = step_until([p, d], lambda e: "r6" in collected(e["P"], "finished_sending"), what="P sends r6")
+    for _ in range(3):
+        ev["D"].append(d.call("step"))
+    assert collected(ev["D"], "finished_recving") == []
+    assert collected(ev["D"], "invalid_block_ids") == []
+    no_violations(p, d)

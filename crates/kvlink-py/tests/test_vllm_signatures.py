@@ -25,8 +25,11 @@ NEEDED = {"__init__", "request_finished", "register_kv_caches", "get_finished", 
 
 
 @pytest.fixture(scope="module")
-def vllm_sources(pytestconfig) -> dict[str, str]:
-    cache = os.environ.get("KVLINK_VLLM_DIST_DIR") or str(pytestconfig.cache.mkdir("vllm-dist"))
+def vllm_sources(pytestconfig, tmp_path_factory) -> dict[str, str]:
+    cache = os.environ.get("KVLINK_VLLM_DIST_DIR")
+    if not cache:
+        keep = getattr(pytestconfig, "cache", None)  # absent with -p no:cacheprovider
+        cache = str(keep.mkdir("vllm-dist") if keep else tmp_path_factory.mktemp("vllm-dist"))
     wheels = sorted(Path(cache).glob(f"vllm-{VLLM_VERSION}-*.whl"))
     if not wheels:
         cmd = [
