@@ -120,6 +120,7 @@ pub(crate) fn vllm_check(args: &VllmCheckArgs) -> Result<std::process::ExitCode>
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
         .env("VLLM_NO_USAGE_STATS", "1")
+        .env("VLLM_HOST_IP", "127.0.0.1")
         .env("VLLM_TARGET_DEVICE", "cpu");
     run(pytest, "pytest -v vllm_check")?;
     Ok(std::process::ExitCode::SUCCESS)

@@ -142,7 +142,8 @@ class KvlinkConnector(KVConnectorBase_V1):
         settings = adapter.settings_from_transfer_config(vllm_config.kv_transfer_config)
         self.settings = settings
         tp_size, tp_rank = _tp(vllm_config)
-        host = _host()
+        # This host's address is only looked up when none is configured.
+        host = settings.advertised_host or _host()
         self.connector_scheduler: adapter.SchedulerSide | None = None
         self.connector_worker: adapter.WorkerSide | None = None
         if _is_scheduler(role):
