@@ -11,7 +11,7 @@ use kv_proto::{
     BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp,
 };
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
@@ -183,6 +183,12 @@ impl TcpTransport {
                 }))
             })
             .collect();
+        // Open the gate from here once every part was admitted (or leave it
+        // closed): the parts are then woken from this task, as spawning them
+        // would, and not all onto the worker of the last part admitted.
+        if !gate.decide(gate_bound).await {
+            debug!(peer = %peer, grant = %grant, "not every part of a split batch was admitted in time");
+        }
         let mut failure: Option<TransportError> = None;
         let mut abandoned = 0;
         for task in tasks {
@@ -228,12 +234,14 @@ enum PartError {
 }
 
 /// Where the parts of a split batch meet once the receiver answered each:
-/// it opens when the last part is admitted, and closes for good as soon as
-/// one is not. The last part admitted goes on without waiting.
+/// the batch's own task opens it when every part is admitted, and it closes
+/// for good as soon as one part is not.
 #[derive(Debug)]
 struct Gate {
     parts: usize,
     admitted: AtomicUsize,
+    /// Every part was admitted, or one was not: the batch's task decides.
+    reported: Notify,
     state: watch::Sender<GateState>,
 }
 
@@ -246,18 +254,42 @@ enum GateState {
 
 impl Gate {
     fn new(parts: usize) -> Self {
-        Self { parts, admitted: AtomicUsize::new(0), state: watch::Sender::new(GateState::Waiting) }
+        Self {
+            parts,
+            admitted: AtomicUsize::new(0),
+            reported: Notify::new(),
+            state: watch::Sender::new(GateState::Waiting),
+        }
+    }
+
+    /// Moves a waiting gate to `to`; a decided gate stays as it is.
+    fn set(&self, to: GateState) {
+        self.state.send_if_modified(|state| {
+            let waiting = *state == GateState::Waiting;
+            if waiting {
+                *state = to;
+            }
+            waiting
+        });
     }
 
     /// A part was not admitted: no part sends its payload.
     fn close(&self) {
-        self.state.send_if_modified(|state| {
-            let waiting = *state == GateState::Waiting;
-            if waiting {
-                *state = GateState::Closed;
-            }
-            waiting
-        });
+        self.set(GateState::Closed);
+        self.reported.notify_one();
+    }
+
+    /// Waits (at most `bound`) until every part was admitted or one was
+    /// not, opens the gate in the first case, and returns whether it is open.
+    async fn decide(&self, bound: Duration) -> bool {
+        if tokio::time::timeout(bound, self.reported.notified()).await.is_ok()
+            && self.admitted.load(Ordering::Acquire) == self.parts
+        {
+            self.set(GateState::Open);
+        } else {
+            self.set(GateState::Closed);
+        }
+        self.opened()
     }
 
     /// Whether every part was admitted.
@@ -265,19 +297,13 @@ impl Gate {
         *self.state.borrow() == GateState::Open
     }
 
-    /// A part was admitted: waits (at most `bound`) until every part was,
-    /// and returns whether all were.
+    /// A part was admitted: waits (at most `bound`) until the gate is
+    /// decided, and returns whether it opened.
     async fn admitted(&self, bound: Duration) -> bool {
-        if self.admitted.fetch_add(1, Ordering::AcqRel) + 1 == self.parts {
-            self.state.send_if_modified(|state| {
-                let waiting = *state == GateState::Waiting;
-                if waiting {
-                    *state = GateState::Open;
-                }
-                waiting
-            });
-        }
         let mut state = self.state.subscribe();
+        if self.admitted.fetch_add(1, Ordering::AcqRel) + 1 == self.parts {
+            self.reported.notify_one();
+        }
         let decided = tokio::time::timeout(bound, state.wait_for(|s| *s != GateState::Waiting)).await;
         match decided {
             Ok(Ok(state)) => *state == GateState::Open,
