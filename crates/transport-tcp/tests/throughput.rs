@@ -7,7 +7,10 @@
 //! (a) one batch of 2,048 × 64 KiB contiguous ops (128 MiB, split over two
 //! connections with the default config), (b) one batch of 4,096 scattered
 //! 8 KiB ops (32 MiB, also split). Each figure is the median of 5 runs, each
-//! run several batches under one grant that covers exactly the batch's ops.
+//! run several batches under one grant that covers exactly the batch's ops;
+//! CPU seconds per GB count both ends (they share this process).
+//! `BENCH_STREAMS=1` sets the sender's `parallel_streams` (default 2), to
+//! compare the one-connection path (no pre-check) with the split one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
 mod common;
