@@ -139,9 +139,10 @@
 //! connection failed); then either every part sends its payload, or the
 //! admitted parts drop their connections and the batch fails with the
 //! refusal. The batch succeeds when every part is acknowledged. This costs
-//! one round trip per split batch (a few hundred microseconds against the
-//! tens of milliseconds a batch that large takes); smaller batches keep the
-//! one-way flow.
+//! one round trip and the admission of every part before any payload moves
+//! (on loopback about 0.1 ms for a 128 MiB batch of 64 KiB ops, 0.2 ms for a
+//! 32 MiB batch of scattered 8 KiB ops, against 5 to 40 ms for the batch);
+//! smaller batches keep the one-way flow.
 //!
 //! Endpoint details are empty for TCP: the grant, not the endpoint, says
 //! where a peer may write.
