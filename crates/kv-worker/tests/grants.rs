@@ -2,10 +2,10 @@
 //! into blocks D already reused, a side channel cut mid-batch, one slow
 //! request starving its batch, and writing past D's wait budget.
 //!
-//! The data plane is the in-memory transport, so the test can hold P's
-//! write at the door (a gate in front of `batch_write`) and let it through
-//! after D gave up: exactly a P that waited for a transfer slot, or was
-//! mid-batch, when D's deadline passed.
+//! Each runs over every data plane compiled in (the in-memory reference,
+//! TCP, QUIC). A gate in front of P's `batch_write` holds its write at the
+//! door and lets it through after D gave up: exactly a P that waited for a
+//! transfer slot, or was mid-batch, when D's deadline passed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -20,6 +20,7 @@ use kv_proto::{
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{pattern, CacheDims, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
+use rstest::rstest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -132,8 +133,47 @@ async fn start(config: WorkerConfig, writer: Arc<dyn BatchWriter>) -> Instance {
     Instance { worker, cache }
 }
 
-fn config(role: KvRole, name: &str) -> WorkerConfig {
-    WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..WorkerConfig::loopback(role, name) }
+/// A data plane under test.
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    InMemory,
+    Tcp,
+    Quic,
+}
+
+/// Makes workers' configs and writers for one backend.
+struct Net {
+    backend: Backend,
+    mem: InMemoryNetwork,
+}
+
+impl Net {
+    /// `None` when the backend is not compiled in (the test passes vacuously).
+    fn new(backend: Backend) -> Option<Self> {
+        let compiled = match backend {
+            Backend::InMemory => true,
+            Backend::Tcp => cfg!(feature = "tcp"),
+            Backend::Quic => cfg!(feature = "quic"),
+        };
+        compiled.then(|| Self { backend, mem: InMemoryNetwork::new() })
+    }
+
+    fn config(&self, role: KvRole, name: &str) -> WorkerConfig {
+        let base = WorkerConfig::loopback(role, name);
+        match self.backend {
+            // In-memory endpoints are not host:port.
+            Backend::InMemory => WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..base },
+            Backend::Tcp => WorkerConfig { protocol: Protocol::Tcp, ..base },
+            Backend::Quic => WorkerConfig { protocol: Protocol::Quic, ..base },
+        }
+    }
+
+    async fn writer(&self, role: KvRole, name: &str) -> Arc<dyn BatchWriter> {
+        match self.backend {
+            Backend::InMemory => self.mem.writer(name),
+            Backend::Tcp | Backend::Quic => kv_worker::transport::open(&self.config(role, name)).await.unwrap(),
+        }
+    }
 }
 
 /// Writes request `seed`'s KV into `blocks` of every region (prompt positions from 0).
@@ -219,12 +259,20 @@ fn side_channel(p: &Instance) -> (String, u16) {
 /// Hole 1: D gives up on X (P's write is stuck behind a transfer slot), the
 /// engine reuses X's blocks for Y, Y lands; then P's write of X goes ahead:
 /// not one byte of it lands in Y's blocks.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_write_cannot_touch_blocks_d_reused() {
-    let net = InMemoryNetwork::new();
-    let gated = GatedWriter::new(net.writer("p"), 1);
-    let p = start(config(KvRole::Producer, "p"), gated.clone()).await;
-    let d = start(WorkerConfig { transfer_timeout: SHORT, ..config(KvRole::Consumer, "d") }, net.writer("d")).await;
+async fn a_late_write_cannot_touch_blocks_d_reused(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let gated = GatedWriter::new(net.writer(KvRole::Producer, "p").await, 1);
+    let p = start(net.config(KvRole::Producer, "p"), gated.clone()).await;
+    let d = start(
+        WorkerConfig { transfer_timeout: SHORT, ..net.config(KvRole::Consumer, "d") },
+        net.writer(KvRole::Consumer, "d").await,
+    )
+    .await;
     let (host, port) = side_channel(&p);
     fill(&p.cache, 1, &[0, 1]);
     fill(&p.cache, 2, &[2, 3]);
@@ -277,12 +325,16 @@ impl Relay {
 
 /// The side channel drops while P's write is in flight: D reports the pull
 /// failed, and no byte of it lands afterwards.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nothing_lands_after_the_side_channel_dropped_mid_batch() {
-    let net = InMemoryNetwork::new();
-    let gated = GatedWriter::new(net.writer("p"), 1);
-    let p = start(config(KvRole::Producer, "p"), gated.clone()).await;
-    let d = start(config(KvRole::Consumer, "d"), net.writer("d")).await;
+async fn nothing_lands_after_the_side_channel_dropped_mid_batch(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let gated = GatedWriter::new(net.writer(KvRole::Producer, "p").await, 1);
+    let p = start(net.config(KvRole::Producer, "p"), gated.clone()).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
     let relay = Relay::to(side_channel(&p)).await;
     fill(&p.cache, 1, &[0, 1]);
     ready(&p, "x", &[0, 1]);
@@ -302,11 +354,15 @@ async fn nothing_lands_after_the_side_channel_dropped_mid_batch() {
 
 /// Hole 4: a transfer request for a request that is not ready yet (A) and
 /// one that is (B): B is written at once, without waiting for A.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_slow_request_does_not_hold_back_its_batch() {
-    let net = InMemoryNetwork::new();
-    let p = start(config(KvRole::Producer, "p"), net.writer("p")).await;
-    let d = start(config(KvRole::Consumer, "d"), net.writer("d")).await;
+async fn one_slow_request_does_not_hold_back_its_batch(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
     let (host, port) = side_channel(&p);
     fill(&p.cache, 1, &[0, 1]);
     fill(&p.cache, 2, &[2, 3]);
@@ -328,11 +384,19 @@ async fn one_slow_request_does_not_hold_back_its_batch() {
 
 /// P does not start writing once D's wait budget has passed: X becomes ready
 /// on P only after D gave up, and nothing of it is written.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nothing_is_written_past_the_wait_budget() {
-    let net = InMemoryNetwork::new();
-    let p = start(config(KvRole::Producer, "p"), net.writer("p")).await;
-    let d = start(WorkerConfig { transfer_timeout: SHORT, ..config(KvRole::Consumer, "d") }, net.writer("d")).await;
+async fn nothing_is_written_past_the_wait_budget(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
+    let d = start(
+        WorkerConfig { transfer_timeout: SHORT, ..net.config(KvRole::Consumer, "d") },
+        net.writer(KvRole::Consumer, "d").await,
+    )
+    .await;
     let (host, port) = side_channel(&p);
     fill(&p.cache, 1, &[0, 1]);
     expect(&p, "x");
@@ -355,12 +419,16 @@ async fn nothing_is_written_past_the_wait_budget() {
 /// The engine aborts X while P's write of it is in flight (vLLM frees the
 /// blocks at once): when `start_load_kv` with the cancellation returns, no
 /// byte of X can land, so the blocks can go straight to Y.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pull_cancelled_by_the_engine_lands_nothing_after_the_step() {
-    let net = InMemoryNetwork::new();
-    let gated = GatedWriter::new(net.writer("p"), 1);
-    let p = start(config(KvRole::Producer, "p"), gated.clone()).await;
-    let d = start(config(KvRole::Consumer, "d"), net.writer("d")).await;
+async fn a_pull_cancelled_by_the_engine_lands_nothing_after_the_step(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let gated = GatedWriter::new(net.writer(KvRole::Producer, "p").await, 1);
+    let p = start(net.config(KvRole::Producer, "p"), gated.clone()).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
     let (host, port) = side_channel(&p);
     fill(&p.cache, 1, &[0, 1]);
     fill(&p.cache, 2, &[2, 3]);

@@ -353,16 +353,22 @@ async fn checked_endpoint(shared: &Shared, endpoint: &Endpoint, peer_ip: IpAddr)
         .map_err(|_| format!("resolving decode endpoint {endpoint} timed out after {after:?}"))?
         .map_err(|e| format!("cannot resolve decode endpoint {endpoint}: {e}"))?
         .collect();
-    let allowed = resolved
+    let allowed = allowed_address(&resolved, peer_ip, extra).ok_or_else(|| {
+        format!(
+            "decode endpoint {endpoint} is not on the host the side channel came from ({peer_ip}) \
+                 nor on the allowed list; refusing to write there"
+        )
+    })?;
+    Ok(Endpoint { address: allowed.to_string(), ..endpoint.clone() })
+}
+
+/// The first of an endpoint's resolved addresses on the peer's host or on
+/// the allowed list.
+fn allowed_address(resolved: &[SocketAddr], peer_ip: IpAddr, extra: &[IpAddr]) -> Option<SocketAddr> {
+    resolved
         .iter()
         .find(|addr| same_host(addr.ip(), peer_ip) || extra.iter().any(|&ip| same_host(addr.ip(), ip)))
-        .ok_or_else(|| {
-            format!(
-                "decode endpoint {endpoint} is not on the host the side channel came from ({peer_ip}) \
-                 nor on the allowed list; refusing to write there"
-            )
-        })?;
-    Ok(Endpoint { address: allowed.to_string(), ..endpoint.clone() })
+        .copied()
 }
 
 /// Serves one transfer request: every request of it is claimed as soon as it
@@ -532,4 +538,38 @@ async fn write_ready(
     shared.sender_changed.notify_waiters();
     // Their blocks may be freed now, not when the whole transfer request ends.
     shared.finished_changed.notify_waiters();
+}
+
+#[cfg(test)]
+mod tests {
+    use rstest::rstest;
+
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))
+    }
+
+    fn at(s: &str) -> SocketAddr {
+        SocketAddr::new(ip(s), 9000)
+    }
+
+    #[rstest]
+    #[case::same_address(&["10.0.0.5"], "10.0.0.5", &[], Some("10.0.0.5"))]
+    #[case::v4_mapped_peer(&["10.0.0.5"], "::ffff:10.0.0.5", &[], Some("10.0.0.5"))]
+    #[case::loopback_is_one_host(&["127.0.0.1"], "::1", &[], Some("127.0.0.1"))]
+    #[case::third_host_refused(&["10.0.0.9"], "10.0.0.5", &[], None)]
+    #[case::allowed_extra_nic(&["10.1.0.5"], "10.0.0.5", &["10.1.0.5"], Some("10.1.0.5"))]
+    #[case::first_allowed_of_several(&["10.0.0.9", "10.0.0.5"], "10.0.0.5", &[], Some("10.0.0.5"))]
+    #[case::loopback_endpoint_for_a_remote_peer_refused(&["127.0.0.1"], "10.0.0.5", &[], None)]
+    fn endpoint_hosts(
+        #[case] resolved: &[&str],
+        #[case] peer: &str,
+        #[case] extra: &[&str],
+        #[case] expected: Option<&str>,
+    ) {
+        let resolved: Vec<SocketAddr> = resolved.iter().map(|s| at(s)).collect();
+        let extra: Vec<IpAddr> = extra.iter().map(|s| ip(s)).collect();
+        assert_eq!(allowed_address(&resolved, ip(peer), &extra), expected.map(at));
+    }
 }
