@@ -236,6 +236,33 @@ async fn an_incompatible_decode_instance_is_rejected_at_hello() {
     pair.shutdown().await;
 }
 
+/// A decode instance that speaks another side-channel version gets an answer
+/// in this one, which its decoder reports naming both versions: one clear
+/// error at connect time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_protocol_version_fails_at_connect_naming_both() {
+    let mut pair = pair(|_| {}).await;
+    let mut stream = connect_from(ATTACKER, pair.side_channel()).await;
+    // A frame header of version 1 with an empty body.
+    let mut old = Vec::new();
+    old.extend_from_slice(b"KVLK");
+    old.extend_from_slice(&1u16.to_be_bytes());
+    old.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    tokio::io::AsyncWriteExt::write_all(&mut stream, &old).await.unwrap();
+    // Read with this build's decoder (an old decoder would instead report
+    // "protocol version 2, this build speaks 1", naming both too).
+    let mut raw = framed(stream);
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { reason }))) => {
+            let ours = kv_proto::PROTOCOL_VERSION;
+            assert!(reason.contains("version 1") && reason.contains(&format!("speaks {ours}")), "{reason}");
+        }
+        other => panic!("expected a rejection naming both versions, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
 /// A transfer request whose reply could not fit in a frame is refused whole
 /// at once, without serving (or building the reply of) any request of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

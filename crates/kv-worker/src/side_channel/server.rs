@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{
-    BlockId, Endpoint, FrameCodec, Grant, Hello, HelloReply, LogThrottle, Outcome, RequestOutcome, SideMessage,
-    WriteOp, XferReply, XferRequest,
+    BlockId, Endpoint, FrameCodec, FrameError, Grant, Hello, HelloReply, LogThrottle, Outcome, RequestOutcome,
+    SideMessage, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -20,7 +20,7 @@ use tokio_util::codec::Framed;
 use crate::config::{AuthSecret, DataEndpointPolicy};
 use crate::plan::{plan_request, PlanGeometry};
 use crate::sender::Claim;
-use crate::side_channel::SideChannelCodec;
+use crate::side_channel::{SideChannelCodec, SideChannelError};
 use crate::worker::Shared;
 
 /// Pause after a failed `accept` (e.g. out of file descriptors), so the loop
@@ -143,6 +143,13 @@ async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<Hello>, 
     };
     let hello = match first {
         None => return Ok(None),
+        Some(Err(SideChannelError::Frame(FrameError::BadVersion { got }))) => {
+            // Answer in our version: D's decoder then names both versions,
+            // one clear error at connect time instead of a silent close.
+            let reason = format!("decode speaks side-channel version {got}, prefill speaks {PROTOCOL_VERSION}");
+            reject(framed, &reason).await;
+            return Err(reason);
+        }
         Some(Err(e)) => return Err(e.to_string()),
         Some(Ok(SideMessage::Hello(hello))) => hello,
         Some(Ok(other)) => return Err(format!("expected hello, got {}", message_name(&other))),
