@@ -8,7 +8,7 @@
 //! transfer slot, or was mid-batch, when D's deadline passed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,7 +33,7 @@ fn shape() -> CacheShape {
     CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 2,
-        num_blocks: 8,
+        num_blocks: 16,
         block_size: 16,
         num_kv_heads: 2,
         head_dim: 16,
@@ -455,6 +455,49 @@ async fn a_pull_cancelled_by_the_engine_lands_nothing_after_the_step(#[case] bac
         !later.receiving.contains(&ReqId::new("x")) && !later.failed_receiving.contains_key(&ReqId::new("x")),
         "a cancelled pull is never reported: {later:?}"
     );
+    p.worker.shutdown().await;
+    d.worker.shutdown().await;
+}
+
+/// Hole 4 as a table: requests of one transfer request become ready on P in
+/// some order; each is written as soon as it is ready, never held back by
+/// one that is not.
+#[rstest]
+#[case::first_not_ready(&["b", "c"], &["a"])]
+#[case::last_not_ready(&["a", "b"], &["c"])]
+#[case::none_ready_then_out_of_order(&[], &["c", "a", "b"])]
+#[case::all_ready(&["a", "b", "c"], &[])]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_is_written_as_soon_as_it_is_ready(#[case] ready_at_once: &[&str], #[case] later: &[&str]) {
+    let Some(net) = Net::new(Backend::InMemory) else { return };
+    let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
+    let (host, port) = side_channel(&p);
+    let p_blocks = |req: &str| -> Vec<BlockId> {
+        let i = u32::from(req.as_bytes()[0] - b'a');
+        vec![2 * i, 2 * i + 1]
+    };
+    for (seed, req) in ["a", "b", "c"].into_iter().enumerate() {
+        fill(&p.cache, seed as u64 + 1, &p_blocks(req));
+        if ready_at_once.contains(&req) {
+            ready(&p, req, &p_blocks(req));
+        } else {
+            expect(&p, req);
+        }
+    }
+    pull(&d, &host, port, &[("a", &[6, 7]), ("b", &[8, 9]), ("c", &[10, 11])]);
+    let mut sent = BTreeSet::new();
+    let mut wanted: BTreeSet<ReqId> = ready_at_once.iter().map(|r| ReqId::new(*r)).collect();
+    sent.extend(until(&p.worker, |f| wanted.iter().all(|r| f.sending.contains(r))).await.sending);
+    for req in later {
+        assert!(!sent.contains(&ReqId::new(*req)), "{req} was sent before it was ready");
+        ready(&p, req, &p_blocks(req));
+        wanted.insert(ReqId::new(*req));
+        sent.extend(until(&p.worker, |f| f.sending.contains(&ReqId::new(*req))).await.sending);
+    }
+    let received = until(&d.worker, |f| f.receiving.len() == 3).await;
+    assert!(received.failed_receiving.is_empty(), "{received:?}");
+    assert!(holds(&d.cache, 1, &[6, 7]) && holds(&d.cache, 2, &[8, 9]) && holds(&d.cache, 3, &[10, 11]));
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }
