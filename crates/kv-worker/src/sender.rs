@@ -14,6 +14,10 @@ enum SendEntry {
     Ready { block_ids: Vec<BlockId>, lease_end: Instant },
     /// A transfer is writing it; it ends in `complete`.
     InFlight,
+    /// Not finished yet, and the pull that asked for it gave up (its decode
+    /// instance went away or its wait budget passed): freed the moment it
+    /// is ready instead of held for a lease no one will use.
+    Abandoned,
 }
 
 /// What a pull for a request finds on P.
@@ -55,6 +59,11 @@ impl SenderCore {
                 Some(SendEntry::InFlight) => {
                     tracing::warn!(req_id = %req, "ready update for a request already being sent; ignored");
                 }
+                Some(SendEntry::Abandoned) => {
+                    tracing::info!(req_id = %req, "request finished after its pull gave up; freeing its blocks now");
+                    self.entries.remove(req);
+                    self.finished.insert(req.clone());
+                }
                 _ => {
                     let lease_end = now + self.lease;
                     self.entries.insert(req.clone(), SendEntry::Ready { block_ids: block_ids.clone(), lease_end });
@@ -78,6 +87,11 @@ impl SenderCore {
         match self.entries.get(req) {
             None => Claim::Unknown,
             Some(SendEntry::Expected) => Claim::NotReady,
+            // A new pull for it: wait for it again.
+            Some(SendEntry::Abandoned) => {
+                self.entries.insert(req.clone(), SendEntry::Expected);
+                Claim::NotReady
+            }
             Some(SendEntry::InFlight) => Claim::InFlight,
             Some(SendEntry::Ready { lease_end, .. }) if *lease_end <= now => {
                 self.expire(req);
@@ -98,10 +112,16 @@ impl SenderCore {
         }
     }
 
-    /// A pull gave up waiting for `req` to become ready; if it is still not
-    /// ready nothing changes (the scheduler still owns it).
-    pub fn is_ready_or_gone(&self, req: &ReqId) -> bool {
-        !matches!(self.entries.get(req), Some(SendEntry::Expected))
+    /// The pull that asked for `req` gave up before it was ready (its
+    /// connection closed, or its wait budget passed): no one will pull it,
+    /// so once the engine finishes it its blocks are freed at once, without
+    /// a lease. A ready or in-flight request is left to its lease or its
+    /// transfer.
+    pub fn abandon(&mut self, req: &ReqId) {
+        if let Some(entry @ SendEntry::Expected) = self.entries.get_mut(req) {
+            tracing::debug!(req_id = %req, "pull gave up before the request was ready");
+            *entry = SendEntry::Abandoned;
+        }
     }
 
     /// Frees every ready entry whose lease ended at `now`.

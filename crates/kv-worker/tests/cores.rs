@@ -255,3 +255,35 @@ fn a_cancelled_request_is_never_reported_and_its_grant_is_fenced(#[case] at: Can
     }
     assert_eq!(core.in_flight(), 0);
 }
+
+/// `abandon`: the pull that asked for a request gave up before it was ready.
+#[rstest]
+#[case::expected_is_freed_the_moment_it_is_ready(&[SendUpdate::Expect], &[ready(&[1])], true)]
+#[case::forget_after_abandon_reports_nothing(&[SendUpdate::Expect], &[SendUpdate::Forget], false)]
+#[case::a_ready_request_keeps_its_lease(&[ready(&[1])], &[], false)]
+#[case::unknown_stays_unknown(&[], &[ready(&[1])], false)]
+fn abandoned_requests(#[case] before: &[SendUpdate], #[case] after: &[SendUpdate], #[case] freed_at_once: bool) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    for u in before {
+        core.handle_update(&r("a"), u, t0);
+    }
+    core.abandon(&r("a"));
+    for u in after {
+        core.handle_update(&r("a"), u, t0);
+    }
+    let finished = core.poll_finished();
+    assert_eq!(finished.contains(&r("a")), freed_at_once, "{finished:?}");
+}
+
+#[test]
+fn a_new_pull_takes_an_abandoned_request_back() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE);
+    core.handle_update(&r("a"), &SendUpdate::Expect, t0);
+    core.abandon(&r("a"));
+    assert_eq!(core.claim(&r("a"), t0), Claim::NotReady, "a new pull waits for it again");
+    core.handle_update(&r("a"), &ready(&[4]), t0);
+    assert!(core.poll_finished().is_empty(), "held for the new pull, not freed");
+    assert_eq!(core.claim(&r("a"), t0), Claim::Ready(vec![4]));
+}

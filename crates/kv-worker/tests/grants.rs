@@ -411,7 +411,40 @@ async fn nothing_is_written_past_the_wait_budget(#[case] backend: Backend) {
         tokio::task::yield_now().await;
     }
     ready(&p, "x", &[0, 1]);
+    // D gave up on X for good: P frees it as soon as it is ready, not at
+    // the end of a lease no one will use.
+    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
     assert!(all_zero(&d.cache, &[4, 5]));
+    p.worker.shutdown().await;
+    d.worker.shutdown().await;
+}
+
+/// D's side-channel connection closes while P waits for X to become ready:
+/// X is freed on P the moment it is ready, not leased for 480 s.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_puller_went_away_is_freed_when_ready(#[case] backend: Backend) {
+    let Some(net) = Net::new(backend) else { return };
+    let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
+    let relay = Relay::to(side_channel(&p)).await;
+    expect(&p, "x");
+    pull(&d, "127.0.0.1", relay.port, &[("x", &[4, 5])]);
+    let deadline = Instant::now() + BOUND;
+    while p.worker.transfers_in_progress() == 0 {
+        assert!(Instant::now() < deadline, "the pull never reached P");
+        tokio::task::yield_now().await;
+    }
+    relay.cut();
+    until(&d.worker, |f| f.failed_receiving.contains_key(&ReqId::new("x"))).await;
+    while p.worker.transfers_in_progress() > 0 {
+        assert!(Instant::now() < deadline, "P still waits for X for a puller that is gone");
+        tokio::task::yield_now().await;
+    }
+    ready(&p, "x", &[0, 1]);
+    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }

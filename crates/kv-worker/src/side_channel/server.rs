@@ -16,6 +16,7 @@ use kv_proto::{
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::codec::Framed;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{AuthSecret, DataEndpointPolicy};
 use crate::plan::{plan_request, PlanGeometry};
@@ -253,7 +254,8 @@ async fn serve_connection(
                 tracing::warn!(%peer, xfer_id, %reason, "refusing transfer request");
                 SideMessage::XferRefused { xfer_id, reason }
             } else {
-                SideMessage::XferReply(serve_transfer(&job_shared, request, peer.ip(), received_at).await)
+                let transfer = serve_transfer(&job_shared, request, peer.ip(), received_at, &job_closed);
+                SideMessage::XferReply(transfer.await)
             };
             let after = job_shared.config.reply_timeout;
             let sent = tokio::time::timeout(after, async { job_sink.lock().await.send(message).await }).await;
@@ -382,7 +384,13 @@ fn allowed_address(resolved: &[SocketAddr], peer_ip: IpAddr, extra: &[IpAddr]) -
 /// is ready on P (all at once when they are), and each group that becomes
 /// ready is written at once, so one slow request cannot starve the others'
 /// leases. Nothing is written once D's wait budget has passed.
-async fn serve_transfer(shared: &Shared, request: XferRequest, peer_ip: IpAddr, received_at: Instant) -> XferReply {
+async fn serve_transfer(
+    shared: &Shared,
+    request: XferRequest,
+    peer_ip: IpAddr,
+    received_at: Instant,
+    connection: &CancellationToken,
+) -> XferReply {
     let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
     let budget_end = received_at + wait_budget;
     let ready_wait_end = budget_end.min(received_at + shared.config.abort_request_timeout);
@@ -438,17 +446,24 @@ async fn serve_transfer(shared: &Shared, request: XferRequest, peer_ip: IpAddr, 
         if pending.is_empty() {
             break;
         }
-        let reason = tokio::select! {
-            () = shared.cancel.cancelled() => Some("prefill worker shutting down".to_owned()),
+        // Why the wait ends, and whether the puller gave up for good (its
+        // requests are then freed as soon as they are ready, not leased).
+        let ended = tokio::select! {
+            () = shared.cancel.cancelled() => Some(("prefill worker shutting down".to_owned(), false)),
+            () = connection.cancelled() => Some(("decode's side-channel connection closed".to_owned(), true)),
             () = &mut changed => None,
-            () = tokio::time::sleep_until(ready_wait_end.into()) => Some(if ready_wait_end == budget_end {
+            () = tokio::time::sleep_until(ready_wait_end.into()) => Some((if ready_wait_end == budget_end {
                 format!("request not finished on prefill within decode's wait budget of {wait_budget:?}")
             } else {
                 format!("request not finished on prefill within {:?}", shared.config.abort_request_timeout)
-            }),
+            }, true)),
         };
-        if let Some(reason) = reason {
+        if let Some((reason, abandoned)) = ended {
+            let mut sender = shared.lock_sender();
             for index in pending.drain(..) {
+                if abandoned {
+                    sender.abandon(&requests[index].req_id);
+                }
                 outcomes[index] = Some(failed(&reason));
             }
             break;
