@@ -14,8 +14,16 @@ use crate::region::{LocalRegion, RemoteRegion};
 pub enum Access {
     /// Read locally (the source of our writes); a peer can never write it.
     Source,
-    /// Written by peers' RDMA WRITEs (`LOCAL_WRITE | REMOTE_WRITE`).
+    /// Written by peers' RDMA WRITEs through the region's own rkey
+    /// (`LOCAL_WRITE | REMOTE_WRITE`): any peer holding the rkey may write
+    /// any byte of it, for as long as it is registered. Tests only; the
+    /// transport uses [`Access::Windowed`].
     Destination,
+    /// Written by peers only through memory windows bound on it
+    /// (`LOCAL_WRITE | MW_BIND`, no `REMOTE_WRITE`): the region's own rkey
+    /// opens nothing, so a peer can write only while a window is bound, and
+    /// only on the queue pair it is bound on (see [`super::MemoryWindow`]).
+    Windowed,
 }
 
 impl Access {
@@ -24,6 +32,7 @@ impl Access {
             // Local read is always allowed; no flag grants anything more.
             Access::Source => AccessFlags::none(),
             Access::Destination => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+            Access::Windowed => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
         }
     }
 }
@@ -141,5 +150,18 @@ impl MemoryRegion {
     /// The region as a peer sees it, to advertise in the handshake.
     pub fn remote(&self) -> RemoteRegion {
         RemoteRegion { addr: self.addr, len: self.len, rkey: self.rkey() }
+    }
+
+    /// Whether `[addr, addr + len)` lies inside the region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+
+    /// The raw `ibv_mr`, for a bind work request. Valid while `self` lives.
+    pub(super) fn raw(&self) -> *mut rdma_mummy_sys::ibv_mr {
+        // SAFETY: only the pointer is taken; it is dereferenced (by the
+        // provider) while the caller still holds `self`, which keeps the
+        // registration alive.
+        unsafe { self.mr.mr() }.as_ptr()
     }
 }

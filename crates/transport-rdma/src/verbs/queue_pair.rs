@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use rdma_mummy_sys::{ibv_post_send, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode, rdma_t};
+use rdma_mummy_sys::{
+    bind_mw_t, ibv_access_flags, ibv_mw_bind_info, ibv_post_send, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
+    imm_data_invalidated_rkey_union_t, rdma_t,
+};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::GenericCompletionQueue;
 use sideway::ibverbs::queue_pair::{
@@ -12,7 +15,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::{CompletionQueue, ProtectionDomain, VerbsError};
+use super::{CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain, VerbsError};
 use crate::handshake::QpEndpoint;
 use crate::plan::Plan;
 
@@ -51,13 +54,32 @@ pub struct ConnectOptions {
     pub retry_count: u8,
     /// Retries on receiver-not-ready (7: forever); unused by one-sided writes.
     pub rnr_retry: u8,
+    /// Whether the queue pair accepts the peer's RDMA WRITEs (into memory
+    /// its rkeys open). A pure sender's queue pair refuses them.
+    pub remote_write: bool,
 }
 
 impl Default for ConnectOptions {
     fn default() -> Self {
         // 14: about 67 ms per try, 7 tries: a dead peer fails a request in ~0.5 s.
-        Self { ack_timeout: 14, retry_count: 7, rnr_retry: 7 }
+        Self { ack_timeout: 14, retry_count: 7, rnr_retry: 7, remote_write: true }
     }
+}
+
+/// One `BIND_MW` work request: bind `window` over `[addr, addr + len)` of
+/// `region` for remote writes, under the key `rkey`.
+#[derive(Debug, Clone, Copy)]
+pub struct BindWindow<'a> {
+    /// The window (unbound).
+    pub window: &'a MemoryWindow,
+    /// The region it goes over (registered [`super::Access::Windowed`]).
+    pub region: &'a MemoryRegion,
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes (not zero).
+    pub len: u64,
+    /// The key it gets (see [`MemoryWindow::next_rkey`]).
+    pub rkey: u32,
 }
 
 /// A reliable-connected queue pair.
@@ -146,16 +168,15 @@ impl QueuePair {
         })
     }
 
-    /// INIT → RTR → RTS towards `remote`. The queue pair accepts remote
-    /// writes into this side's destination regions (the regions' rkeys and
-    /// access flags decide where).
+    /// INIT → RTR → RTS towards `remote`. With `options.remote_write` the
+    /// queue pair accepts remote writes into this side's memory (the rkeys
+    /// of regions and windows decide where); without, it accepts none.
     pub fn connect(&mut self, remote: &QpEndpoint, options: &ConnectOptions) -> Result<(), VerbsError> {
         let device = Arc::clone(self.pd.device());
+        let access =
+            if options.remote_write { AccessFlags::LocalWrite | AccessFlags::RemoteWrite } else { AccessFlags::none() };
         let mut init = QueuePairAttribute::new();
-        init.setup_state(SidewayState::Init)
-            .setup_pkey_index(0)
-            .setup_port(device.port())
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+        init.setup_state(SidewayState::Init).setup_pkey_index(0).setup_port(device.port()).setup_access_flags(access);
         self.qp.modify(&init).map_err(|err| VerbsError::sideway("ibv_modify_qp(INIT)", err))?;
 
         let mut path = AddressHandleAttribute::new();
@@ -251,23 +272,104 @@ impl QueuePair {
             self.wrs.push(wr);
             first_sge += count;
         }
-        // `wrs` is complete too: chain it.
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = chosen.len(), "work requests posted");
+        Ok(())
+    }
+
+    /// Posts one `BIND_MW` work request per entry of `binds`, as one chain,
+    /// the `i`-th with `wr_id = first_seq + i`, signalled where `signaled(i)`.
+    /// Each window must be unbound and each range inside its region; when a
+    /// bind completes successfully the caller records it
+    /// ([`MemoryWindow::set_bound`]).
+    pub fn post_binds(
+        &mut self,
+        binds: &[BindWindow<'_>],
+        first_seq: u64,
+        signaled: impl Fn(usize) -> bool,
+    ) -> Result<(), VerbsError> {
+        if binds.is_empty() {
+            return Ok(());
+        }
+        self.wrs.clear();
+        for (index, bind) in binds.iter().enumerate() {
+            if bind.len == 0 || !bind.region.contains(bind.addr, bind.len) {
+                return Err(VerbsError::OutOfRange(format!(
+                    "window {:#x}+{} is empty or outside its region {:#x}+{}",
+                    bind.addr,
+                    bind.len,
+                    bind.region.addr(),
+                    bind.region.len()
+                )));
+            }
+            // SAFETY: an all-zero ibv_send_wr is valid (integers, null pointers, unions of those).
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = first_seq + index as u64;
+            wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+            wr.send_flags = if signaled(index) { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+                mw: bind.window.raw(),
+                rkey: bind.rkey,
+                bind_info: ibv_mw_bind_info {
+                    mr: bind.region.raw(),
+                    addr: bind.addr,
+                    length: bind.len,
+                    mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                },
+            };
+            self.wrs.push(wr);
+        }
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = binds.len(), "window binds posted");
+        Ok(())
+    }
+
+    /// Posts one `LOCAL_INV` work request per key of `rkeys` (windows bound
+    /// on this queue pair), as one chain, numbered and signalled as
+    /// [`post_binds`](Self::post_binds) does. Once one completes successfully
+    /// its window opens nothing any more.
+    pub fn post_invalidates(
+        &mut self,
+        rkeys: &[u32],
+        first_seq: u64,
+        signaled: impl Fn(usize) -> bool,
+    ) -> Result<(), VerbsError> {
+        if rkeys.is_empty() {
+            return Ok(());
+        }
+        self.wrs.clear();
+        for (index, &rkey) in rkeys.iter().enumerate() {
+            // SAFETY: an all-zero ibv_send_wr is valid (integers, null pointers, unions of those).
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = first_seq + index as u64;
+            wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+            wr.send_flags = if signaled(index) { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t { invalidated_rkey: rkey };
+            self.wrs.push(wr);
+        }
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = rkeys.len(), "window invalidations posted");
+        Ok(())
+    }
+
+    /// Chains `wrs` (non-empty, complete) and posts it.
+    fn post_chain(&mut self) -> Result<(), VerbsError> {
         let wr_base = self.wrs.as_mut_ptr();
-        let last = self.wrs.len() - 1;
+        let Some(last) = self.wrs.len().checked_sub(1) else { return Ok(()) };
         for (index, wr) in self.wrs.iter_mut().enumerate() {
             // SAFETY: `index + 1 <= last` is inside `wrs`.
             wr.next = if index < last { unsafe { wr_base.add(index + 1) } } else { std::ptr::null_mut() };
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; the chain and its entries live in `wrs` and
-        // `sges`, which are not touched until the call returns (the provider
-        // copies them into the send queue). The memory they name is covered by
-        // the registration contract of `ProtectionDomain::register`.
+        // SAFETY: the QP is alive; the chain, its entries (in `sges`) and the
+        // windows and regions a bind names are not touched or freed until the
+        // call returns (the provider copies what it needs into the send
+        // queue). The memory they name is covered by the registration
+        // contract of `ProtectionDomain::register`.
         let code = unsafe { ibv_post_send(self.qp.qp().as_ptr(), wr_base, &mut bad) };
         if code != 0 {
             return Err(VerbsError::errno("ibv_post_send", code));
         }
-        tracing::trace!(qpn = self.qpn(), first_seq, count = chosen.len(), "work requests posted");
         Ok(())
     }
 }
