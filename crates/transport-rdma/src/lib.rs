@@ -62,12 +62,23 @@
 
 #![deny(unsafe_code)]
 
+pub mod config;
+pub mod control;
+pub mod details;
+pub mod fence;
 pub mod handshake;
 pub mod plan;
 pub mod region;
 pub mod window;
 
+#[cfg(feature = "verbs")]
+mod transport;
+
 // The one module allowed `unsafe`.
 #[cfg(feature = "verbs")]
 #[allow(unsafe_code)]
 pub mod verbs;
+
+pub use config::RdmaConfig;
+#[cfg(feature = "verbs")]
+pub use transport::RdmaTransport;

@@ -1,6 +1,8 @@
 //! The verbs layer on a real device: two queue pairs on the guest's one
 //! Soft-RoCE device, in one process, connected through the TCP handshake.
 //! Run with `cargo xtask rdma-test`.
+// Test helpers: a failure is a test failure.
+#![allow(clippy::unwrap_used)]
 
 mod support;
 
@@ -218,7 +220,7 @@ async fn bind_windows(
     tokio::time::timeout(Duration::from_secs(20), side.cq.wait(&mut completions)).await.unwrap().unwrap();
     assert_eq!(completions.iter().map(|c| c.status).collect::<Vec<_>>(), [WcStatus::Success]);
     for ((window, &(addr, len)), &rkey) in windows.iter_mut().zip(ranges).zip(&keys) {
-        window.set_bound(Arc::clone(region), addr, len, rkey);
+        window.set_bound(Arc::clone(region), side.qp.hold(), addr, len, rkey);
     }
     keys
 }

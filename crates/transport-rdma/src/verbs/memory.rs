@@ -6,6 +6,8 @@ use sideway::ibverbs::memory_region::MemoryRegion as SidewayMr;
 use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayPd;
 use sideway::ibverbs::AccessFlags;
 
+use kv_proto::{MemoryRegion as Range, RegionAccess, RegionError, RegionSet, RegisteredMemory};
+
 use super::{Device, VerbsError};
 use crate::region::{LocalRegion, RemoteRegion};
 
@@ -164,4 +166,56 @@ impl MemoryRegion {
         // registration alive.
         unsafe { self.mr.mr() }.as_ptr()
     }
+}
+
+/// Why [`register_checked`] refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The bookkeeping refuses the regions (overlap, empty, wrapping).
+    #[error(transparent)]
+    Regions(#[from] RegionError),
+    /// The device refused one.
+    #[error(transparent)]
+    Device(#[from] VerbsError),
+}
+
+/// Registers `regions` with `access` in `memory` (the grant bookkeeping)
+/// and with the device: sources with local access only, destinations
+/// [`Access::Windowed`] (writable by peers only through memory windows).
+/// Regions `memory` already holds with that access are not registered again.
+/// The bookkeeping is checked first, so nothing reaches the device for
+/// regions it refuses. Returns the new device registrations.
+///
+/// # Safety
+///
+/// Each region must be valid for reads (and writes, for destinations) until
+/// `memory` is closed and every returned registration, every memory window
+/// bound on one, and every queue pair of `pd` are gone (the transport's
+/// `close` does all of that before it returns).
+pub unsafe fn register_checked(
+    pd: &Arc<ProtectionDomain>,
+    memory: &RegisteredMemory,
+    regions: &[Range],
+    access: RegionAccess,
+) -> Result<Vec<Arc<MemoryRegion>>, RegisterError> {
+    let existing = memory.regions(access);
+    let mut check = RegionSet::new();
+    check.insert(&existing)?;
+    check.insert(regions)?;
+    let device_access = match access {
+        RegionAccess::Source => Access::Source,
+        RegionAccess::Destination => Access::Windowed,
+    };
+    let mut fresh: Vec<Arc<MemoryRegion>> = Vec::new();
+    for region in regions {
+        if existing.contains(region) || fresh.iter().any(|r| r.addr() == region.addr && r.len() == region.len) {
+            continue;
+        }
+        // SAFETY: the caller's contract covers every region given, for as
+        // long as a registration of it lives.
+        fresh.push(Arc::new(unsafe { pd.register(region.addr, region.len, device_access) }?));
+    }
+    // SAFETY: as above; `memory` is closed before the registrations go.
+    unsafe { memory.register(regions, access) }?;
+    Ok(fresh)
 }

@@ -28,8 +28,8 @@ mod window;
 pub use buffer::RegisteredBuffer;
 pub use completion::{Completion, CompletionQueue, WcStatus};
 pub use device::{Device, DeviceLimits, GidChoice};
-pub use memory::{Access, MemoryRegion, ProtectionDomain};
-pub use queue_pair::{BindWindow, ConnectOptions, QpCapacity, QueuePair, QueuePairState};
+pub use memory::{register_checked, Access, MemoryRegion, ProtectionDomain, RegisterError};
+pub use queue_pair::{BindWindow, ConnectOptions, QpCapacity, QpHold, QueuePair, QueuePairState};
 pub use window::MemoryWindow;
 
 /// A verbs call failed.

@@ -9,7 +9,7 @@ use rdma_mummy_sys::{
     imm_data_invalidated_rkey_union_t, rdma_t,
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::GenericCompletionQueue;
+use sideway::ibverbs::completion::{BasicCompletionQueue, GenericCompletionQueue};
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, QueuePair as _, QueuePairAttribute, QueuePairAttributeMask, QueuePairState as SidewayState,
 };
@@ -82,9 +82,43 @@ pub struct BindWindow<'a> {
     pub rkey: u32,
 }
 
+/// The device's queue pair, shared by its [`QueuePair`] and the memory
+/// windows bound on it ([`QpHold`]): it is destroyed when the last of them
+/// lets go, so never while a window is still bound on it (destroying it
+/// then would wait, in the kernel, for the windows to let go of it).
+struct QpObject {
+    // Field order is drop order: the queue pair before its completion queue.
+    qp: std::sync::Mutex<BasicQueuePair>,
+    raw: std::ptr::NonNull<rdma_mummy_sys::ibv_qp>,
+    _cq: Arc<BasicCompletionQueue>,
+}
+
+// SAFETY: `raw` is the queue pair `qp` owns, valid while the object lives;
+// libibverbs queue pairs may be used from any thread (sideway's is Send and
+// Sync), and `qp` is only modified under its mutex.
+unsafe impl Send for QpObject {}
+// SAFETY: as above.
+unsafe impl Sync for QpObject {}
+
+impl QpObject {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BasicQueuePair> {
+        self.qp.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Keeps a queue pair alive: what a memory window bound on it holds.
+#[derive(Clone)]
+pub struct QpHold(Arc<QpObject>);
+
+impl std::fmt::Debug for QpHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("QpHold").field(&self.0.lock().qp_number()).finish()
+    }
+}
+
 /// A reliable-connected queue pair.
 pub struct QueuePair {
-    qp: BasicQueuePair,
+    object: Arc<QpObject>,
     psn: u32,
     capacity: QpCapacity,
     pd: Arc<ProtectionDomain>,
@@ -133,14 +167,23 @@ impl QueuePair {
             .setup_recv_cq(send_cq)
             .build()
             .map_err(|err| VerbsError::sideway("ibv_create_qp", err))?;
-        let qp = Self { qp, psn, capacity, pd: Arc::clone(pd), wrs: Vec::new(), sges: Vec::new() };
+        // SAFETY: only the pointer is kept, next to the queue pair that owns it.
+        let raw = unsafe { qp.qp() };
+        let object = Arc::new(QpObject { qp: std::sync::Mutex::new(qp), raw, _cq: Arc::clone(cq.raw()) });
+        let qp = Self { object, psn, capacity, pd: Arc::clone(pd), wrs: Vec::new(), sges: Vec::new() };
         tracing::debug!(qpn = qp.qpn(), psn, ?capacity, "queue pair created");
         Ok(qp)
     }
 
     /// Queue pair number.
     pub fn qpn(&self) -> u32 {
-        self.qp.qp_number()
+        // SAFETY: the queue pair is alive while `self` is; the field is plain data.
+        unsafe { self.object.raw.as_ref().qp_num }
+    }
+
+    /// A hold on the device's queue pair, for a window bound on it.
+    pub fn hold(&self) -> QpHold {
+        QpHold(Arc::clone(&self.object))
     }
 
     /// What the peer needs to connect to this queue pair.
@@ -156,8 +199,11 @@ impl QueuePair {
     /// The current state, as the device has it (`ibv_query_qp`: an error
     /// completion moves the queue pair to error without telling this process).
     pub fn state(&self) -> Result<QueuePairState, VerbsError> {
-        let (attr, _) =
-            self.qp.query(QueuePairAttributeMask::State).map_err(|err| VerbsError::sideway("ibv_query_qp", err))?;
+        let (attr, _) = self
+            .object
+            .lock()
+            .query(QueuePairAttributeMask::State)
+            .map_err(|err| VerbsError::sideway("ibv_query_qp", err))?;
         Ok(match attr.state() {
             SidewayState::Reset => QueuePairState::Reset,
             SidewayState::Init => QueuePairState::Init,
@@ -177,7 +223,8 @@ impl QueuePair {
             if options.remote_write { AccessFlags::LocalWrite | AccessFlags::RemoteWrite } else { AccessFlags::none() };
         let mut init = QueuePairAttribute::new();
         init.setup_state(SidewayState::Init).setup_pkey_index(0).setup_port(device.port()).setup_access_flags(access);
-        self.qp.modify(&init).map_err(|err| VerbsError::sideway("ibv_modify_qp(INIT)", err))?;
+        let mut qp = self.object.lock();
+        qp.modify(&init).map_err(|err| VerbsError::sideway("ibv_modify_qp(INIT)", err))?;
 
         let mut path = AddressHandleAttribute::new();
         path.setup_port(device.port()).setup_dest_lid(0).setup_service_level(0).setup_grh(
@@ -195,7 +242,7 @@ impl QueuePair {
             .setup_max_dest_read_atomic(1)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&path);
-        self.qp.modify(&rtr).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTR)", err))?;
+        qp.modify(&rtr).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTR)", err))?;
 
         let mut rts = QueuePairAttribute::new();
         rts.setup_state(SidewayState::ReadyToSend)
@@ -204,7 +251,8 @@ impl QueuePair {
             .setup_retry_cnt(options.retry_count)
             .setup_rnr_retry(options.rnr_retry)
             .setup_max_read_atomic(1);
-        self.qp.modify(&rts).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTS)", err))?;
+        qp.modify(&rts).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTS)", err))?;
+        drop(qp);
         tracing::debug!(qpn = self.qpn(), remote_qpn = remote.qpn, "queue pair connected");
         Ok(())
     }
@@ -214,7 +262,7 @@ impl QueuePair {
     pub fn set_error(&mut self) -> Result<(), VerbsError> {
         let mut error = QueuePairAttribute::new();
         error.setup_state(SidewayState::Error);
-        self.qp.modify(&error).map_err(|err| VerbsError::sideway("ibv_modify_qp(ERR)", err))?;
+        self.object.lock().modify(&error).map_err(|err| VerbsError::sideway("ibv_modify_qp(ERR)", err))?;
         tracing::debug!(qpn = self.qpn(), "queue pair moved to the error state");
         Ok(())
     }
@@ -366,7 +414,7 @@ impl QueuePair {
         // call returns (the provider copies what it needs into the send
         // queue). The memory they name is covered by the registration
         // contract of `ProtectionDomain::register`.
-        let code = unsafe { ibv_post_send(self.qp.qp().as_ptr(), wr_base, &mut bad) };
+        let code = unsafe { ibv_post_send(self.object.raw.as_ptr(), wr_base, &mut bad) };
         if code != 0 {
             return Err(VerbsError::errno("ibv_post_send", code));
         }

@@ -8,9 +8,10 @@
 //! [`super::QueuePair::post_invalidates`]).
 //!
 //! Ownership: a window holds the protection domain it was allocated in, and,
-//! while bound, the memory region it is bound to, so the region is never
-//! deregistered under a bound window (the device refuses that, and the
-//! registration would leak). Dropping a window deallocates it, which also
+//! while bound, the memory region and the queue pair it is bound to, so
+//! neither is destroyed under a bound window (the device refuses to
+//! deregister such a region, and destroying such a queue pair waits in the
+//! kernel for its windows). Dropping a window deallocates it, which also
 //! unbinds it.
 //!
 //! [`Access::Windowed`]: super::Access::Windowed
@@ -20,13 +21,14 @@ use std::sync::Arc;
 
 use rdma_mummy_sys::{ibv_alloc_mw, ibv_dealloc_mw, ibv_mw, ibv_mw_type};
 
-use super::{MemoryRegion, ProtectionDomain, VerbsError};
+use super::{MemoryRegion, ProtectionDomain, QpHold, VerbsError};
 
 /// What a window is bound to.
 #[derive(Debug)]
 struct Binding {
-    /// Held, not read: the region outlives the binding.
+    /// Held, not read: the region and the queue pair outlive the binding.
     _region: Arc<MemoryRegion>,
+    _qp: QpHold,
     addr: u64,
     len: u64,
 }
@@ -86,14 +88,15 @@ impl MemoryWindow {
         self.bound.as_ref().map(|b| (b.addr, b.len))
     }
 
-    /// Records a bind that completed successfully: the window now covers
-    /// `[addr, addr + len)` of `region` under `rkey`.
-    pub fn set_bound(&mut self, region: Arc<MemoryRegion>, addr: u64, len: u64, rkey: u32) {
+    /// Records a bind that completed successfully on the queue pair `qp`
+    /// holds: the window now covers `[addr, addr + len)` of `region` under
+    /// `rkey`.
+    pub fn set_bound(&mut self, region: Arc<MemoryRegion>, qp: QpHold, addr: u64, len: u64, rkey: u32) {
         // SAFETY: the window is allocated; a type-2 bind changes the key in
         // the device, and the next bind names the current one through this
         // field (as `ibv_bind_mw` updates it for type 1).
         unsafe { self.mw.as_mut().rkey = rkey };
-        self.bound = Some(Binding { _region: region, addr, len });
+        self.bound = Some(Binding { _region: region, _qp: qp, addr, len });
     }
 
     /// Records an invalidation that completed successfully: the window is
