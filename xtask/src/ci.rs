@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, rdma_test};
+use crate::{cmd, deps, python, rdma_test};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -59,6 +59,8 @@ enum Action {
     DependencyRule,
     /// `cargo xtask rdma-test` (see [`rdma_test`]).
     RdmaTest,
+    /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
+    Python,
 }
 
 /// One CI step.
@@ -88,6 +90,11 @@ impl Step {
             Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
                                  and end-to-end test, in a Soft-RoCE guest)"
                 .to_owned(),
+            Action::Python => format!(
+                "kvlink_vllm: venv, pip install {} {}, pip install crates/kvlink-py, pytest",
+                python::MATURIN,
+                python::PYTEST
+            ),
         }
     }
 
@@ -100,6 +107,7 @@ impl Step {
             }
             Action::DependencyRule => deps::check(root),
             Action::RdmaTest => rdma_test::run_step(),
+            Action::Python => python::ci(root),
         }
     }
 }
@@ -148,6 +156,7 @@ fn steps() -> Vec<Step> {
             env: vec![("RUSTDOCFLAGS", rustdocflags)],
         },
     });
+    steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
     steps
 }
 

@@ -9,6 +9,8 @@
 //!   failed.
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
+//! * `cargo xtask vllm-check` installs vLLM 0.14.0 in a scratch virtual
+//!   environment and runs the connector against vLLM's own scheduler (not in CI).
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
 //! * `cargo xtask rdma-test` builds the RDMA tests (transport-rdma's, with
@@ -19,13 +21,15 @@
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
-//! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it.
+//! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it, [`python`]
+//! builds and tests the `kvlink_vllm` package.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod python;
 mod rdma_test;
 mod vm;
 
@@ -46,12 +50,14 @@ struct Cli {
 /// arm to the `match` in [`main`].
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs.
+    /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs, the Python package.
     Ci(ci::CiArgs),
     /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
     Bench(bench::BenchArgs),
     /// Build the RDMA tests and run them in a Soft-RoCE QEMU guest (`--bench`: demo, bench, ib_write_bw).
     RdmaTest(rdma_test::RdmaTestArgs),
+    /// Install vLLM 0.14.0 in a scratch venv and run kvlink against vLLM's own scheduler (offline, CPU).
+    VllmCheck(python::VllmCheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +66,7 @@ fn main() -> ExitCode {
         Command::Ci(args) => ci::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::RdmaTest(args) => rdma_test::run(&args),
+        Command::VllmCheck(args) => python::vllm_check(&args),
     };
     match result {
         Ok(code) => code,

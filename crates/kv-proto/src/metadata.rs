@@ -1,6 +1,6 @@
 //! `ConnectorMetadata`: what the scheduler tells its worker each step.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -42,11 +42,17 @@ pub struct ConnectorMetadata {
     pub reqs_to_recv: BTreeMap<ReqId, RecvReqMeta>,
     /// Send-entry updates the worker applies this step (prefill side).
     pub reqs_to_send: BTreeMap<ReqId, SendUpdate>,
+    /// Pulls the engine gave up on while they were in flight (decode side:
+    /// the request was aborted and its blocks are freed). Before the worker
+    /// returns from this step, no byte of them can land any more; they are
+    /// never reported.
+    #[serde(default)]
+    pub reqs_to_cancel: BTreeSet<ReqId>,
 }
 
 impl ConnectorMetadata {
     /// Whether the step carries nothing for the worker.
     pub fn is_empty(&self) -> bool {
-        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty()
+        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty() && self.reqs_to_cancel.is_empty()
     }
 }

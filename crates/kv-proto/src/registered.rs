@@ -275,10 +275,19 @@ impl RegisteredMemory {
     }
 
     /// Revokes grant `id`: once this returns no access under it is in
-    /// progress and none can start. Returns whether it was live.
+    /// progress and none can start, also when another revocation of it is
+    /// racing this one. Returns whether it was still known.
     pub fn revoke(&self, id: &GrantId) -> bool {
-        let entry = self.lock_grants().remove(id);
-        entry.inspect(|e| e.fence()).is_some()
+        // Fence first, then forget: a second revoker that races this one
+        // finds the entry and waits on the same fence, so neither returns
+        // while an access under the grant is still in progress.
+        let Some(entry) = self.lock_grants().get(id).cloned() else { return false };
+        entry.fence();
+        let mut grants = self.lock_grants();
+        if grants.get(id).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
+            grants.remove(id);
+        }
+        true
     }
 
     /// Grants issued and neither revoked nor purged.
@@ -309,6 +318,9 @@ impl RegisteredMemory {
         let entry = {
             let mut grants = self.lock_grants();
             let Some(entry) = grants.get(grant).cloned() else { return Err(DestinationError::UnknownGrant) };
+            if !*entry.live.read().unwrap_or_else(PoisonError::into_inner) {
+                return Err(DestinationError::UnknownGrant);
+            }
             if entry.expires_at <= now {
                 grants.remove(grant);
                 drop(grants);

@@ -36,6 +36,32 @@ pub struct CacheLayout {
     pub region_count: u32,
     /// Bytes of one block in one region.
     pub block_len: u64,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Bytes per element (2 for bf16); 0 when the engine did not declare it.
+    pub dtype_bytes: u32,
+}
+
+impl CacheLayout {
+    /// What differs between this layout (`ours`, named `our_name`) and a
+    /// peer's, each difference naming both values; empty when they agree.
+    /// An undeclared dtype (0) on either side is not compared.
+    pub fn mismatches(&self, our_name: &str, theirs: &CacheLayout, their_name: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut differ = |what: &str, ours: String, other: String| {
+            if ours != other {
+                out.push(format!("{what}: {our_name} has {ours}, {their_name} has {other}"));
+            }
+        };
+        differ("K/V layout", format!("{:?}", self.kind), format!("{:?}", theirs.kind));
+        differ("region count", self.region_count.to_string(), theirs.region_count.to_string());
+        differ("bytes per block", self.block_len.to_string(), theirs.block_len.to_string());
+        differ("tokens per block", self.block_tokens.to_string(), theirs.block_tokens.to_string());
+        if self.dtype_bytes != 0 && theirs.dtype_bytes != 0 {
+            differ("bytes per element", self.dtype_bytes.to_string(), theirs.dtype_bytes.to_string());
+        }
+        out
+    }
 }
 
 /// First message on a side-channel connection, from D.
@@ -197,5 +223,34 @@ impl XferRequest {
         const FIXED: usize = 9 + 9;
         const PER_OUTCOME: usize = 9 + 1 + 9 + crate::bounded::MAX_TEXT_LEN;
         self.requests.iter().fold(FIXED, |sum, r| sum.saturating_add(PER_OUTCOME + r.req_id.as_str().len()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_mismatches_name_both_values() {
+        let ours = CacheLayout {
+            kind: LayoutKind::SplitKv,
+            region_count: 64,
+            block_len: 32768,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        };
+        assert!(ours.mismatches("p", &ours, "d").is_empty());
+        let theirs = CacheLayout { kind: LayoutKind::Fused, block_tokens: 32, dtype_bytes: 1, ..ours };
+        let found = ours.mismatches("p", &theirs, "d");
+        assert_eq!(
+            found,
+            [
+                "K/V layout: p has SplitKv, d has Fused",
+                "tokens per block: p has 16, d has 32",
+                "bytes per element: p has 2, d has 1"
+            ]
+        );
+        let undeclared = CacheLayout { dtype_bytes: 0, ..ours };
+        assert!(ours.mismatches("p", &undeclared, "d").is_empty(), "an undeclared dtype is not compared");
     }
 }

@@ -17,7 +17,13 @@ fn hello() -> SideMessage {
         client_nonce: [9; 32],
         engine_id: EngineId::new("decode-0"),
         protocol: Protocol::Tcp,
-        layout: CacheLayout { kind: LayoutKind::SplitKv, region_count: 64, block_len: 65536 },
+        layout: CacheLayout {
+            kind: LayoutKind::SplitKv,
+            region_count: 64,
+            block_len: 65536,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        },
     })
 }
 

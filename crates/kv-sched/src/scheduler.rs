@@ -30,6 +30,12 @@ pub struct ConnectorScheduler {
     /// already emitted) and no `Ready`/`Forget` yet: the worker holds (or is
     /// about to hold) an entry only this scheduler can withdraw.
     live_sends: BTreeSet<ReqId>,
+    /// Requests whose pull into blocks went to the worker and that have not
+    /// finished: if one finishes (aborted) before its pull is reported, the
+    /// worker must cancel the pull before the engine reuses the blocks.
+    live_recvs: BTreeSet<ReqId>,
+    /// Pulls to cancel at the next build.
+    reqs_need_cancel: BTreeSet<ReqId>,
 }
 
 impl ConnectorScheduler {
@@ -45,6 +51,8 @@ impl ConnectorScheduler {
             reqs_need_recv: BTreeMap::new(),
             reqs_need_send: BTreeMap::new(),
             live_sends: BTreeSet::new(),
+            live_recvs: BTreeSet::new(),
+            reqs_need_cancel: BTreeSet::new(),
         }
     }
 
@@ -169,14 +177,20 @@ impl ConnectorScheduler {
     pub fn build_connector_meta(&mut self) -> ConnectorMetadata {
         let recvs = std::mem::take(&mut self.reqs_need_recv);
         let sends = std::mem::take(&mut self.reqs_need_send);
+        let cancels = std::mem::take(&mut self.reqs_need_cancel);
+        if self.role.receives() {
+            self.live_recvs.extend(recvs.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(r, _)| r.clone()));
+        }
         let meta = ConnectorMetadata {
             reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { sends } else { BTreeMap::new() },
+            reqs_to_cancel: if self.role.receives() { cancels } else { BTreeSet::new() },
         };
         if !meta.is_empty() {
             debug!(
                 recv = ?meta.reqs_to_recv.keys().collect::<Vec<_>>(),
                 send = ?meta.reqs_to_send.keys().collect::<Vec<_>>(),
+                cancel = ?meta.reqs_to_cancel,
                 "build_connector_meta"
             );
         }
@@ -187,6 +201,13 @@ impl ConnectorScheduler {
     /// are freed now or held until the decode instance has pulled them.
     ///
     /// Returns `(delay_free_blocks, params to return to the proxy)`:
+    ///
+    /// Decode side, first: a request whose pull is still recorded but not yet
+    /// built goes out with no block (P only frees); one whose pull went to
+    /// the worker and was not reported finished ([`Self::pull_finished`]) is
+    /// cancelled (`reqs_to_cancel` of the next metadata): the engine frees
+    /// its blocks at once, and the worker fences the pull before that step
+    /// returns. (The reference lets a late write land in reused blocks.)
     ///
     /// - No params: `(false, None)`.
     /// - `do_remote_prefill` still set (decode side; the request was aborted
@@ -224,6 +245,7 @@ impl ConnectorScheduler {
             num_blocks = block_ids.len(),
             "request_finished"
         );
+        self.cancel_if_pulling(request_id);
         let Some(params) = req.kv_transfer_params.as_mut() else {
             self.forget_if_live(request_id);
             return Ok((false, None));
@@ -292,6 +314,33 @@ impl ConnectorScheduler {
                 "invalid kv_transfer_params: do_remote_prefill without remote_host and remote_port; \
                  this request will not use KV transfer"
             ),
+        }
+    }
+
+    /// The worker reported `request_id`'s pull received or failed: a later
+    /// finish of the request needs no cancellation. (Calling this is
+    /// optional; without it a finished request costs one cancellation the
+    /// worker ignores.)
+    pub fn pull_finished(&mut self, request_id: &ReqId) {
+        self.live_recvs.remove(request_id);
+    }
+
+    /// Requests whose pull is with the worker and not known to be finished.
+    pub fn live_pulls(&self) -> usize {
+        self.live_recvs.len()
+    }
+
+    /// A request finishing while its pull may still be in flight: if the
+    /// pull is not built yet it goes out with no block (P still frees);
+    /// if it is with the worker, the worker cancels it.
+    fn cancel_if_pulling(&mut self, request_id: &ReqId) {
+        if let Some(pending) = self.reqs_need_recv.get_mut(request_id) {
+            debug!(%request_id, "request finished before its pull went out: P is only told to free");
+            pending.local_block_ids.clear();
+        }
+        if self.live_recvs.remove(request_id) {
+            debug!(%request_id, "request finished while its pull may be in flight: cancelling it");
+            self.reqs_need_cancel.insert(request_id.clone());
         }
     }
 

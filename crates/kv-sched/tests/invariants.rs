@@ -98,6 +98,12 @@ proptest! {
         // until the worker reports their pull, so the pull must go out.
         let mut awaited: BTreeSet<ReqId> = BTreeSet::new();
         let mut ever_awaited = [false; N];
+        // Finished while counted as external and before any build: the pull
+        // goes out with no block (P only frees).
+        let mut finished_before_build = [false; N];
+        // Pulled into blocks, then finished: the worker must cancel it.
+        let mut pulled_into_blocks = [false; N];
+        let mut expect_cancel: BTreeSet<ReqId> = BTreeSet::new();
 
         let all_ops = ops.into_iter().chain((0..N).map(|i| Op::Finish {
             i,
@@ -121,6 +127,12 @@ proptest! {
                 }
                 Op::Finish { i, status, num_blocks } if !finished[i] => {
                     finished[i] = true;
+                    if awaited.contains(&reqs[i].request_id) {
+                        finished_before_build[i] = true;
+                    }
+                    if pulled_into_blocks[i] {
+                        expect_cancel.insert(reqs[i].request_id.clone());
+                    }
                     reqs[i].status = status;
                     let blocks: Vec<u32> = (0..num_blocks as u32).collect();
                     let (delay_free, returned) = s.request_finished(&mut reqs[i], &blocks).unwrap();
@@ -140,6 +152,16 @@ proptest! {
                             meta
                         );
                     }
+                    for (id, pull) in &meta.reqs_to_recv {
+                        if let Some(i) = (0..N).find(|&i| &reqs[i].request_id == id) {
+                            pulled_into_blocks[i] |= !pull.local_block_ids.is_empty();
+                        }
+                    }
+                    prop_assert_eq!(
+                        &meta.reqs_to_cancel,
+                        &std::mem::take(&mut expect_cancel),
+                        "exactly the finished requests whose pull went out into blocks are cancelled"
+                    );
                     emitted.push(meta);
                 }
             }
@@ -147,6 +169,7 @@ proptest! {
         prop_assert!(awaited.is_empty());
 
         prop_assert_eq!(s.live_send_entries(), 0);
+        prop_assert_eq!(s.live_pulls(), 0, "every finished request's pull is cancelled or known finished");
         prop_assert!(s.build_connector_meta().is_empty());
 
         for (i, k) in kinds.iter().enumerate() {
@@ -157,7 +180,9 @@ proptest! {
                 // Exactly one pull: on scheduling, or on abort before scheduling.
                 Kind::Pull => {
                     prop_assert_eq!(recvs.len(), 1);
-                    if ever_awaited[i] {
+                    if finished_before_build[i] {
+                        prop_assert!(recvs[0].local_block_ids.is_empty(), "finished before its pull went out");
+                    } else if ever_awaited[i] {
                         prop_assert_eq!(&recvs[0].local_block_ids, &vec![1, 2, 3], "pulled into its blocks");
                     }
                 }

@@ -246,13 +246,13 @@ type Finished = Result<(bool, Option<KvTransferParams>), SchedError>;
     empty(),
     Some(params(false, false, Some(P_HOST), None))
 )]
-#[case::pulled_request_finishing_does_not_pull_again(
+#[case::pulled_request_finishing_does_not_pull_again_but_cancels_its_pull(
     Consumer,
     Some(pull_from_p()),
     FinishedStopped,
     true,
     Ok((false, None)),
-    empty(),
+    cancelled(&["r1"]),
     Some(pulled_from_p())
 )]
 #[case::plain_params_free_now(
@@ -478,8 +478,38 @@ fn update_again_after_build_yields_no_second_pull(#[values(Consumer, Both)] role
     assert_eq!(s.get_num_new_matched_tokens(&r, 0), (0, false));
     s.update_state_after_alloc(&mut r, UNHASHED, 0).unwrap();
     assert_eq!(s.build_connector_meta(), empty());
-    // Aborted after it was scheduled: P was already told by the pull.
+    // Aborted after it was scheduled: P was already told by the pull, and
+    // the pull (maybe still in flight) is cancelled before the engine frees
+    // the blocks.
     r.status = FinishedAborted;
+    assert_eq!(s.request_finished(&mut r, UNHASHED), Ok((false, None)));
+    assert_eq!(s.build_connector_meta(), cancelled(&["r1"]));
+    assert_eq!(s.live_pulls(), 0);
+}
+
+/// A request finished in the step its pull was recorded (before the pull
+/// went out) pulls into no block: P only frees, nothing to cancel.
+#[rstest]
+fn finished_before_its_pull_went_out_pulls_nothing(#[values(Consumer, Both)] role: KvRole) {
+    let mut s = sched(role);
+    let mut r = req("r1", 64, Running, Some(pull_from_p()));
+    s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap();
+    r.status = FinishedAborted;
+    assert_eq!(s.request_finished(&mut r, UNHASHED), Ok((false, None)));
+    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(&[]))], vec![]));
+    assert_eq!(s.live_pulls(), 0);
+}
+
+/// Once the engine saw the pull reported, finishing the request cancels nothing.
+#[rstest]
+fn a_pull_reported_finished_is_not_cancelled(#[values(Consumer, Both)] role: KvRole) {
+    let mut s = sched(role);
+    let mut r = req("r1", 64, Running, Some(pull_from_p()));
+    s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap();
+    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(UNHASHED))], vec![]));
+    assert_eq!(s.live_pulls(), 1);
+    s.pull_finished(&ReqId::from("r1"));
+    r.status = FinishedStopped;
     assert_eq!(s.request_finished(&mut r, UNHASHED), Ok((false, None)));
     assert_eq!(s.build_connector_meta(), empty());
 }
@@ -678,6 +708,8 @@ fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
     d.update_state_after_alloc(&mut on_d, &[3, 4], 24).unwrap();
     assert_eq!(d.build_connector_meta(), meta(vec![("r1", recv_from_p(&[3, 4]))], vec![]));
     assert_eq!(d.get_num_new_matched_tokens(&on_d, 16), (0, false), "one transfer per request");
+    // The worker reports the pull received; the engine decodes, then stops.
+    d.pull_finished(&ReqId::from("r1"));
     on_d.status = FinishedStopped;
     assert_eq!(d.request_finished(&mut on_d, &[1, 2, 3, 4]), Ok((false, None)));
     assert_eq!(d.build_connector_meta(), empty());

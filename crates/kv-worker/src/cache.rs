@@ -134,7 +134,8 @@ impl OwnedKvCache {
                     .collect(),
             })
             .collect();
-        cache.registered = RegisteredCache::new(shape.kind(), shape.block_size(), &layers)?;
+        cache.registered =
+            RegisteredCache::new(shape.kind(), shape.block_size(), &layers)?.with_dtype_bytes(shape.dtype_bytes());
         Ok(cache)
     }
 

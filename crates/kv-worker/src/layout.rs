@@ -97,6 +97,8 @@ pub struct RegisteredCache {
     regions: Vec<MemoryRegion>,
     num_blocks: u64,
     block_len: u64,
+    block_tokens: u32,
+    dtype_bytes: u32,
 }
 
 impl RegisteredCache {
@@ -157,12 +159,32 @@ impl RegisteredCache {
             }
         }
         let first = first.ok_or(LayoutError::NoLayers)?;
-        Ok(Self { kind, regions, num_blocks: first.num_blocks, block_len: first.len / first.num_blocks })
+        Ok(Self {
+            kind,
+            regions,
+            num_blocks: first.num_blocks,
+            block_len: first.len / first.num_blocks,
+            block_tokens: engine_block_size,
+            dtype_bytes: 0,
+        })
+    }
+
+    /// Declares the bytes per element of the cache (2 for bf16), which P and
+    /// D then also check at hello; 0 (the default) leaves it unchecked.
+    pub fn with_dtype_bytes(self, dtype_bytes: u32) -> Self {
+        Self { dtype_bytes, ..self }
     }
 
     /// A cache with no regions (placeholder while one is being built).
     pub(crate) fn empty() -> Self {
-        Self { kind: LayoutKind::SplitKv, regions: Vec::new(), num_blocks: 0, block_len: 0 }
+        Self {
+            kind: LayoutKind::SplitKv,
+            regions: Vec::new(),
+            num_blocks: 0,
+            block_len: 0,
+            block_tokens: 0,
+            dtype_bytes: 0,
+        }
     }
 
     /// The regions to register, in registration order.
@@ -192,6 +214,8 @@ impl RegisteredCache {
             // A cache of more than 4 billion regions cannot be allocated.
             region_count: u32::try_from(self.regions.len()).unwrap_or(u32::MAX),
             block_len: self.block_len,
+            block_tokens: self.block_tokens,
+            dtype_bytes: self.dtype_bytes,
         }
     }
 
@@ -419,7 +443,16 @@ mod tests {
         .unwrap();
         assert_eq!(c.base_addrs(), vec![0x1000, 0x2000, 0x3000, 0x4000]);
         assert_eq!(c.block_len(), 100);
-        assert_eq!(c.layout(), CacheLayout { kind: LayoutKind::SplitKv, region_count: 4, block_len: 100 });
+        assert_eq!(
+            c.layout(),
+            CacheLayout {
+                kind: LayoutKind::SplitKv,
+                region_count: 4,
+                block_len: 100,
+                block_tokens: 16,
+                dtype_bytes: 0
+            }
+        );
     }
 
     #[test]

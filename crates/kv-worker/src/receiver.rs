@@ -63,6 +63,8 @@ struct Batch {
     reqs: Vec<(ReqId, Vec<BlockId>)>,
     grant: Option<GrantId>,
     stage: Stage,
+    /// A request of it was cancelled: its grant covers freed blocks.
+    lost_requests: bool,
 }
 
 /// What finished on the decode side since the last poll.
@@ -136,6 +138,7 @@ impl ReceiverCore {
                     reqs,
                     grant: None,
                     stage: Stage::Pulling,
+                    lost_requests: false,
                 };
                 self.batches.insert(xfer_id, batch);
                 PullBatch { xfer_id, peer, requests, deadline: now + self.timeout }
@@ -143,11 +146,49 @@ impl ReceiverCore {
             .collect()
     }
 
-    /// The pull's grant was issued: it must be fenced before the pull is reported.
-    pub fn handle_granted(&mut self, xfer_id: u64, grant: GrantId) {
-        if let Some(batch) = self.batches.get_mut(&xfer_id) {
-            batch.grant = Some(grant);
+    /// The pull's grant was issued: it must be fenced before the pull is
+    /// reported. Returns whether the pull may go ahead: `false` if it ended
+    /// meanwhile or one of its requests was cancelled after the grant was
+    /// computed (the driver then revokes the grant and lets it fail).
+    pub fn handle_granted(&mut self, xfer_id: u64, grant: GrantId) -> bool {
+        match self.batches.get_mut(&xfer_id) {
+            Some(batch) => {
+                batch.grant = Some(grant);
+                matches!(batch.stage, Stage::Pulling) && !batch.lost_requests
+            }
+            None => false,
         }
+    }
+
+    /// The engine gave up on these requests (aborted while pulling): they
+    /// are never reported. Returns the grants the driver must revoke before
+    /// the engine may reuse their blocks; the other requests of those pulls
+    /// end as P reports them (bytes that landed before the revocation are
+    /// whole), failed otherwise. Unknown requests are ignored.
+    pub fn cancel<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>) -> Vec<GrantId> {
+        let mut grants = Vec::new();
+        for req in reqs {
+            if !self.in_flight.remove(req) {
+                continue;
+            }
+            for batch in self.batches.values_mut() {
+                let before = batch.reqs.len();
+                batch.reqs.retain(|(r, _)| r != req);
+                if batch.reqs.len() == before {
+                    continue;
+                }
+                tracing::debug!(req_id = %req, peer = %batch.peer, "pull cancelled by the engine");
+                // Not granted yet: the transfer request has not gone out,
+                // and the driver revokes the grant it is about to issue.
+                batch.lost_requests = true;
+                if let Some(grant) = batch.grant {
+                    if !grants.contains(&grant) {
+                        grants.push(grant);
+                    }
+                }
+            }
+        }
+        grants
     }
 
     /// P answered a pull: each request will be received or failed by its

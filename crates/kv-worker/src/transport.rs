@@ -38,6 +38,7 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 advertise_host: config.data_advertise_host.clone(),
                 connect_timeout: config.connect_timeout,
                 io_timeout: config.data_io_timeout,
+                auth_secret: config.auth_secret.clone(),
                 ..transport_quic::QuicConfig::default()
             };
             let writer: Arc<dyn BatchWriter> =

@@ -266,11 +266,45 @@ impl Worker {
             drop(sender);
             self.shared.sender_changed.notify_waiters();
         }
+        if self.shared.config.role.receives() && !meta.reqs_to_cancel.is_empty() {
+            let grants = self.shared.lock_receiver().cancel(&meta.reqs_to_cancel);
+            self.fence_now(&grants);
+            self.shared.finished_changed.notify_waiters();
+        }
         if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
             let batches = self.shared.lock_receiver().start(&meta.reqs_to_recv, now);
             for batch in batches {
                 self.spawn_pull(batch);
             }
+        }
+    }
+
+    /// Revokes `grants` before returning (the engine frees their blocks
+    /// right after): on the worker's runtime, blocking this thread, which
+    /// may be an engine thread or a worker thread of a multi-threaded
+    /// runtime. On a current-thread runtime a revocation that cannot finish
+    /// at once is an error in the log, and the engine must not be run there.
+    fn fence_now(&self, grants: &[GrantId]) {
+        if grants.is_empty() {
+            return;
+        }
+        let writer = &self.shared.writer;
+        let revoke_all = async {
+            for grant in grants {
+                writer.revoke(grant).await;
+            }
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Err(_) => self.runtime.block_on(revoke_all),
+            Ok(tokio::runtime::RuntimeFlavor::CurrentThread) => {
+                if futures_util::FutureExt::now_or_never(revoke_all).is_none() {
+                    tracing::error!(
+                        grants = grants.len(),
+                        "cannot wait for a revocation on a current-thread runtime; cancelled pulls are not fenced"
+                    );
+                }
+            }
+            Ok(_) => tokio::task::block_in_place(|| self.runtime.block_on(revoke_all)),
         }
     }
 
@@ -290,7 +324,11 @@ impl Worker {
                     return;
                 }
             };
-            shared.lock_receiver().handle_granted(xfer_id, grant.id);
+            if !shared.lock_receiver().handle_granted(xfer_id, grant.id) {
+                shared.lock_receiver().handle_batch_failed(xfer_id, "the engine cancelled part of the pull");
+                fence(&shared, xfer_id, Some(grant.id)).await;
+                return;
+            }
             let request = XferRequest {
                 xfer_id,
                 endpoint: shared.writer.endpoint(),

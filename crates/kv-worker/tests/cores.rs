@@ -1,7 +1,7 @@
 //! The sender and receiver cores, driven without sockets and with explicit time.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use kv_proto::{GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
@@ -205,4 +205,53 @@ fn port_overflow_fails_the_request_at_once() {
     let mut core = ReceiverCore::new(3, Duration::from_secs(5));
     assert!(core.start(&reqs(&[("a", recv("p", u16::MAX, &[1]))]), Instant::now()).is_empty());
     assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![1])]));
+}
+
+/// When the engine cancels a request of a pull (aborted while pulling).
+#[derive(Clone, Copy, Debug)]
+enum CancelAt {
+    /// After the pull's grant was issued: the grant must be revoked now.
+    Granted,
+    /// Before the grant was issued: the pull must not go out with it.
+    BeforeGrant,
+    /// After P's reply, while the grant is being fenced.
+    Fencing,
+}
+
+#[rstest]
+#[case::granted_pull_is_fenced_now(CancelAt::Granted)]
+#[case::ungranted_pull_never_goes_out(CancelAt::BeforeGrant)]
+#[case::a_pull_being_fenced_is_fenced_now(CancelAt::Fencing)]
+fn a_cancelled_request_is_never_reported_and_its_grant_is_fenced(#[case] at: CancelAt) {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2])), ("b", recv("p", 1, &[3]))]), t0);
+    let (xfer_id, grant) = (batches[0].xfer_id, GrantId::from_bytes([3; 16]));
+    let cancel = BTreeSet::from([r("a")]);
+    match at {
+        CancelAt::Granted => {
+            assert!(core.handle_granted(xfer_id, grant));
+            assert_eq!(core.cancel(&cancel), vec![grant], "revoke before the engine reuses a's blocks");
+            core.handle_reply(reply(xfer_id, &[("a", Outcome::Done), ("b", Outcome::Done)]));
+        }
+        CancelAt::BeforeGrant => {
+            assert!(core.cancel(&cancel).is_empty(), "no grant out yet: nothing to fence");
+            assert!(!core.handle_granted(xfer_id, grant), "the pull must not go out under a grant over a's blocks");
+            core.handle_batch_failed(xfer_id, "cancelled");
+        }
+        CancelAt::Fencing => {
+            assert!(core.handle_granted(xfer_id, grant));
+            core.handle_reply(reply(xfer_id, &[("a", Outcome::Done), ("b", Outcome::Done)]));
+            assert_eq!(core.cancel(&cancel), vec![grant]);
+        }
+    }
+    assert!(core.cancel(&cancel).is_empty(), "cancelling twice is harmless");
+    core.handle_fenced(xfer_id);
+    let done = core.poll_finished();
+    assert!(!done.received.contains(&r("a")) && !done.failed.contains_key(&r("a")), "a is never reported: {done:?}");
+    match at {
+        CancelAt::BeforeGrant => assert_eq!(done.failed, BTreeMap::from([(r("b"), vec![3])])),
+        _ => assert_eq!(done.received, BTreeSet::from([r("b")]), "b's bytes landed before the fence"),
+    }
+    assert_eq!(core.in_flight(), 0);
 }

@@ -351,3 +351,42 @@ async fn nothing_is_written_past_the_wait_budget() {
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }
+
+/// The engine aborts X while P's write of it is in flight (vLLM frees the
+/// blocks at once): when `start_load_kv` with the cancellation returns, no
+/// byte of X can land, so the blocks can go straight to Y.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_cancelled_by_the_engine_lands_nothing_after_the_step() {
+    let net = InMemoryNetwork::new();
+    let gated = GatedWriter::new(net.writer("p"), 1);
+    let p = start(config(KvRole::Producer, "p"), gated.clone()).await;
+    let d = start(config(KvRole::Consumer, "d"), net.writer("d")).await;
+    let (host, port) = side_channel(&p);
+    fill(&p.cache, 1, &[0, 1]);
+    fill(&p.cache, 2, &[2, 3]);
+    ready(&p, "x", &[0, 1]);
+    ready(&p, "y", &[2, 3]);
+
+    pull(&d, &host, port, &[("x", &[4, 5])]);
+    gated.until_held(1).await;
+    let cancel = ConnectorMetadata { reqs_to_cancel: [ReqId::new("x")].into(), ..ConnectorMetadata::default() };
+    d.worker.start_load_kv(&cancel);
+    // The engine reuses 4 and 5 for Y at once.
+    pull(&d, &host, port, &[("y", &[4, 5])]);
+    let received = until(&d.worker, |f| f.receiving.contains(&ReqId::new("y"))).await;
+    assert!(
+        !received.receiving.contains(&ReqId::new("x")) && !received.failed_receiving.contains_key(&ReqId::new("x"))
+    );
+    assert!(holds(&d.cache, 2, &[4, 5]));
+
+    gated.open();
+    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
+    assert!(holds(&d.cache, 2, &[4, 5]), "the cancelled pull's write landed in Y's blocks");
+    let later = d.worker.get_finished();
+    assert!(
+        !later.receiving.contains(&ReqId::new("x")) && !later.failed_receiving.contains_key(&ReqId::new("x")),
+        "a cancelled pull is never reported: {later:?}"
+    );
+    p.worker.shutdown().await;
+    d.worker.shutdown().await;
+}

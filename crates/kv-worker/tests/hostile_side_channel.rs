@@ -123,14 +123,18 @@ fn framed(stream: TcpStream) -> Raw {
 
 /// A raw client that completes the hello as a decode instance would.
 async fn hello(to: SocketAddr, codec_limit: usize) -> (Raw, HelloReply) {
+    hello_with(to, codec_limit, OwnedKvCache::allocate(shape()).unwrap().registered().layout()).await
+}
+
+/// A raw client that says hello with `layout`.
+async fn hello_with(to: SocketAddr, codec_limit: usize, layout: kv_proto::CacheLayout) -> (Raw, HelloReply) {
     let stream = connect_from(ATTACKER, to).await;
     let mut raw = Framed::new(stream, SideChannelCodec(FrameCodec::new(codec_limit)));
-    let cache = OwnedKvCache::allocate(shape()).unwrap();
     let hello = Hello {
         client_nonce: auth::fresh_nonce().unwrap(),
         engine_id: EngineId::new("mallory"),
         protocol: Protocol::Tcp,
-        layout: cache.registered().layout(),
+        layout,
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     let reply = match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
@@ -211,6 +215,25 @@ async fn idle_established_connections_are_capped_and_closed() {
     drop(reply);
     pair.shutdown().await;
     fds_back_to(with_workers).await;
+}
+
+/// A decode instance whose cache differs is turned away at the hello, with
+/// every difference named with both values, not request by request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incompatible_decode_instance_is_rejected_at_hello() {
+    let mut pair = pair(|_| {}).await;
+    let ours = OwnedKvCache::allocate(shape()).unwrap().registered().layout();
+    let theirs = kv_proto::CacheLayout { block_tokens: 32, dtype_bytes: 1, ..ours };
+    let (_, reply) = hello_with(pair.side_channel(), 1 << 20, theirs).await;
+    match reply {
+        HelloReply::Rejected { reason } => {
+            assert!(reason.contains("tokens per block: decode mallory has 32, prefill p has 16"), "{reason}");
+            assert!(reason.contains("bytes per element: decode mallory has 1, prefill p has 2"), "{reason}");
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
 }
 
 /// A transfer request whose reply could not fit in a frame is refused whole

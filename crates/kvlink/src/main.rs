@@ -220,6 +220,12 @@ fn print_report(title: &str, r: &RunReport) {
     println!("{title}");
     let check = if r.verified { "verified" } else { "received (not verified)" };
     println!("  requests   {} {check}, {} failed, {} corrupt", r.received, r.failed, r.corrupt);
+    if r.warmup_failed > 0 || r.received < r.requests {
+        println!(
+            "  INCOMPLETE {} of {} measured requests received; {} warm-up requests failed",
+            r.received, r.requests, r.warmup_failed
+        );
+    }
     println!(
         "  moved      {:.2} GB in {:.2} s = {:.2} GB/s, {:.0} requests/s",
         r.bytes as f64 / 1e9,
@@ -272,7 +278,7 @@ async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
     let report = run(&opts, &bar).await.context("demo failed")?;
     bar.finish_and_clear();
     print_report("result:", &report);
-    let ok = report.failed == 0 && report.corrupt == 0 && report.received == requests;
+    let ok = report.complete();
     println!("{}", if ok { "OK: every byte verified" } else { "FAILED: see the errors above" });
     Ok(ok)
 }
@@ -332,7 +338,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
             &report,
         );
     }
-    Ok(report.failed == 0 && report.corrupt == 0)
+    Ok(report.complete())
 }
 
 /// A future that resolves on Ctrl-C or SIGTERM; the handlers are in place

@@ -60,6 +60,17 @@ pub enum RunError {
     /// The caches sized for the requests in flight are too large to address.
     #[error(transparent)]
     Shape(#[from] ShapeError),
+    /// The OS random source failed (request ids must be unguessable).
+    #[error("no OS randomness for request ids")]
+    NoRandomness,
+}
+
+impl RunReport {
+    /// Whether the run did everything it was asked: every measured request
+    /// received (and verified, if on), nothing failed, warm-up included.
+    pub fn complete(&self) -> bool {
+        self.failed == 0 && self.corrupt == 0 && self.warmup_failed == 0 && self.received == self.requests
+    }
 }
 
 /// What happened.
@@ -75,6 +86,9 @@ pub struct RunReport {
     pub failed: usize,
     /// Requests whose bytes were wrong.
     pub corrupt: usize,
+    /// Warm-up requests that failed or arrived wrong (not measured, but a
+    /// run with any is not a success).
+    pub warmup_failed: usize,
     /// Whether bytes were verified.
     pub verified: bool,
     /// KV bytes moved (measured requests).
@@ -314,6 +328,10 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let mut measure_start: Option<(Instant, Duration)> = None;
     let mut peer_start = None;
     let mut failing = false;
+    // Request ids no one can guess (a peer of an unauthenticated side channel
+    // must not be able to claim another request's KV by naming it).
+    let run_tag: String =
+        kv_proto::random::array::<8>().ok_or(RunError::NoRandomness)?.iter().map(|b| format!("{b:02x}")).collect();
     while finished < next || next < total {
         // After a failed or corrupt pull, stop issuing: the prefill side holds
         // failed requests' blocks until their lease ends, and the run's
@@ -333,7 +351,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
             let spec = PromptSpec {
-                id: ReqId::new(format!("req-{next}")),
+                id: ReqId::new(format!("req-{run_tag}-{next}")),
                 prompt_len: opts.blocks_per_request * block_size,
                 seed: next as u64,
             };
@@ -367,6 +385,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             if is_warmup {
                 if let Completion::Failed { id, .. } | Completion::Corrupt { id, .. } = &c {
                     tracing::error!(req_id = %id, "warm-up request failed");
+                    report.warmup_failed += 1;
                 }
                 continue;
             }

@@ -7,19 +7,20 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
-use kv_proto::TransportError;
-use quinn::{Connection, ConnectionError, ReadError, ReadExactError, RecvStream, SendStream, WriteError};
-use tracing::debug;
+use kv_proto::dataplane::{
+    decode_verdict_header, put_op_list, Cursor, ReplyStatus, MAX_REASON_LEN, OP_LEN, VERDICT_HEADER_LEN,
+};
+use kv_proto::{GrantId, TransportError};
+use quinn::{Connection, ConnectionError, ReadError, ReadExactError, RecvStream, SendStream, VarInt, WriteError};
+use tracing::{debug, warn};
 
 use crate::details::Fingerprint;
+use crate::hello;
 use crate::io::until_stalled;
-use crate::memory::{Cursor, Sources};
+use crate::memory::Sources;
 use crate::tls;
 use crate::transport::Shared;
-use crate::wire::{
-    encode_op, BatchHeader, ReplyHeader, ReplyStatus, ALPN, BATCH_HEADER_LEN, CLOSE_SHUTDOWN, MAX_REASON_LEN, OP_LEN,
-    REPLY_HEADER_LEN, SERVER_NAME,
-};
+use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, RESET_CANCELLED, SERVER_NAME};
 
 /// Payload bytes gathered from source memory into one chunk handed to quinn.
 const CHUNK: usize = 256 * 1024;
@@ -97,20 +98,21 @@ enum Failure {
     Batch(TransportError),
 }
 
-/// Writes one checked batch to the peer at `address` whose certificate has
-/// SHA-256 `fingerprint`, on its connection or a new one.
+/// Writes one checked batch under `grant` to the peer at `address` whose
+/// certificate has SHA-256 `fingerprint`, on its connection or a new one.
 pub(crate) async fn write_batch(
     shared: &Shared,
     label: &str,
     address: &str,
     fingerprint: Fingerprint,
+    grant: &GrantId,
     sources: &Sources<'_, '_>,
 ) -> Result<(), TransportError> {
     let key = PeerKey { address: address.to_owned(), fingerprint };
     let mut retried = false;
     loop {
         let (conn, reused) = connection(shared, &key, label).await?;
-        match send_batch(shared, &conn, label, sources).await {
+        match send_batch(shared, &conn, label, grant, sources).await {
             Ok(()) => return Ok(()),
             Err(Failure::Batch(error)) => return Err(error),
             Err(Failure::Stalled(error)) => {
@@ -121,9 +123,10 @@ pub(crate) async fn write_batch(
                 shared.connections.forget(&key, &conn).await;
                 // A connection the peer closed meanwhile (restart, idle
                 // timeout): writes are idempotent, so the batch is sent again,
-                // once, on a new connection.
+                // once, on a new connection (under the same grant, so the
+                // receiver checks it again).
                 if reused && !retried && !matches!(error, ConnectionError::LocallyClosed) {
-                    debug!(peer = label, %error, "reused connection was lost, retrying on a new one");
+                    debug!(peer = label, grant = %grant, %error, "reused connection was lost, retrying on a new one");
                     retried = true;
                     continue;
                 }
@@ -191,7 +194,7 @@ async fn connect(shared: &Shared, key: &PeerKey, label: &str) -> Result<Connecti
         .ok_or_else(|| connect_error(format!("{} resolves to no address", key.address)))?;
     let mut config = tls::pinned_client_config_with(Arc::clone(&shared.provider), key.fingerprint)
         .map_err(|e| connect_error(format!("TLS configuration: {e}")))?;
-    config.transport_config(Arc::clone(&shared.transport_config));
+    config.transport_config(Arc::clone(&shared.client_transport_config));
     let connecting = shared
         .endpoint
         .connect_with(config, addr, SERVER_NAME)
@@ -205,10 +208,39 @@ async fn connect(shared: &Shared, key: &PeerKey, label: &str) -> Result<Connecti
         .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
         .and_then(|data| data.protocol);
     if alpn.as_deref() != Some(ALPN) {
-        conn.close(quinn::VarInt::from_u32(0), b"ALPN kvlink-data/1 required");
-        return Err(connect_error(format!("{addr} did not negotiate ALPN kvlink-data/1")));
+        conn.close(VarInt::from_u32(CLOSE_BAD_ALPN), b"ALPN kvlink-data/2 required");
+        return Err(connect_error(format!("{addr} did not negotiate ALPN kvlink-data/2")));
+    }
+    // Within the caller's `connect_timeout`, like the handshake.
+    if let Err(error) = hello::client(&conn, shared.config.auth_secret.as_ref()).await {
+        warn!(peer = label, remote = %addr, %error, "data-plane hello failed");
+        if conn.close_reason().is_none() {
+            conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello failed");
+        }
+        return Err(connect_error(format!("data-plane hello with {addr} failed: {error}")));
     }
     Ok(conn)
+}
+
+/// One batch's stream. Dropped before the receiver's verdict (an error, a
+/// bound run out, the `batch_write` future dropped), it resets the sending
+/// side and stops the receiving side, so the receiver abandons the batch at
+/// once instead of taking a truncated stream for a finished one (quinn
+/// finishes a dropped stream).
+struct BatchStream {
+    send: SendStream,
+    recv: RecvStream,
+    answered: bool,
+}
+
+impl Drop for BatchStream {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Both fail only if the stream is already closed that way.
+            let _ = self.send.reset(VarInt::from_u32(RESET_CANCELLED));
+            let _ = self.recv.stop(VarInt::from_u32(RESET_CANCELLED));
+        }
+    }
 }
 
 /// Why a write on the batch's stream ended early.
@@ -229,7 +261,8 @@ fn write_failure(label: &str, error: WriteError) -> WriteEnd {
     }
 }
 
-/// One bounded write: fails if the peer shows no progress for `io_timeout`.
+/// One write, bounded by the peer's progress: fails if the connection shows
+/// none for `io_timeout`.
 async fn write(
     shared: &Shared,
     conn: &Connection,
@@ -251,34 +284,41 @@ async fn write(
 
 /// Sends header, op list and payload on a new stream, then waits for the
 /// receiver's reply: `Ok` only once it says every byte is in its memory.
-async fn send_batch(shared: &Shared, conn: &Connection, label: &str, sources: &Sources<'_, '_>) -> Result<(), Failure> {
+///
+/// Bounds: while the payload flows (a stream slot, every write, then the
+/// peer's acknowledgement of the whole stream) the wait ends if the
+/// connection shows no progress for `io_timeout`; from the moment the peer
+/// acknowledged the whole payload (or stopped the stream), its reply must
+/// arrive within `io_timeout`, however much else it acknowledges.
+async fn send_batch(
+    shared: &Shared,
+    conn: &Connection,
+    label: &str,
+    grant: &GrantId,
+    sources: &Sources<'_, '_>,
+) -> Result<(), Failure> {
     let after = shared.config.io_timeout;
-    let (mut send, mut recv) = match until_stalled(conn, after, conn.open_bi()).await {
-        None => {
-            return Err(Failure::Stalled(TransportError::Timeout {
-                peer: label.to_owned(),
-                what: "a free stream on the connection",
-                after,
-            }))
-        }
+    let stalled = |what| Failure::Stalled(TransportError::Timeout { peer: label.to_owned(), what, after });
+    let (send, recv) = match until_stalled(conn, after, conn.open_bi()).await {
+        None => return Err(stalled("a free stream on the connection")),
         Some(Err(error)) => return Err(Failure::Lost(error)),
         Some(Ok(streams)) => streams,
     };
+    let mut stream = BatchStream { send, recv, answered: false };
 
     let ops = sources.ops();
     let mut prefix = Vec::with_capacity(BATCH_HEADER_LEN + ops.len() * OP_LEN);
-    prefix.extend_from_slice(&BatchHeader { op_count: ops.len() as u64, total_bytes: sources.total() }.encode());
-    for op in ops {
-        prefix.extend_from_slice(&encode_op(op.dst, op.len));
-    }
+    BatchHeader { grant: *grant, op_count: ops.len() as u64, total_bytes: sources.total() }.put(&mut prefix);
+    put_op_list(&mut prefix, ops);
+    let send = &mut stream.send;
     let sent = async {
-        write(shared, conn, &mut send, label, Bytes::from(prefix)).await?;
+        write(shared, conn, send, label, Bytes::from(prefix)).await?;
         let mut cursor = Cursor::new(sources.total());
         while !cursor.is_done() {
             let chunk = sources
                 .gather(&mut cursor, CHUNK)
                 .map_err(|_| WriteEnd::Failed(Failure::Batch(TransportError::Shutdown)))?;
-            write(shared, conn, &mut send, label, chunk).await?;
+            write(shared, conn, send, label, chunk).await?;
         }
         // Fails only if the stream was stopped or reset: the reply says why.
         let _ = send.finish();
@@ -288,7 +328,29 @@ async fn send_batch(shared: &Shared, conn: &Connection, label: &str, sources: &S
         Ok(()) | Err(WriteEnd::Stopped) => {}
         Err(WriteEnd::Failed(failure)) => return Err(failure),
     }
-    read_reply(shared, conn, &mut recv, label).await
+
+    // Resolves once the peer acknowledged every byte of the stream, or
+    // stopped it.
+    let delivered = stream.send.stopped();
+    let reply = read_reply(&mut stream.recv, label);
+    tokio::pin!(reply);
+    let early = tokio::select! {
+        biased;
+        replied = &mut reply => Some(replied),
+        delivered = until_stalled(conn, after, delivered) => match delivered {
+            None => return Err(stalled("delivery of the payload")),
+            Some(_) => None,
+        },
+    };
+    let replied = match early {
+        Some(replied) => replied,
+        None => tokio::time::timeout(after, reply).await.map_err(|_| stalled("reply"))?,
+    };
+    // Any verdict, even a refusal, ends the stream cleanly.
+    if !matches!(replied, Err(Failure::Lost(_)) | Err(Failure::Stalled(_))) {
+        stream.answered = true;
+    }
+    replied
 }
 
 fn read_failure(label: &str, what: &str, error: ReadExactError) -> Failure {
@@ -308,27 +370,20 @@ fn read_failure(label: &str, what: &str, error: ReadExactError) -> Failure {
     }
 }
 
-async fn read_reply(shared: &Shared, conn: &Connection, recv: &mut RecvStream, label: &str) -> Result<(), Failure> {
-    let after = shared.config.io_timeout;
-    let stalled = |what| Failure::Stalled(TransportError::Timeout { peer: label.to_owned(), what, after });
-    let mut header = [0u8; REPLY_HEADER_LEN];
-    until_stalled(conn, after, recv.read_exact(&mut header))
-        .await
-        .ok_or_else(|| stalled("acknowledgement"))?
-        .map_err(|e| read_failure(label, "acknowledgement", e))?;
-    let header = ReplyHeader::decode(&header);
+/// Reads the receiver's verdict (unbounded: the caller bounds it).
+async fn read_reply(recv: &mut RecvStream, label: &str) -> Result<(), Failure> {
+    let mut header = [0u8; VERDICT_HEADER_LEN];
+    recv.read_exact(&mut header).await.map_err(|e| read_failure(label, "reply", e))?;
+    let (status, reason_len) = decode_verdict_header(&header);
     let protocol_error = |reason: String| Failure::Batch(TransportError::Protocol { peer: label.to_owned(), reason });
-    let reason_len = header.reason_len as usize;
+    let reason_len = reason_len as usize;
     if reason_len > MAX_REASON_LEN {
         return Err(protocol_error(format!("reply reason of {reason_len} bytes exceeds {MAX_REASON_LEN}")));
     }
     let mut reason = vec![0u8; reason_len];
-    until_stalled(conn, after, recv.read_exact(&mut reason))
-        .await
-        .ok_or_else(|| stalled("reply reason"))?
-        .map_err(|e| read_failure(label, "reply reason", e))?;
+    recv.read_exact(&mut reason).await.map_err(|e| read_failure(label, "reply reason", e))?;
     let reason = String::from_utf8_lossy(&reason).into_owned();
-    match header.status {
+    match status {
         ReplyStatus::Ok => Ok(()),
         ReplyStatus::Refused => Err(Failure::Batch(TransportError::Refused { peer: label.to_owned(), reason })),
         ReplyStatus::ProtocolError => Err(protocol_error(format!("the peer reports a protocol error: {reason}"))),

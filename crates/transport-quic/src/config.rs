@@ -3,6 +3,8 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_proto::auth::AuthSecret;
+
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
 
@@ -16,14 +18,23 @@ pub struct QuicConfig {
     /// Host put in the advertised [`kv_proto::Endpoint`] (default: the bound
     /// IP). Set it when binding a wildcard address such as `0.0.0.0`.
     pub advertise_host: Option<String>,
-    /// Bound on establishing an outgoing connection, name resolution and TLS
-    /// handshake included; also bounds an incoming handshake (default 5 s).
+    /// One deadline for establishing a connection: name resolution, the
+    /// QUIC/TLS handshake and the hello (with the shared-secret exchange, if
+    /// any), on either side (default 5 s). No batch is sent or served on a
+    /// connection before its hello completed.
     pub connect_timeout: Duration,
-    /// Bound on any single stalled wait, on either side (default 30 s): a
-    /// read of the next bytes of a stream, a write waiting for flow-control
-    /// credit or a stream slot, the wait for the acknowledgement. On the
-    /// sender, any acknowledgement or credit from the peer restarts the
-    /// clock, so a large batch on a slow link is not cut off.
+    /// Bound on the data plane's waits (default 30 s).
+    ///
+    /// Sender, while its payload flows (a free stream slot, flow-control
+    /// credit, the peer's acknowledgement of every byte): a stall bound, any
+    /// acknowledgement or credit from the peer restarts it, so a large batch
+    /// on a slow link is not cut off. Once the peer has acknowledged the whole
+    /// payload (or stopped the stream), the reply must arrive within this
+    /// absolute bound: a receiver that keeps acknowledging but never answers
+    /// cannot hold the batch (and the sender's blocks) any longer.
+    ///
+    /// Receiver: a bound on each wait for the next bytes of a stream, and on
+    /// writing a reply.
     pub io_timeout: Duration,
     /// QUIC idle timeout: a connection with no packets either way for this
     /// long is closed (default 120 s). No keep-alives are sent; a sender
@@ -36,9 +47,11 @@ pub struct QuicConfig {
     /// their own.
     ///
     /// A stream buffers its batch's op list (16 bytes per op) as it arrives,
-    /// so the receiver's op-list memory is bounded by `max_connections ×
-    /// max_concurrent_streams × max_ops_per_batch × 16` bytes, reached only by
-    /// peers that actually send that much; lower any bound to lower it.
+    /// and only once the grant its header names is live (a batch for an
+    /// unknown grant is refused after its header), so the receiver's op-list
+    /// memory is bounded by `max_connections × max_concurrent_streams ×
+    /// max_ops_per_batch × 16` bytes, reached only by peers that name a live
+    /// grant and actually send that much; lower any bound to lower it.
     pub max_ops_per_batch: u64,
     /// Batches one peer may have in flight on one connection (QUIC
     /// bidirectional stream limit; default 64). A sender past it waits for a
@@ -59,6 +72,12 @@ pub struct QuicConfig {
     /// (default 4 MiB; the kernel caps it at `net.core.rmem_max` /
     /// `wmem_max`).
     pub socket_buffer: usize,
+    /// The data plane's shared secret (default none). When set, a connection
+    /// serves or carries batches only after a mutual challenge–response on
+    /// its first stream, bound to that TLS connection; a peer without the
+    /// secret (or with another) is refused, and so is a peer that has one
+    /// when this side has none. See the crate documentation.
+    pub auth_secret: Option<AuthSecret>,
 }
 
 impl Default for QuicConfig {
@@ -76,6 +95,7 @@ impl Default for QuicConfig {
             receive_window: 64 << 20,
             send_window: 64 << 20,
             socket_buffer: 4 << 20,
+            auth_secret: None,
         }
     }
 }

@@ -1,34 +1,44 @@
-//! The receiving side: the accept loop, one task per incoming connection,
-//! and one task per incoming stream (one batch each).
+//! The receiving side: the accept loop, one task per incoming connection
+//! (handshake and hello, then its streams), and one task per incoming
+//! stream (one batch each).
+//!
+//! A batch is refused whole, before any of its payload is read, if the grant
+//! its header names is not live (never issued, revoked, expired) or if any
+//! op lies outside that grant; a batch whose grant is revoked mid-payload is
+//! stopped, and nothing of it lands after the revocation returned. Every
+//! refusal is logged with the peer's address and the grant's short form and
+//! answered with a `Refused` verdict.
 //!
 //! A bad stream (truncated, over the op limit, lengths that do not add up,
 //! more payload than announced, stalled past `io_timeout`) is answered with
 //! a protocol-error reply where the peer can still read it, stopped, and
 //! logged; the connection and its other streams go on. A failed handshake or
-//! a connection that breaks the QUIC protocol costs only that connection.
+//! hello, or a connection that breaks the QUIC protocol, costs only that
+//! connection.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
+use kv_proto::dataplane::{put_verdict, Cursor, OpEntry, ReplyStatus, OP_LEN};
+use kv_proto::{DestinationError, GrantId};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tracing::{debug, trace, warn};
 
+use crate::hello;
 use crate::io::{read_full, WireError};
-use crate::memory::{Cursor, DestinationError, Destinations};
+use crate::memory::Destinations;
 use crate::transport::Shared;
-use crate::wire::{
-    encode_reply, BatchHeader, ReplyStatus, ALPN, BATCH_HEADER_LEN, CLOSE_SHUTDOWN, OP_LEN, STOP_PROTOCOL, STOP_REFUSED,
-};
+use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
 
 /// Op-list entries read (and grown into) per step: memory follows the bytes
 /// that actually arrive, not the count a peer announces.
 const OPS_PER_READ: usize = 64 * 1024;
-/// Received chunks taken from quinn per read.
+/// Received chunks taken from quinn per read (and copied under one hold of
+/// the grant).
 const CHUNKS_PER_READ: usize = 32;
-/// Connection close code for a handshake that did not negotiate [`ALPN`].
-const CLOSE_BAD_ALPN: u32 = 4;
 
 /// Why a stream's batch failed.
 #[derive(Debug, thiserror::Error)]
@@ -92,28 +102,30 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
     debug!(local_addr = ?endpoint.local_addr().ok(), "data-plane listener stopped");
 }
 
-async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: SocketAddr) {
+/// Handshake, ALPN and hello of an incoming connection, within one deadline.
+async fn establish(shared: &Shared, incoming: Incoming, peer: SocketAddr) -> Option<quinn::Connection> {
     let connecting = match incoming.accept() {
         Ok(connecting) => connecting,
         Err(error) => {
             debug!(%peer, %error, "incoming connection failed");
-            return;
+            return None;
         }
     };
     let after = shared.config.connect_timeout;
+    let deadline = tokio::time::Instant::now() + after;
     let handshake = tokio::select! {
         biased;
-        () = shared.token.cancelled() => return,
-        handshake = tokio::time::timeout(after, connecting) => handshake,
+        () = shared.token.cancelled() => return None,
+        handshake = tokio::time::timeout_at(deadline, connecting) => handshake,
     };
     let conn = match handshake {
         Err(_) => {
             warn!(%peer, ?after, "data-plane handshake timed out");
-            return;
+            return None;
         }
         Ok(Err(error)) => {
             warn!(%peer, %error, "data-plane handshake failed");
-            return;
+            return None;
         }
         Ok(Ok(conn)) => conn,
     };
@@ -123,11 +135,35 @@ async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: Socket
         .and_then(|data| data.protocol);
     if alpn.as_deref() != Some(ALPN) {
         warn!(%peer, ?alpn, "peer did not negotiate the data-plane ALPN, closing");
-        conn.close(VarInt::from_u32(CLOSE_BAD_ALPN), b"ALPN kvlink-data/1 required");
-        return;
+        conn.close(VarInt::from_u32(CLOSE_BAD_ALPN), b"ALPN kvlink-data/2 required");
+        return None;
     }
+    let greeted = tokio::select! {
+        biased;
+        () = shared.token.cancelled() => return None,
+        greeted = tokio::time::timeout_at(deadline, hello::server(&conn, shared.config.auth_secret.as_ref())) => greeted,
+    };
+    match greeted {
+        Err(_) => {
+            warn!(%peer, ?after, "data-plane hello timed out, closing");
+            conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello timed out");
+            None
+        }
+        Ok(Err(error)) => {
+            warn!(%peer, %error, "data-plane hello failed, closing");
+            if conn.close_reason().is_none() {
+                conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello failed");
+            }
+            None
+        }
+        Ok(Ok(())) => Some(conn),
+    }
+}
+
+async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: SocketAddr) {
+    let Some(conn) = establish(shared, incoming, peer).await else { return };
     shared.accepted.fetch_add(1, Ordering::Relaxed);
-    debug!(%peer, "data-plane connection accepted");
+    debug!(%peer, authenticated = shared.config.auth_secret.is_some(), "data-plane connection accepted");
     loop {
         let accepted = tokio::select! {
             biased;
@@ -197,6 +233,15 @@ struct Batch<'s> {
     recv: RecvStream,
 }
 
+/// How the payload of an admitted batch ended.
+enum Received {
+    /// Every byte landed.
+    Complete,
+    /// The grant was revoked (or expired and purged) mid-payload: nothing
+    /// more landed.
+    Revoked,
+}
+
 impl Batch<'_> {
     async fn serve(&mut self) -> Result<(), StreamError> {
         let config = &self.shared.config;
@@ -210,7 +255,15 @@ impl Batch<'_> {
             _ => return Err(StreamError::TooManyOps { count: header.op_count, max }),
         };
 
-        let mut list: Vec<[u8; OP_LEN]> = Vec::new();
+        // A batch for a grant that is not live is refused before its op
+        // list is read (and buffered).
+        match self.shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
+            Ok(_) => {}
+            Err(DestinationError::Closed) => return Err(StreamError::Closed),
+            Err(error) => return self.refuse(&header.grant, &error.to_string()).await,
+        }
+
+        let mut list: Vec<OpEntry> = Vec::new();
         while list.len() < count {
             let start = list.len();
             list.resize(start + (count - start).min(OPS_PER_READ), [0; OP_LEN]);
@@ -218,30 +271,40 @@ impl Batch<'_> {
             read_full(&mut self.recv, fresh.as_flattened_mut(), io_timeout, "op list").await?;
         }
 
-        match Destinations::check(&self.shared.memory, list, header.total_bytes) {
-            Ok(destinations) => {
-                self.receive_payload(&destinations).await?;
+        let destinations =
+            match Destinations::admit(&self.shared.memory, &header.grant, list, header.total_bytes, Instant::now()) {
+                Ok(destinations) => destinations,
+                Err((_, DestinationError::LengthMismatch { declared, sum })) => {
+                    return Err(StreamError::LengthMismatch { declared, sum })
+                }
+                Err((_, DestinationError::Closed)) => return Err(StreamError::Closed),
+                Err((_, error)) => return self.refuse(&header.grant, &error.to_string()).await,
+            };
+        match self.receive_payload(&destinations).await? {
+            Received::Complete => {
                 drop(destinations);
                 self.reply(ReplyStatus::Ok, "").await
             }
-            Err((_, DestinationError::Outside { index, dst, len })) => {
-                let reason = format!("op {index}: destination {dst:#x}+{len} is outside the registered regions");
-                warn!(peer = %self.peer, stream = %self.recv.id(), %reason, "refusing batch");
-                // Nothing of it is read: the sender stops on STOP_SENDING and
-                // reads this reply.
-                let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
-                self.reply(ReplyStatus::Refused, &reason).await
+            Received::Revoked if self.shared.memory.is_closed() => Err(StreamError::Closed),
+            Received::Revoked => {
+                let grant = destinations.grant();
+                drop(destinations);
+                self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await
             }
-            Err((_, DestinationError::LengthMismatch { declared, sum })) => {
-                Err(StreamError::LengthMismatch { declared, sum })
-            }
-            Err((_, DestinationError::Closed)) => Err(StreamError::Closed),
         }
     }
 
+    /// Refuses the batch: logged, its stream stopped (the rest of its
+    /// payload is never read), a `Refused` verdict sent.
+    async fn refuse(&mut self, grant: &GrantId, reason: &str) -> Result<(), StreamError> {
+        warn!(peer = %self.peer, grant = %grant, stream = %self.recv.id(), %reason, "refusing batch");
+        let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
+        self.reply(ReplyStatus::Refused, reason).await
+    }
+
     /// Copies the payload, chunk by chunk as quinn hands it over, straight
-    /// into the checked destinations.
-    async fn receive_payload(&mut self, destinations: &Destinations<'_>) -> Result<(), StreamError> {
+    /// into the admitted destinations while the grant is live.
+    async fn receive_payload(&mut self, destinations: &Destinations) -> Result<Received, StreamError> {
         let io_timeout = self.shared.config.io_timeout;
         let total = destinations.total();
         let mut cursor = Cursor::new(total);
@@ -255,12 +318,13 @@ impl Batch<'_> {
                 }
                 Ok(Ok(Some(got))) => got,
             };
-            for chunk in chunks.iter_mut().take(got) {
-                let data = std::mem::take(chunk);
-                let copied = destinations.scatter(&mut cursor, &data).map_err(|_| StreamError::Closed)?;
-                if copied < data.len() {
-                    return Err(StreamError::ExtraPayload { total });
-                }
+            let received = chunks.get(..got).unwrap_or_default();
+            let scattered = destinations.scatter(&mut cursor, received);
+            chunks.iter_mut().take(got).for_each(|c| *c = Bytes::new());
+            let Ok(scattered) = scattered else { return Ok(Received::Revoked) };
+            self.shared.bytes_received.fetch_add(scattered.copied, Ordering::Relaxed);
+            if scattered.extra > 0 {
+                return Err(StreamError::ExtraPayload { total });
             }
         }
         // The stream must end with the payload (the FIN usually rides on the
@@ -269,13 +333,14 @@ impl Batch<'_> {
             Err(_) => Err(WireError::Timeout { what: "end of stream", after: io_timeout }.into()),
             Ok(Err(source)) => Err(WireError::Read { what: "end of stream", source }.into()),
             Ok(Ok(Some(_))) => Err(StreamError::ExtraPayload { total }),
-            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(None)) => Ok(Received::Complete),
         }
     }
 
     async fn reply(&mut self, status: ReplyStatus, reason: &str) -> Result<(), StreamError> {
         let io_timeout = self.shared.config.io_timeout;
-        let bytes = encode_reply(status, reason);
+        let mut bytes = Vec::new();
+        put_verdict(&mut bytes, status, reason);
         match tokio::time::timeout(io_timeout, self.send.write_all(&bytes)).await {
             Err(_) => return Err(StreamError::ReplyTimeout),
             Ok(Err(error)) => return Err(StreamError::Reply(error)),

@@ -1,13 +1,17 @@
-//! [`QuicTransport`]: the [`BatchWriter`] that ties endpoint, connections and
-//! memory together.
+//! [`QuicTransport`]: the [`BatchWriter`] that ties endpoint, connections,
+//! memory and grants together.
 
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, TransportError, WriteOp};
+use kv_proto::{
+    BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError,
+    TransportError, WriteOp,
+};
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{IdleTimeout, TransportConfig, VarInt};
 use rustls::crypto::CryptoProvider;
@@ -19,7 +23,7 @@ use tracing::{debug, warn};
 use crate::client::{self, Connections};
 use crate::config::QuicConfig;
 use crate::details::{EndpointDetails, Fingerprint};
-use crate::memory::{LocalMemory, SourceError, Sources};
+use crate::memory::{LocalMemory, Sources};
 use crate::server;
 use crate::tls;
 use crate::wire::CLOSE_SHUTDOWN;
@@ -36,11 +40,15 @@ pub(crate) struct Shared {
     pub(crate) endpoint: quinn::Endpoint,
     pub(crate) local_addr: SocketAddr,
     pub(crate) provider: Arc<CryptoProvider>,
-    pub(crate) transport_config: Arc<TransportConfig>,
+    /// Transport parameters of outgoing connections (the peer opens no
+    /// streams on them).
+    pub(crate) client_transport_config: Arc<TransportConfig>,
     pub(crate) connections: Connections,
     pub(crate) conn_limit: Arc<Semaphore>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
+    /// Payload bytes peers wrote into this transport's memory.
+    pub(crate) bytes_received: AtomicU64,
 }
 
 /// A [`BatchWriter`] over QUIC: serves peers' batches into the registered
@@ -57,10 +65,11 @@ pub struct QuicTransport {
     fingerprint: Fingerprint,
 }
 
-/// quinn's transport parameters from the configuration.
-fn transport_config(config: &QuicConfig) -> TransportConfig {
+/// quinn's transport parameters from the configuration; `incoming_streams`
+/// is how many bidirectional streams the peer may have open at once.
+fn transport_config(config: &QuicConfig, incoming_streams: u32) -> TransportConfig {
     let mut t = TransportConfig::default();
-    t.max_concurrent_bidi_streams(VarInt::from_u32(config.max_concurrent_streams))
+    t.max_concurrent_bidi_streams(VarInt::from_u32(incoming_streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
         .max_idle_timeout(Some(IdleTimeout::try_from(config.idle_timeout).unwrap_or(IdleTimeout::from(VarInt::MAX))))
         .keep_alive_interval(None)
@@ -98,12 +107,13 @@ impl QuicTransport {
         tokio::runtime::Handle::try_current().map_err(|e| bind_error(io::Error::other(e)))?;
         let identity = tls::generate_identity().map_err(|e| bind_error(io::Error::other(e)))?;
         let provider = tls::provider();
-        let transport_config = Arc::new(transport_config(&config));
+        let server_transport = Arc::new(transport_config(&config, config.max_concurrent_streams));
+        let client_transport_config = Arc::new(transport_config(&config, 0));
         let crypto =
             tls::server_crypto(Arc::clone(&provider), &identity).map_err(|e| bind_error(io::Error::other(e)))?;
         let crypto = QuicServerConfig::try_from(crypto).map_err(|e| bind_error(io::Error::other(e)))?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        server_config.transport_config(Arc::clone(&transport_config));
+        server_config.transport_config(server_transport);
         let socket = bind_socket(config.listen_addr, config.socket_buffer).map_err(bind_error)?;
         let endpoint = quinn::Endpoint::new(
             quinn::EndpointConfig::default(),
@@ -130,11 +140,12 @@ impl QuicTransport {
             endpoint,
             local_addr,
             provider,
-            transport_config,
+            client_transport_config,
             connections: Connections::default(),
             conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
+            bytes_received: AtomicU64::new(0),
             config,
         });
         shared.tracker.spawn(server::accept_loop(Arc::clone(&shared)));
@@ -163,33 +174,32 @@ impl QuicTransport {
         self.shared.opened.load(Ordering::Relaxed)
     }
 
-    /// Incoming connections accepted so far (each completed its handshake).
+    /// Incoming connections accepted so far (each completed its handshake
+    /// and its hello, authentication included).
     pub fn connections_accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Payload bytes peers have written into this transport's memory so far
+    /// (each inside a live grant).
+    pub fn bytes_received(&self) -> u64 {
+        self.shared.bytes_received.load(Ordering::Relaxed)
+    }
+
+    /// Grants issued and neither revoked nor expired and purged.
+    pub fn live_grants(&self) -> usize {
+        self.shared.memory.live_grants()
     }
 
     /// Outgoing connections currently held open for reuse.
     pub fn open_connections(&self) -> usize {
         self.shared.connections.open()
     }
-
-    /// Closes the endpoint and ends all memory access (shared by `shutdown`
-    /// and `Drop`).
-    fn close(&self) {
-        let shared = &*self.shared;
-        // Close first, so peers get the shutdown code rather than the
-        // implicit close of a connection whose task let go of it.
-        shared.endpoint.close(VarInt::from_u32(CLOSE_SHUTDOWN), b"shutdown");
-        shared.token.cancel();
-        // After this no task touches registered memory.
-        shared.memory.close();
-        shared.connections.clear();
-    }
 }
 
 impl Drop for QuicTransport {
     fn drop(&mut self) {
-        self.close();
+        BatchWriter::close(self);
     }
 }
 
@@ -199,28 +209,45 @@ impl BatchWriter for QuicTransport {
         Protocol::Quic
     }
 
-    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
-        if self.shared.token.is_cancelled() {
+    unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
+        if self.shared.token.is_cancelled() || self.shared.memory.is_closed() {
             return Err(TransportError::Shutdown);
         }
-        // SAFETY: the caller guarantees (this method's contract) that each
-        // region is valid for reads and writes for as long as this writer
-        // lives; `Drop` closes the memory before the writer is gone, which is
-        // what `LocalMemory::register` requires.
-        unsafe { self.shared.memory.register(regions) }?;
+        // SAFETY: forwarded from the caller (the trait's memory-lifetime
+        // rule: valid until `shutdown` or `close` returned or the last handle
+        // was dropped); `close`, which `shutdown` and `Drop` call, closes
+        // the memory before any of those returns, as `register` requires.
+        unsafe { self.shared.memory.register(regions, access) }?;
         Ok(())
     }
 
     fn endpoint(&self) -> Endpoint {
-        let details = EndpointDetails {
-            fingerprint: self.fingerprint,
-            max_ops_per_batch: self.shared.config.max_ops_per_batch,
-            regions: Some(self.shared.memory.regions()),
-        };
+        let details =
+            EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: self.shared.config.max_ops_per_batch };
         Endpoint { protocol: Protocol::Quic, address: self.address.clone(), details: details.encode() }
     }
 
-    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
+    async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
+        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
+        match self.shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
+            Ok(()) => {
+                debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
+                Ok(Grant::plain(id))
+            }
+            Err(GrantError::Closed) => Err(TransportError::Shutdown),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn revoke(&self, grant: &GrantId) {
+        // The fence: waits for a copy under this grant in progress (a short
+        // synchronous copy of one read's chunks), and none starts after.
+        if self.shared.memory.revoke(grant) {
+            debug!(grant = %grant, "grant revoked");
+        }
+    }
+
+    async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {
         let shared = &*self.shared;
         if shared.token.is_cancelled() {
             return Err(TransportError::Shutdown);
@@ -251,27 +278,28 @@ impl BatchWriter for QuicTransport {
                 ),
             });
         }
-        // Refuse a batch the peer would refuse before sending a byte of it.
-        if let Some(regions) = details.region_set() {
-            if let Some((index, op)) = ops.iter().enumerate().find(|(_, op)| !regions.contains(op.dst, op.len)) {
-                return Err(TransportError::Refused {
-                    peer: label,
-                    reason: format!(
-                        "op {index}: destination {:#x}+{} is outside the regions the peer advertises",
-                        op.dst, op.len
-                    ),
-                });
-            }
-        }
+        // Dropping the write (shutdown here, or the caller dropping this
+        // future) resets its stream: the receiver stops at once.
         tokio::select! {
             biased;
             () = shared.token.cancelled() => Err(TransportError::Shutdown),
-            result = client::write_batch(shared, &label, &peer.address, details.fingerprint, &sources) => result,
+            result = client::write_batch(shared, &label, &peer.address, details.fingerprint, &grant.id, &sources) => result,
         }
     }
 
+    fn close(&self) {
+        let shared = &*self.shared;
+        // Close first, so peers get the shutdown code rather than the
+        // implicit close of a connection whose task let go of it.
+        shared.endpoint.close(VarInt::from_u32(CLOSE_SHUTDOWN), b"shutdown");
+        shared.token.cancel();
+        // After this no task touches registered memory and no grant is live.
+        shared.memory.close();
+        shared.connections.clear();
+    }
+
     async fn shutdown(&self) {
-        self.close();
+        BatchWriter::close(self);
         let shared = &*self.shared;
         shared.tracker.close();
         shared.tracker.wait().await;

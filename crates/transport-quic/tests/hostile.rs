@@ -1,18 +1,23 @@
 //! Hostile peers on both sides of the wire: a raw QUIC client (pinned to the
-//! victim's certificate) feeding the receiver bad streams, and fake receivers
-//! answering a sender badly. Each bad stream costs only itself: the same
-//! connection and other senders keep being served, nothing lands outside the
-//! bad batch's own (valid) destinations, and every wait is bounded.
+//! victim's certificate, speaking the wire by hand) feeding the receiver bad
+//! streams, and fake receivers answering a sender badly. Each bad stream
+//! costs only itself: the same connection and other senders keep being
+//! served, nothing lands outside the bad batch's own (granted) destinations,
+//! and every wait is bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::time::Duration;
 
-use common::{assert_still_serves, check, fill, reply, request, FakeReceiver, Node, RawClient, BOUND};
+use common::{
+    any_grant, assert_still_serves, check, fake_server_hello, fill, reply, request, verdict, FakeReceiver, Node,
+    RawClient, BOUND,
+};
+use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 use rstest::rstest;
-use transport_quic::wire::{encode_reply, BatchHeader, ReplyStatus};
+use transport_quic::wire::{BatchHeader, BATCH_HEADER_LEN};
 use transport_quic::QuicConfig;
 
 /// Small bounds, so the stalling cases end quickly.
@@ -54,8 +59,8 @@ enum Abuse {
     StalledOpList,
     /// Part of the payload, then silence.
     StalledPayload,
-    /// A destination outside the registered region (refused, not an error).
-    OutsideRegions,
+    /// A destination outside the grant (refused, not an error).
+    OutsideGrant,
     /// Part of the payload, then RESET_STREAM.
     ResetMidPayload,
     /// Part of the payload, then CONNECTION_CLOSE.
@@ -87,7 +92,7 @@ async fn a_hostile_stream_costs_only_itself(
         Abuse::StalledHeader,
         Abuse::StalledOpList,
         Abuse::StalledPayload,
-        Abuse::OutsideRegions,
+        Abuse::OutsideGrant,
         Abuse::ResetMidPayload,
         Abuse::ClosedMidPayload
     )]
@@ -95,9 +100,11 @@ async fn a_hostile_stream_costs_only_itself(
 ) {
     let victim = Node::new(victim_config(), VICTIM_LEN).await;
     let base = victim.buf.addr();
+    let grant = victim.grant(0, BAD_AREA as u64).await.id;
     let client = RawClient::connect(&victim).await;
     let (mut send, mut recv) = client.stream().await;
-    let header = |op_count: u64, total_bytes: u64| BatchHeader { op_count, total_bytes }.encode().to_vec();
+    let header = |op_count: u64, total_bytes: u64| BatchHeader { grant, op_count, total_bytes }.encode().to_vec();
+    let request = |ops: &[(u64, u64)], total: u64, payload: &[u8]| request(&grant, ops, total, payload);
     // Whether bytes of the bad batch may land (inside its valid destinations).
     let mut partial = false;
     let mut expect = Expect::ProtocolError;
@@ -111,7 +118,8 @@ async fn a_hostile_stream_costs_only_itself(
         Abuse::EmptyStream => Vec::new(),
         Abuse::TruncatedHeader => vec![1; 10],
         Abuse::TruncatedOpList => {
-            header(4, 64)[..].iter().chain(&request(&[(base, 32), (base + 32, 32)], 0, &[])[16..]).copied().collect()
+            let ops = request(&[(base, 32), (base + 32, 32)], 0, &[]);
+            [header(4, 64), ops[BATCH_HEADER_LEN..].to_vec()].concat()
         }
         Abuse::TruncatedPayload => {
             partial = true;
@@ -127,16 +135,16 @@ async fn a_hostile_stream_costs_only_itself(
         }
         Abuse::StalledOpList => {
             finish = false;
-            [header(4, 64), request(&[(base, 16)], 0, &[])[16..].to_vec()].concat()
+            [header(4, 64), request(&[(base, 16)], 0, &[])[BATCH_HEADER_LEN..].to_vec()].concat()
         }
         Abuse::StalledPayload => {
             finish = false;
             partial = true;
             request(&[(base, 64)], 64, &[7; 32])
         }
-        Abuse::OutsideRegions => {
+        Abuse::OutsideGrant => {
             expect = Expect::Refused;
-            request(&[(base, 16), (victim.buf.end(), 16)], 32, &[7; 32])
+            request(&[(base, 16), (base + BAD_AREA as u64, 16)], 32, &[7; 32])
         }
         Abuse::ResetMidPayload | Abuse::ClosedMidPayload => {
             finish = false;
@@ -160,28 +168,31 @@ async fn a_hostile_stream_costs_only_itself(
     let got = reply(&mut recv).await;
     match expect {
         Expect::ProtocolError => {
-            let (h, reason) = got.unwrap_or_else(|e| panic!("{abuse:?}: no reply: {e}"));
-            assert_eq!(h.status, ReplyStatus::ProtocolError, "{abuse:?}: {reason}");
+            let (status, reason) = got.unwrap_or_else(|e| panic!("{abuse:?}: no reply: {e}"));
+            assert_eq!(status, ReplyStatus::ProtocolError, "{abuse:?}: {reason}");
             assert!(!reason.is_empty());
         }
         Expect::Refused => {
-            let (h, reason) = got.unwrap();
-            assert_eq!(h.status, ReplyStatus::Refused);
+            let (status, reason) = got.unwrap();
+            assert_eq!(status, ReplyStatus::Refused);
             assert!(reason.contains("op 1"), "{reason}");
         }
-        Expect::NoOkReply => assert!(!matches!(got, Ok((ref h, _)) if h.status == ReplyStatus::Ok), "{got:?}"),
+        Expect::NoOkReply => assert!(!matches!(got, Ok((ReplyStatus::Ok, _))), "{got:?}"),
     }
     drop(send);
     if !partial {
         assert!(victim.buf.bytes()[..BAD_AREA].iter().all(|&b| b == 0), "{abuse:?}: bytes landed");
     }
+    assert!(victim.buf.bytes()[BAD_AREA..].iter().all(|&b| b == 0), "{abuse:?}: bytes landed outside the grant");
 
     // The same connection still carries a valid batch, unless it was closed.
     if !matches!(abuse, Abuse::ClosedMidPayload) {
         let dst = base + BAD_AREA as u64;
+        let good = victim.grant(BAD_AREA as u64, 256).await.id;
         let payload: Vec<u8> = (0..256).map(|i| common::pattern(99, i)).collect();
-        let (h, reason) = client.exchange(&request(&[(dst, 256)], 256, &payload)).await.unwrap();
-        assert_eq!(h.status, ReplyStatus::Ok, "{abuse:?}: {reason}");
+        let (status, reason) = client.exchange(&common::request(&good, &[(dst, 256)], 256, &payload)).await.unwrap();
+        assert_eq!(status, ReplyStatus::Ok, "{abuse:?}: {reason}");
+        victim.transport.revoke(&good).await;
         assert_eq!(&victim.buf.bytes()[BAD_AREA..BAD_AREA + 256], &payload[..]);
     }
     assert_still_serves(&victim).await;
@@ -244,15 +255,16 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
         let mut held = Vec::new();
         while let Some(incoming) = accepting.accept().await {
             let Ok(conn) = incoming.await else { continue };
+            if fake_server_hello(&conn).await.is_err() {
+                continue;
+            }
             while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                 let _ = recv.read_to_end(1 << 20).await;
                 match bad {
                     BadReceiver::NeverReplies => {}
-                    BadReceiver::UnknownStatus => {
-                        send.write_all(&encode_reply(ReplyStatus::Unknown(9), "?")).await.unwrap()
-                    }
+                    BadReceiver::UnknownStatus => send.write_all(&verdict(ReplyStatus::Unknown(9), "?")).await.unwrap(),
                     BadReceiver::OverlongReason => {
-                        let mut r = encode_reply(ReplyStatus::Ok, "");
+                        let mut r = verdict(ReplyStatus::Ok, "");
                         r[4..8].copy_from_slice(&5000u32.to_le_bytes());
                         send.write_all(&r).await.unwrap();
                         send.write_all(&[b'x'; 5000]).await.unwrap();
@@ -264,7 +276,7 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
                     BadReceiver::ResetsStream => send.reset(5u32.into()).unwrap(),
                     BadReceiver::ClosesConnection => conn.close(9u32.into(), b"bye"),
                     BadReceiver::ReportsProtocolError => {
-                        send.write_all(&encode_reply(ReplyStatus::ProtocolError, "nope")).await.unwrap();
+                        send.write_all(&verdict(ReplyStatus::ProtocolError, "nope")).await.unwrap();
                         send.finish().unwrap();
                     }
                 }
@@ -275,7 +287,7 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
     let ops: Vec<WriteOp> =
         (0..4).map(|k| WriteOp { src: sender.buf.addr() + k * 4096, dst: 0x10_0000 + k * 4096, len: 4096 }).collect();
     fill(&mut sender.buf, &ops);
-    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&fake.endpoint(), &ops))
+    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&fake.endpoint(), &any_grant(), &ops))
         .await
         .expect("the batch did not fail within the bound");
     let err = result.expect_err("a batch the receiver did not acknowledge succeeded");
@@ -289,8 +301,193 @@ async fn a_bad_receiver_fails_the_batch_within_the_bound(
     let receiver = Node::with_defaults(1 << 16).await;
     let good: Vec<WriteOp> =
         ops.iter().map(|op| WriteOp { dst: receiver.buf.addr() + (op.dst - 0x10_0000), ..*op }).collect();
-    sender.transport.batch_write(&receiver.transport.endpoint(), &good).await.unwrap();
+    let grant = receiver.grant_all().await;
+    sender.transport.batch_write(&receiver.transport.endpoint(), &grant, &good).await.unwrap();
+    receiver.transport.revoke(&grant.id).await;
     check(&receiver.buf, &good);
     fake.endpoint.close(0u32.into(), b"done");
     server.await.unwrap();
+}
+
+/// How a hostile writer with a valid connection aims outside a live grant.
+#[derive(Clone, Copy, Debug)]
+enum Trespass {
+    /// A grant id the receiver never issued.
+    ForgedGrant,
+    /// A grant the receiver revoked.
+    RevokedGrant,
+    /// A live grant, and an op inside a destination region but outside it.
+    OpOutsideGrant,
+    /// A live grant, and an op into a region registered only as a source.
+    SourceRegion,
+    /// A grant whose validity ran out.
+    ExpiredGrant,
+}
+
+/// Layout of the victim's destination buffer in the grant tests.
+const HOSTILE_AREA: u64 = 16 * 1024;
+const FOLLOW_UP: u64 = 16 * 1024;
+const UNGRANTED: u64 = 20 * 1024;
+const HONEST: u64 = 32 * 1024;
+const HONEST_LEN: u64 = 8 * 1024;
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_outside_a_live_grant_is_refused_whole(
+    #[values(
+        Trespass::ForgedGrant,
+        Trespass::RevokedGrant,
+        Trespass::OpOutsideGrant,
+        Trespass::SourceRegion,
+        Trespass::ExpiredGrant
+    )]
+    case: Trespass,
+) {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let base = victim.buf.addr();
+    // The victim's source KV: readable by its own batches, never writable.
+    let source_only = common::TestBuf::new(VICTIM_LEN);
+    // SAFETY: `source_only` outlives the victim's transport (dropped below first).
+    unsafe { victim.transport.register_regions(&[source_only.region()], kv_proto::RegionAccess::Source) }.unwrap();
+    let live = victim.grant(0, HOSTILE_AREA).await.id;
+    let (grant, ops): (kv_proto::GrantId, Vec<(u64, u64)>) = match case {
+        Trespass::ForgedGrant => (kv_proto::GrantId::random().unwrap(), vec![(base, 8192), (base + 8192, 8192)]),
+        Trespass::RevokedGrant => {
+            let revoked = victim.grant(0, HOSTILE_AREA).await.id;
+            victim.transport.revoke(&revoked).await;
+            (revoked, vec![(base, 8192), (base + 8192, 8192)])
+        }
+        Trespass::OpOutsideGrant => (live, vec![(base, 8192), (base + UNGRANTED, 8192)]),
+        Trespass::SourceRegion => (live, vec![(base, 8192), (source_only.addr(), 8192)]),
+        Trespass::ExpiredGrant => {
+            let range = kv_proto::MemoryRegion::new(base, HOSTILE_AREA);
+            let expired = victim.transport.grant(&[range], Duration::ZERO).await.unwrap().id;
+            (expired, vec![(base, 8192), (base + 8192, 8192)])
+        }
+    };
+    let client = RawClient::connect(&victim).await;
+    let hostile = request(&grant, &ops, 16 * 1024, &[0xee; 16 * 1024]);
+
+    // An honest sender writes into the victim at the same time.
+    let mut honest = Node::with_defaults(1 << 16).await;
+    let honest_ops: Vec<WriteOp> = (0..8)
+        .map(|k| WriteOp { src: honest.buf.addr() + k * 1024, dst: base + HONEST + k * 1024, len: 1024 })
+        .collect();
+    fill(&mut honest.buf, &honest_ops);
+    let honest_grant = victim.grant(HONEST, HONEST_LEN).await;
+    let endpoint = victim.transport.endpoint();
+    let (refused, honest_result) = tokio::join!(
+        client.exchange(&hostile),
+        tokio::time::timeout(BOUND, honest.transport.batch_write(&endpoint, &honest_grant, &honest_ops)),
+    );
+    let (status, reason) = refused.unwrap_or_else(|e| panic!("{case:?}: no reply: {e}"));
+    assert_eq!(status, ReplyStatus::Refused, "{case:?}: {reason}");
+    match case {
+        Trespass::OpOutsideGrant | Trespass::SourceRegion => assert!(reason.contains("op 1"), "{reason}"),
+        Trespass::ExpiredGrant => assert!(reason.contains("expired") || reason.contains("no live grant"), "{reason}"),
+        _ => assert!(reason.contains("no live grant"), "{case:?}: {reason}"),
+    }
+    honest_result.expect("the honest batch hung").expect("the honest batch failed");
+
+    // The connection is still usable: a valid batch on it lands.
+    let follow_up = victim.grant(FOLLOW_UP, 256).await.id;
+    let payload: Vec<u8> = (0..256).map(|i| common::pattern(7, i)).collect();
+    let (status, reason) =
+        client.exchange(&request(&follow_up, &[(base + FOLLOW_UP, 256)], 256, &payload)).await.unwrap();
+    assert_eq!(status, ReplyStatus::Ok, "{case:?}: {reason}");
+
+    for grant in [live, follow_up, honest_grant.id] {
+        victim.transport.revoke(&grant).await;
+    }
+    assert_eq!(victim.transport.live_grants(), 0);
+    // Every byte: the hostile batch wrote nothing anywhere.
+    let bytes = victim.buf.bytes();
+    let (f, h) = (FOLLOW_UP as usize, HONEST as usize);
+    assert!(bytes[..f].iter().all(|&b| b == 0), "{case:?}: bytes landed in the granted area");
+    assert_eq!(&bytes[f..f + 256], &payload[..]);
+    assert!(bytes[f + 256..h].iter().all(|&b| b == 0), "{case:?}: bytes landed outside every grant");
+    check(&victim.buf, &honest_ops);
+    assert!(bytes[h + HONEST_LEN as usize..].iter().all(|&b| b == 0), "{case:?}: bytes landed past the honest area");
+    assert!(source_only.is_zero(), "{case:?}: bytes landed in a source region");
+    assert_eq!(victim.transport.connections_accepted(), 2, "the raw client's and the honest sender's");
+    drop(victim);
+}
+
+/// Waits (bounded) until `node` has received at least `n` payload bytes.
+async fn received_at_least(node: &Node, n: u64) {
+    tokio::time::timeout(BOUND, async {
+        while node.transport.bytes_received() < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the payload did not arrive");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_mid_batch_is_a_fence() {
+    const FIRST: usize = 16 * 1024;
+    let victim =
+        Node::new(QuicConfig { io_timeout: Duration::from_secs(60), ..QuicConfig::default() }, VICTIM_LEN).await;
+    let grant = victim.grant_all().await.id;
+    let client = RawClient::connect(&victim).await;
+    let (mut send, mut recv) = client.stream().await;
+    let len = VICTIM_LEN as u64;
+    send.write_all(&request(&grant, &[(victim.buf.addr(), len)], len, &[7; FIRST])).await.unwrap();
+    // The batch is admitted and its first part has landed.
+    received_at_least(&victim, FIRST as u64).await;
+    tokio::time::timeout(BOUND, victim.transport.revoke(&grant)).await.expect("revoke hung");
+    let _ = send.write_all(&[9; VICTIM_LEN - FIRST]).await;
+    let _ = send.finish();
+    let (status, reason) = reply(&mut recv).await.unwrap();
+    assert_eq!(status, ReplyStatus::Refused, "{reason}");
+    assert!(reason.contains("revoked"), "{reason}");
+    assert!(victim.buf.bytes()[..FIRST].iter().all(|&b| b == 7));
+    assert!(victim.buf.bytes()[FIRST..].iter().all(|&b| b == 0), "bytes landed after the revocation");
+    assert_eq!(victim.transport.bytes_received(), FIRST as u64);
+    assert_still_serves(&victim).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_racing_a_revocation_lands_nothing_after_it() {
+    const OPS: u64 = 256;
+    const LEN: u64 = 64 * 1024;
+    let mut sender = Node::with_defaults((OPS * LEN) as usize).await;
+    let receiver = Node::with_defaults((OPS * LEN) as usize).await;
+    let ops: Vec<WriteOp> = (0..OPS)
+        .map(|k| WriteOp { src: sender.buf.addr() + k * LEN, dst: receiver.buf.addr() + k * LEN, len: LEN })
+        .collect();
+    fill(&mut sender.buf, &ops);
+    let grant = receiver.grant_all().await;
+    let writer = std::sync::Arc::clone(&sender.transport);
+    let (endpoint, batch_grant, batch_ops) = (receiver.transport.endpoint(), grant.clone(), ops.clone());
+    let batch = tokio::spawn(async move { writer.batch_write(&endpoint, &batch_grant, &batch_ops).await });
+    received_at_least(&receiver, 1).await;
+    tokio::time::timeout(BOUND, receiver.transport.revoke(&grant.id)).await.expect("revoke hung");
+    let at_revoke = receiver.transport.bytes_received();
+    // No grant is live: the buffer may be read.
+    let snapshot = receiver.buf.bytes().to_vec();
+    let result = tokio::time::timeout(BOUND, batch).await.expect("the batch hung").unwrap();
+    assert_eq!(receiver.buf.bytes(), &snapshot[..], "memory changed after revoke returned");
+    assert_eq!(receiver.transport.bytes_received(), at_revoke);
+    if at_revoke < OPS * LEN {
+        match result {
+            Err(TransportError::Refused { reason, .. }) => assert!(reason.contains("revoked"), "{reason}"),
+            other => panic!("a batch cut by its revocation reported {other:?}"),
+        }
+    } else {
+        result.unwrap();
+    }
+    // Everything that landed, landed where the grant said, with the right bytes.
+    let landed = usize::try_from(at_revoke).unwrap();
+    let mut expected = vec![0u8; (OPS * LEN) as usize];
+    for (k, op) in ops.iter().enumerate() {
+        let off = (op.dst - receiver.buf.addr()) as usize;
+        for i in 0..LEN as usize {
+            expected[off + i] = common::pattern(k as u64, i);
+        }
+    }
+    assert_eq!(&snapshot[..landed], &expected[..landed]);
+    assert!(snapshot[landed..].iter().all(|&b| b == 0));
+    assert_still_serves(&receiver).await;
 }

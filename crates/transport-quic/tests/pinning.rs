@@ -7,14 +7,15 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_still_serves, client_endpoint, fill, FakeReceiver, Node, BOUND};
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, TransportError, WriteOp};
+use common::{any_grant, assert_still_serves, client_endpoint, fill, FakeReceiver, Node, BOUND};
+use kv_proto::dataplane::ReplyStatus;
+use kv_proto::{BatchWriter, Endpoint, TransportError, WriteOp};
 use rstest::rstest;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use transport_quic::details::{EndpointDetails, HEADER_LEN};
-use transport_quic::wire::{ReplyStatus, SERVER_NAME};
+use transport_quic::details::{EndpointDetails, DETAILS_LEN};
+use transport_quic::wire::SERVER_NAME;
 
 fn one_op(a: &Node, b: &Node) -> Vec<WriteOp> {
     vec![WriteOp { src: a.buf.addr(), dst: b.buf.addr(), len: 4096 }]
@@ -30,7 +31,11 @@ async fn a_wrong_fingerprint_fails_the_handshake_and_writes_nothing() {
     assert_eq!(details.fingerprint, b.transport.fingerprint());
     details.fingerprint[0] ^= 1;
     let pinned_elsewhere = Endpoint { details: details.encode(), ..b.transport.endpoint() };
-    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&pinned_elsewhere, &ops)).await.unwrap().unwrap_err();
+    let grant = b.grant_all().await;
+    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&pinned_elsewhere, &grant, &ops))
+        .await
+        .unwrap()
+        .unwrap_err();
     match &err {
         TransportError::Connect { reason, .. } => {
             assert!(reason.contains("fingerprint mismatch"), "unclear reason: {reason}")
@@ -41,7 +46,8 @@ async fn a_wrong_fingerprint_fails_the_handshake_and_writes_nothing() {
     assert_eq!(a.transport.connections_opened(), 0);
     assert_eq!(b.transport.connections_accepted(), 0);
     // The right pin works, from the same sender.
-    a.transport.batch_write(&b.transport.endpoint(), &ops).await.unwrap();
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &ops).await.unwrap();
+    b.transport.revoke(&grant.id).await;
     common::check(&b.buf, &ops);
     assert_eq!(a.transport.connections_opened(), 1);
 }
@@ -50,16 +56,15 @@ async fn a_wrong_fingerprint_fails_the_handshake_and_writes_nothing() {
 #[derive(Clone, Copy, Debug)]
 enum Malformed {
     Empty,
-    /// What a TCP endpoint advertises: bare region entries.
+    /// What a TCP endpoint advertises: nothing.
     TcpStyle,
     Truncated,
     OneByteMore,
     BadMagic,
     FutureVersion,
+    /// Version 1 (with a region list): the old wire, without grants.
+    OldVersion,
     UnknownFlags,
-    CountTooLarge,
-    OverlappingRegions,
-    WrappingRegion,
     TooLong,
 }
 
@@ -73,10 +78,8 @@ async fn malformed_details_are_a_bad_endpoint(
         Malformed::OneByteMore,
         Malformed::BadMagic,
         Malformed::FutureVersion,
+        Malformed::OldVersion,
         Malformed::UnknownFlags,
-        Malformed::CountTooLarge,
-        Malformed::OverlappingRegions,
-        Malformed::WrappingRegion,
         Malformed::TooLong
     )]
     malformed: Malformed,
@@ -86,30 +89,26 @@ async fn malformed_details_are_a_bad_endpoint(
     let ops = one_op(&a, &b);
     fill(&mut a.buf, &ops);
     let good = b.transport.endpoint().details;
-    let parsed = EndpointDetails::decode(&good).unwrap();
     let details = match malformed {
-        Malformed::Empty => Vec::new(),
-        Malformed::TcpStyle => [b.buf.addr().to_le_bytes(), (1u64 << 16).to_le_bytes()].concat(),
-        Malformed::Truncated => good[..HEADER_LEN + 8].to_vec(),
+        Malformed::Empty | Malformed::TcpStyle => Vec::new(),
+        Malformed::Truncated => good[..DETAILS_LEN - 8].to_vec(),
         Malformed::OneByteMore => [&good[..], &[0]].concat(),
         Malformed::BadMagic => [b"KVLT", &good[4..]].concat(),
-        Malformed::FutureVersion => [&good[..4], &2u16.to_le_bytes(), &good[6..]].concat(),
+        Malformed::FutureVersion => [&good[..4], &3u16.to_le_bytes(), &good[6..]].concat(),
+        Malformed::OldVersion => {
+            // Version 1's layout: header, region count, one region.
+            let region = [b.buf.addr().to_le_bytes(), (1u64 << 16).to_le_bytes()].concat();
+            [&good[..4], &1u16.to_le_bytes(), &good[6..], &1u32.to_le_bytes(), &region].concat()
+        }
         Malformed::UnknownFlags => [&good[..6], &0x0100u16.to_le_bytes(), &good[8..]].concat(),
-        Malformed::CountTooLarge => [&good[..48], &2u32.to_le_bytes(), &good[52..]].concat(),
-        Malformed::OverlappingRegions => EndpointDetails {
-            regions: Some(vec![b.buf.region(), MemoryRegion::new(b.buf.addr() + 100, 1 << 16)]),
-            ..parsed
-        }
-        .encode(),
-        Malformed::WrappingRegion => {
-            EndpointDetails { regions: Some(vec![MemoryRegion::new(u64::MAX - 10, 100)]), ..parsed }.encode()
-        }
         Malformed::TooLong => vec![0; kv_proto::MAX_ENDPOINT_DETAILS_LEN + 1],
     };
     let endpoint = Endpoint { details, ..b.transport.endpoint() };
-    let err = a.transport.batch_write(&endpoint, &ops).await.unwrap_err();
+    let grant = b.grant_all().await;
+    let err = a.transport.batch_write(&endpoint, &grant, &ops).await.unwrap_err();
     assert!(matches!(err, TransportError::BadEndpoint { .. }), "{malformed:?}: {err:?}");
     assert!(!err.to_string().is_empty());
+    b.transport.revoke(&grant.id).await;
     assert!(b.buf.is_zero());
     assert_eq!(a.transport.connections_opened(), 0, "{malformed:?}: a connection was opened");
     assert_still_serves(&b).await;
@@ -128,7 +127,10 @@ async fn a_receiver_without_the_kvlink_alpn_is_refused() {
     });
     let ops = vec![WriteOp { src: a.buf.addr(), dst: 0x1000, len: 16 }];
     fill(&mut a.buf, &ops);
-    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&fake.endpoint(), &ops)).await.unwrap().unwrap_err();
+    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&fake.endpoint(), &any_grant(), &ops))
+        .await
+        .unwrap()
+        .unwrap_err();
     assert!(matches!(err, TransportError::Connect { .. }), "{err:?}");
     fake.endpoint.close(0u32.into(), b"done");
     server.await.unwrap();
@@ -177,6 +179,7 @@ impl ServerCertVerifier for AnyServer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_the_kvlink_alpn_gets_no_service(#[case] alpn: Option<&[u8]>) {
     let victim = Node::with_defaults(1 << 16).await;
+    let grant = victim.grant_all().await.id;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut crypto = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -192,14 +195,15 @@ async fn a_client_without_the_kvlink_alpn_gets_no_service(#[case] alpn: Option<&
     let served = tokio::time::timeout(BOUND, async {
         let conn = connecting.unwrap().await?;
         let (mut send, mut recv) = conn.open_bi().await?;
-        let bytes = common::request(&[(victim.buf.addr(), 4)], 4, &[1, 2, 3, 4]);
+        let bytes = common::request(&grant, &[(victim.buf.addr(), 4)], 4, &[1, 2, 3, 4]);
         send.write_all(&bytes).await?;
         send.finish()?;
         anyhow::Ok(common::reply(&mut recv).await?)
     })
     .await
     .expect("the receiver neither refused nor closed the connection");
-    assert!(!matches!(served, Ok((ref h, _)) if h.status == ReplyStatus::Ok), "served without the ALPN: {served:?}");
+    assert!(!matches!(served, Ok((ReplyStatus::Ok, _))), "served without the ALPN: {served:?}");
+    victim.transport.revoke(&grant).await;
     assert!(victim.buf.is_zero());
     assert_eq!(victim.transport.connections_accepted(), 0);
     assert_still_serves(&victim).await;

@@ -1,5 +1,6 @@
 //! The sending side: the per-peer pool of idle connections, connection
-//! set-up, and one batch on one connection.
+//! set-up (with authentication), one batch on one connection, and the two
+//! steps of a pre-checked part of a split batch.
 
 use std::collections::HashMap;
 use std::io;
@@ -9,27 +10,28 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use kv_proto::auth;
-use kv_proto::TransportError;
+use bytes::{Buf, BufMut};
+use kv_proto::auth::{self, Channel, Nonce, Transcript};
+use kv_proto::dataplane::{put_op_list, ReplyStatus};
+use kv_proto::{GrantId, TransportError};
 use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tracing::debug;
 
 use crate::io::{read_exact, write_all, WireError};
-use crate::memory::{is_closed_error, Cursor, Sources};
-use crate::nonce;
+use crate::memory::{is_closed_error, Progress, Sources};
 use crate::transport::Shared;
 use crate::wire::{
-    encode_op, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ReplyStatus, ACCEPT_LEN, AUTH_OK,
-    AUTH_TAG_LEN, BATCH_HEADER_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
+    auth_context, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, AUTH_OK, AUTH_TAG_LEN,
+    BATCH_FLAG_PRECHECK, BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN, REPLY_HEADER_LEN, VERSION,
 };
 
 /// Header-and-op-list buffer capacity kept on a pooled connection; a larger
 /// one (a batch of more than 64 Ki ops) is freed after use.
 const KEEP_BUF_CAPACITY: usize = 1024 * 1024;
 
-/// An outgoing connection that completed the preamble exchange.
+/// An outgoing connection that completed the handshake.
 #[derive(Debug)]
 pub(crate) struct Conn {
     stream: TcpStream,
@@ -54,6 +56,23 @@ impl Conn {
         // quiet.
         let mut probe = [MaybeUninit::<u8>::uninit(); 1];
         matches!(SockRef::from(&self.stream).peek(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Puts the batch header and the op list of `sources` into `buf`.
+    fn encode_batch(&mut self, batch_id: u64, flags: u32, grant: GrantId, sources: &Sources<'_, '_>) {
+        let ops = sources.ops();
+        let header = BatchHeader {
+            batch_id,
+            flags,
+            reserved: 0,
+            op_count: ops.len() as u64,
+            total_bytes: sources.total(),
+            grant,
+        };
+        self.buf.clear();
+        self.buf.reserve(BATCH_HEADER_LEN + ops.len() * OP_LEN);
+        self.buf.put_slice(&header.encode());
+        put_op_list(&mut self.buf, ops);
     }
 }
 
@@ -121,26 +140,53 @@ impl Pool {
     }
 }
 
-/// Writes one checked batch to `peer`, on a pooled connection or a new one.
-pub(crate) async fn write_batch(shared: &Shared, peer: &str, sources: &Sources<'_, '_>) -> Result<(), TransportError> {
+/// A pooled connection, or a new one; whether it was pooled.
+async fn checkout(shared: &Shared, peer: &str, pooled: &mut Option<Conn>) -> Result<(Conn, bool), TransportError> {
+    match pooled.take() {
+        Some(conn) => Ok((conn, true)),
+        None => Ok((connect(shared, peer).await?, false)),
+    }
+}
+
+/// `Refused` if the batch has more ops than the peer accepts.
+fn check_op_limit(conn: &Conn, peer: &str, sources: &Sources<'_, '_>) -> Result<(), TransportError> {
+    let count = sources.ops().len() as u64;
+    let limit = conn.max_ops;
+    if count > limit {
+        return Err(TransportError::Refused {
+            peer: peer.to_owned(),
+            reason: format!("a batch of {count} ops exceeds the peer's limit of {limit} ops per batch"),
+        });
+    }
+    Ok(())
+}
+
+/// Writes one checked batch to `peer` under `grant` (header, op list and
+/// payload in one go, then the acknowledgement), on a pooled connection or a
+/// new one.
+pub(crate) async fn write_batch(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+) -> Result<(), TransportError> {
     let batch_id = shared.next_batch_id.fetch_add(1, Ordering::Relaxed);
+    let io_timeout = shared.config.io_timeout;
     let mut pooled = shared.pool.take(peer);
     loop {
-        let reused = pooled.is_some();
-        let mut conn = match pooled.take() {
-            Some(conn) => conn,
-            None => connect(shared, peer).await?,
-        };
-        let count = sources.ops().len() as u64;
-        let limit = conn.max_ops;
-        if count > limit {
+        let (mut conn, reused) = checkout(shared, peer, &mut pooled).await?;
+        if let Err(refused) = check_op_limit(&conn, peer, sources) {
             shared.pool.put(peer, conn);
-            return Err(TransportError::Refused {
-                peer: peer.to_owned(),
-                reason: format!("a batch of {count} ops exceeds the peer's limit of {limit} ops per batch"),
-            });
+            return Err(refused);
         }
-        match send_batch(shared, &mut conn, peer, sources, batch_id).await {
+        conn.encode_batch(batch_id, 0, grant, sources);
+        let sent = async {
+            send(&conn.stream, peer, sources, &conn.buf, Progress::new(conn.buf.len(), sources.total()), io_timeout)
+                .await?;
+            read_reply(&mut conn.stream, peer, batch_id, io_timeout).await
+        }
+        .await;
+        match sent {
             Ok(()) => {
                 shared.pool.put(peer, conn);
                 return Ok(());
@@ -160,6 +206,105 @@ pub(crate) async fn write_batch(shared: &Shared, peer: &str, sources: &Sources<'
     }
 }
 
+/// A part of a split batch whose header (asking for an admission verdict)
+/// and op list are sent; [`verdict`] reads the receiver's answer.
+#[derive(Debug)]
+pub(crate) struct Asked {
+    conn: Conn,
+    reused: bool,
+    batch_id: u64,
+}
+
+/// A part of a split batch that the receiver admitted: its payload may
+/// follow on `conn`. Dropping it abandons the part (the connection closes
+/// before any payload byte, and the receiver writes nothing).
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    conn: Conn,
+    batch_id: u64,
+}
+
+/// Sends the header (asking for an admission verdict) and the op list of
+/// one part of a split batch, on a pooled connection or a new one. The
+/// verdict is read by [`verdict`], so the parts' questions travel at once.
+pub(crate) async fn ask(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+) -> Result<Asked, TransportError> {
+    let batch_id = shared.next_batch_id.fetch_add(1, Ordering::Relaxed);
+    let (conn, reused) = checkout(shared, peer, &mut shared.pool.take(peer)).await?;
+    send_question(shared, peer, grant, sources, conn, reused, batch_id).await
+}
+
+async fn send_question(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+    mut conn: Conn,
+    reused: bool,
+    batch_id: u64,
+) -> Result<Asked, TransportError> {
+    if let Err(refused) = check_op_limit(&conn, peer, sources) {
+        shared.pool.put(peer, conn);
+        return Err(refused);
+    }
+    conn.encode_batch(batch_id, BATCH_FLAG_PRECHECK, grant, sources);
+    let prefix = Progress::new(conn.buf.len(), 0);
+    send(&conn.stream, peer, sources, &conn.buf, prefix, shared.config.io_timeout).await?;
+    Ok(Asked { conn, reused, batch_id })
+}
+
+/// Reads the admission verdict of an [`ask`]ed part. `Refused` leaves the
+/// connection pooled: nothing of the part is sent after a refusal. A pooled
+/// connection the peer had closed is asked again, once, on a new one
+/// (nothing of the part was admitted on it).
+pub(crate) async fn verdict(
+    shared: &Shared,
+    peer: &str,
+    grant: GrantId,
+    sources: &Sources<'_, '_>,
+    asked: Asked,
+) -> Result<Admitted, TransportError> {
+    let io_timeout = shared.config.io_timeout;
+    let mut asked = asked;
+    loop {
+        let Asked { mut conn, reused, batch_id } = asked;
+        match read_reply(&mut conn.stream, peer, batch_id, io_timeout).await {
+            Ok(()) => return Ok(Admitted { conn, batch_id }),
+            Err(refused @ TransportError::Refused { .. }) => {
+                shared.pool.put(peer, conn);
+                return Err(refused);
+            }
+            Err(error) if reused && is_stale(&error) => {
+                debug!(peer, %error, "pooled connection was closed by the peer, asking again on a new one");
+                let conn = connect(shared, peer).await?;
+                asked = send_question(shared, peer, grant, sources, conn, false, batch_id).await?;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Sends an admitted part's payload and waits for its acknowledgement.
+pub(crate) async fn finish(
+    shared: &Shared,
+    peer: &str,
+    admitted: Admitted,
+    sources: &Sources<'_, '_>,
+) -> Result<(), TransportError> {
+    let io_timeout = shared.config.io_timeout;
+    let Admitted { mut conn, batch_id } = admitted;
+    send(&conn.stream, peer, sources, &[], Progress::new(0, sources.total()), io_timeout).await?;
+    let result = read_reply(&mut conn.stream, peer, batch_id, io_timeout).await;
+    if matches!(result, Ok(()) | Err(TransportError::Refused { .. })) {
+        shared.pool.put(peer, conn);
+    }
+    result
+}
+
 fn is_stale(error: &TransportError) -> bool {
     match error {
         TransportError::PeerClosed { .. } => true,
@@ -171,8 +316,8 @@ fn is_stale(error: &TransportError) -> bool {
     }
 }
 
-/// Opens a connection and exchanges preamble and accept reply, all bounded
-/// by `connect_timeout`.
+/// Opens a connection and completes the handshake, all bounded by
+/// `connect_timeout`.
 async fn connect(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
     let after = shared.config.connect_timeout;
     let conn = tokio::time::timeout(after, open(shared, peer)).await.map_err(|_| TransportError::Timeout {
@@ -187,24 +332,26 @@ async fn connect(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
 
 async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
     let connect_error = |reason: String| TransportError::Connect { peer: peer.to_owned(), reason };
+    let wire = |e: WireError| connect_error(e.to_string());
     let mut stream = TcpStream::connect(peer).await.map_err(|e| connect_error(e.to_string()))?;
     stream.set_nodelay(true).map_err(|e| connect_error(format!("cannot set TCP_NODELAY: {e}")))?;
     let io_timeout = shared.config.io_timeout;
     let secret = shared.config.auth_secret.as_ref();
-    let client_nonce = match secret {
-        Some(_) => nonce::fresh().ok_or_else(|| connect_error("no OS randomness for the nonce".to_owned()))?,
+    let client_nonce: Nonce = match secret {
+        Some(_) => auth::fresh_nonce().ok_or_else(|| connect_error("no OS randomness for the nonce".to_owned()))?,
         None => [0u8; AUTH_TAG_LEN],
     };
-    let mut opening = Vec::with_capacity(PREAMBLE_LEN + AUTH_TAG_LEN);
     let flags = if secret.is_some() { FLAG_AUTH } else { 0 };
-    opening.extend_from_slice(&Preamble { version: VERSION, flags }.encode());
+    let preamble = Preamble { version: VERSION, flags }.encode();
+    let mut opening = Vec::with_capacity(preamble.len() + AUTH_TAG_LEN);
+    opening.put_slice(&preamble);
     if secret.is_some() {
-        opening.extend_from_slice(&client_nonce);
+        opening.put_slice(&client_nonce);
     }
-    write_all(&mut stream, &opening, io_timeout, "preamble").await.map_err(|e| connect_error(e.to_string()))?;
-    let mut reply = [0u8; ACCEPT_LEN];
-    read_exact(&mut stream, &mut reply, io_timeout, "accept reply").await.map_err(|e| connect_error(e.to_string()))?;
-    let accept = Accept::decode(&reply)
+    write_all(&mut stream, &opening, io_timeout, "preamble").await.map_err(wire)?;
+    let mut accept_bytes = [0u8; ACCEPT_LEN];
+    read_exact(&mut stream, &mut accept_bytes, io_timeout, "accept reply").await.map_err(wire)?;
+    let accept = Accept::decode(&accept_bytes)
         .map_err(|magic| connect_error(format!("not a kvlink data-plane listener (magic {magic:02x?})")))?;
     let protocol_error = |reason: String| TransportError::Protocol { peer: peer.to_owned(), reason };
     match accept.status {
@@ -227,27 +374,25 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}"))),
     }
     if let Some(secret) = secret {
-        let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
-        read_exact(&mut stream, &mut challenge, io_timeout, "authentication challenge")
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
-        let (server_nonce, server_proof) = challenge.split_at(AUTH_TAG_LEN);
-        let mut server_nonce_arr = [0u8; AUTH_TAG_LEN];
-        server_nonce_arr.copy_from_slice(server_nonce);
-        let mut server_proof_arr = [0u8; AUTH_TAG_LEN];
-        server_proof_arr.copy_from_slice(server_proof);
-        let expected = auth::server_proof(secret.bytes(), &client_nonce, &server_nonce_arr);
-        if !auth::proofs_match(&expected, &server_proof_arr) {
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        read_exact(&mut stream, &mut challenge, io_timeout, "authentication challenge").await.map_err(wire)?;
+        let mut server_nonce: Nonce = [0u8; AUTH_TAG_LEN];
+        let mut server_proof = &challenge[..];
+        server_proof.copy_to_slice(&mut server_nonce);
+        let context = auth_context(&preamble, &accept_bytes);
+        let transcript = Transcript {
+            channel: Channel::DataTcp,
+            client_nonce: &client_nonce,
+            server_nonce: &server_nonce,
+            context: &context,
+        };
+        if !auth::verify_server_proof(secret, &transcript, server_proof) {
             return Err(connect_error("peer failed to prove the data-plane shared secret".to_owned()));
         }
-        let proof = auth::client_proof(secret.bytes(), &server_nonce_arr, &client_nonce);
-        write_all(&mut stream, &proof, io_timeout, "authentication proof")
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
+        let proof = auth::client_proof(secret, &transcript);
+        write_all(&mut stream, &proof, io_timeout, "authentication proof").await.map_err(wire)?;
         let mut verdict = [0u8; 1];
-        read_exact(&mut stream, &mut verdict, io_timeout, "authentication verdict")
-            .await
-            .map_err(|e| connect_error(e.to_string()))?;
+        read_exact(&mut stream, &mut verdict, io_timeout, "authentication verdict").await.map_err(wire)?;
         if verdict[0] != AUTH_OK {
             return Err(connect_error("peer refused our data-plane authentication".to_owned()));
         }
@@ -270,29 +415,18 @@ fn wire_error(peer: &str, error: WireError) -> TransportError {
     }
 }
 
-/// Sends header, op list and payload, then waits for the acknowledgement.
-async fn send_batch(
-    shared: &Shared,
-    conn: &mut Conn,
+/// Sends `prefix` then the payload from `progress` on, with vectored
+/// writes straight from the source memory; each stall bounded by `io_timeout`.
+async fn send(
+    stream: &TcpStream,
     peer: &str,
     sources: &Sources<'_, '_>,
-    batch_id: u64,
+    prefix: &[u8],
+    mut progress: Progress,
+    io_timeout: Duration,
 ) -> Result<(), TransportError> {
-    let io_timeout = shared.config.io_timeout;
-    let ops = sources.ops();
-    let header = BatchHeader { batch_id, op_count: ops.len() as u64, total_bytes: sources.total() };
-    conn.buf.clear();
-    conn.buf.reserve(BATCH_HEADER_LEN + ops.len() * OP_LEN);
-    conn.buf.extend_from_slice(&header.encode());
-    for op in ops {
-        conn.buf.extend_from_slice(&encode_op(op.dst, op.len));
-    }
-
-    let stream = &conn.stream;
-    let prefix = conn.buf.as_slice();
-    let mut cursor = Cursor::new(prefix.len(), sources.total());
-    while !cursor.is_done() {
-        match stream.try_io(Interest::WRITABLE, || sources.send_to(stream.as_fd(), prefix, &mut cursor)) {
+    while !progress.is_done() {
+        match stream.try_io(Interest::WRITABLE, || sources.send_to(stream.as_fd(), prefix, &mut progress)) {
             Ok(0) => {
                 let source = io::Error::new(io::ErrorKind::WriteZero, "the socket accepted no bytes");
                 return Err(TransportError::Io { peer: peer.to_owned(), source });
@@ -312,18 +446,29 @@ async fn send_batch(
             Err(source) => return Err(TransportError::Io { peer: peer.to_owned(), source }),
         }
     }
+    Ok(())
+}
 
+/// Reads the receiver's reply to `batch_id` (an acknowledgement, or the
+/// admission verdict of a pre-checked part); `Ok` only for status Ok.
+async fn read_reply(
+    stream: &mut TcpStream,
+    peer: &str,
+    batch_id: u64,
+    io_timeout: Duration,
+) -> Result<(), TransportError> {
     let mut reply = [0u8; REPLY_HEADER_LEN];
-    read_exact(&mut conn.stream, &mut reply, io_timeout, "acknowledgement").await.map_err(|e| wire_error(peer, e))?;
+    read_exact(stream, &mut reply, io_timeout, "acknowledgement").await.map_err(|e| wire_error(peer, e))?;
     let reply = ReplyHeader::decode(&reply);
     let protocol_error = |reason: String| TransportError::Protocol { peer: peer.to_owned(), reason };
     let reason_len = reply.reason_len as usize;
     if reason_len > MAX_REASON_LEN {
         return Err(protocol_error(format!("reply reason of {reason_len} bytes exceeds {MAX_REASON_LEN}")));
     }
-    let mut reason = vec![0u8; reason_len];
-    read_exact(&mut conn.stream, &mut reason, io_timeout, "reply reason").await.map_err(|e| wire_error(peer, e))?;
-    let reason = String::from_utf8_lossy(&reason).into_owned();
+    let mut reason = [0u8; MAX_REASON_LEN];
+    let reason = reason.get_mut(..reason_len).unwrap_or_default();
+    read_exact(stream, reason, io_timeout, "reply reason").await.map_err(|e| wire_error(peer, e))?;
+    let reason = String::from_utf8_lossy(reason).into_owned();
     if reply.batch_id != batch_id {
         return Err(protocol_error(format!(
             "reply names batch {} while batch {batch_id} is in flight",

@@ -21,10 +21,17 @@ pub struct TcpConfig {
     /// Bound on establishing an outgoing connection, name resolution
     /// included (default 5 s).
     pub connect_timeout: Duration,
-    /// Bound on any single stalled read, write or acknowledgement wait, on
-    /// either side (default 30 s). Progress restarts the clock, so a large
-    /// batch on a slow link is not cut off.
+    /// Bound on any single stalled read, write or acknowledgement wait after
+    /// the handshake, on either side (default 30 s). Progress restarts the
+    /// clock, so a large batch on a slow link is not cut off.
     pub io_timeout: Duration,
+    /// One overall bound on an incoming connection's handshake: preamble,
+    /// accept reply and authentication together, from the moment the
+    /// connection is accepted (default 10 s). It does not restart on
+    /// progress, so a peer dribbling its handshake byte by byte holds a
+    /// connection slot for at most this long. (The sending side bounds its
+    /// whole set-up by [`TcpConfig::connect_timeout`].)
+    pub handshake_timeout: Duration,
     /// How long the receiver keeps a connection on which no batch is in
     /// progress (default 120 s). Senders learn it at connection set-up and
     /// retire pooled connections after half of it.
@@ -44,18 +51,22 @@ pub struct TcpConfig {
     /// Connections one large batch is spread over (default 2). A batch of at
     /// least [`TcpConfig::parallel_min_bytes`] is cut into this many parts of
     /// about equal bytes, each written on its own pooled connection at once;
-    /// the batch succeeds when every part is acknowledged. One stream is
-    /// bound by one core's copy rate; 1 disables splitting.
+    /// every part is admitted by the receiver before any part's payload is
+    /// sent (one extra round trip), and the batch succeeds when every part
+    /// is acknowledged. One stream is bound by one core's copy rate; 1
+    /// disables splitting.
     pub parallel_streams: usize,
     /// Smallest batch, in payload bytes, that is spread over
     /// [`TcpConfig::parallel_streams`] connections (default 16 MiB).
     pub parallel_min_bytes: u64,
     /// Shared secret (default none). When set, the receiver serves only
     /// senders that prove it and the sender writes only to receivers that
-    /// prove it (challenge–response at connection set-up, see the crate docs).
+    /// prove it (transcript-bound challenge–response at connection set-up,
+    /// see the crate docs).
     pub auth_secret: Option<AuthSecret>,
     /// Bound on concurrently served incoming connections (default 1024);
-    /// connections past it are closed at once.
+    /// connections past it are closed at once. A connection holds its slot
+    /// during the handshake for at most [`TcpConfig::handshake_timeout`].
     pub max_connections: usize,
 }
 
@@ -66,6 +77,7 @@ impl Default for TcpConfig {
             advertise_host: None,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
             max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
             max_idle_conns_per_peer: 4,

@@ -1,26 +1,32 @@
 //! The only module of this crate that touches raw memory.
 //!
-//! Registered regions live in a [`LocalMemory`]. Nothing outside this module
-//! turns an address into memory: the sender gets a [`Sources`] (every source
-//! range checked) and the receiver a [`Destinations`] (every destination range
-//! checked, lengths summed against the header), and only those two types move
-//! bytes, with `sendmsg`/`readv` over raw `iovec`s. No Rust reference to
-//! registered memory is ever created: the kernel copies between the socket and
-//! the memory, so the payload is never staged.
+//! Registered regions and grants live in a [`LocalMemory`]
+//! ([`kv_proto::RegisteredMemory`], the one copy of the checks). Nothing
+//! outside this module turns an address into memory: the sender gets a
+//! [`Sources`] (every source range checked against the *source* regions) and
+//! the receiver a [`Destinations`] (a peer's op list admitted against one
+//! live grant, lengths summed against the header), and only those two types
+//! move bytes, with `sendmsg`/`readv` over raw `iovec`s. No Rust reference
+//! to registered memory is ever created: the kernel copies between the
+//! socket and the memory, so the payload is never staged.
 //!
-//! Architecture Invariant: every raw access happens while the state's read
-//! lock is held and `closed` is false. [`LocalMemory::close`] (called by
-//! `shutdown` and by the transport's `Drop`) takes the write lock, so once it
-//! returns no access is in progress and none can start, and the caller may
-//! free its regions. Regions are never removed before that, so a range checked
-//! once stays valid for the whole batch.
+//! Architecture Invariant: every read of a source happens inside
+//! [`LocalMemory::read_sources`], and every write into a destination inside
+//! [`GrantAccess::with`] of the grant that admitted it, one non-blocking
+//! syscall per call. So once `revoke` of a grant returns, no `readv` under
+//! it is in progress and none can start (the fence), and once
+//! [`LocalMemory::close`] returns (called by `close`, `shutdown` and the
+//! transport's `Drop`) no access at all is in progress or can start, and the
+//! caller may free its regions.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::time::Instant;
 
-use kv_proto::{RegisteredMemory, WriteOp};
+use kv_proto::dataplane::{decode_op, Cursor, OpEntry, Segments};
+use kv_proto::{GrantAccess, GrantId, MemoryClosed, RegisteredMemory, Revoked, WriteOp};
 
-use crate::wire::{decode_op, OP_LEN};
+pub(crate) use kv_proto::{DestinationError, SourceError};
 
 /// Most `iovec`s handed to one syscall (Linux's `IOV_MAX`).
 pub(crate) const MAX_IOVECS: usize = 1024;
@@ -35,159 +41,78 @@ const MIN_BYTES_PER_CALL: u64 = 256 * 1024;
 
 const EMPTY_IOVEC: libc::iovec = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
 
-/// The transport's registered memory: [`RegisteredMemory`]'s bookkeeping
-/// (regions, closed flag, range checks); the raw accesses are below.
+/// The transport's registered memory and grants.
 pub(crate) type LocalMemory = RegisteredMemory;
-
-pub(crate) use kv_proto::{DestinationError, SourceError};
-
-impl<'m, 'o> Sources<'m, 'o> {
-    /// Checks every op's source range; the result can then move the payload.
-    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
-        let total = mem.check_sources(ops)?;
-        Ok(Self { mem, ops, total })
-    }
-}
-
-impl<'m> Destinations<'m> {
-    /// Checks a peer's op list (lengths add up to `declared`, every
-    /// destination inside one registered region); on error the list is
-    /// handed back with the reason.
-    pub(crate) fn check(
-        mem: &'m LocalMemory,
-        list: Vec<[u8; OP_LEN]>,
-        declared: u64,
-    ) -> Result<Self, (Vec<[u8; OP_LEN]>, DestinationError)> {
-        match mem.check_destinations(list.iter().map(decode_op), declared) {
-            Ok(()) => Ok(Self { mem, list, total: declared }),
-            Err(e) => Err((list, e)),
-        }
-    }
-}
-
-/// A run of `(address, length)` segments the payload moves through.
-trait Segments {
-    fn count(&self) -> usize;
-    fn segment(&self, i: usize) -> (u64, u64);
-}
-
-impl Segments for [WriteOp] {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    fn segment(&self, i: usize) -> (u64, u64) {
-        self.get(i).map_or((0, 0), |op| (op.src, op.len))
-    }
-}
-
-impl Segments for [[u8; OP_LEN]] {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    fn segment(&self, i: usize) -> (u64, u64) {
-        self.get(i).map_or((0, 0), decode_op)
-    }
-}
-
-/// Progress through `prefix ++ segment 0 ++ segment 1 ++ ...`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Cursor {
-    prefix_done: usize,
-    op: usize,
-    off: u64,
-    remaining: u64,
-    /// Bytes the next call describes (see [`MIN_BYTES_PER_CALL`]).
-    window: u64,
-}
-
-impl Cursor {
-    /// At the start of a prefix of `prefix_len` bytes and `total` payload bytes.
-    pub(crate) fn new(prefix_len: usize, total: u64) -> Self {
-        Self {
-            prefix_done: 0,
-            op: 0,
-            off: 0,
-            remaining: total.saturating_add(prefix_len as u64),
-            window: 4 * MIN_BYTES_PER_CALL,
-        }
-    }
-
-    /// Whether every byte has moved.
-    pub(crate) fn is_done(&self) -> bool {
-        self.remaining == 0
-    }
-
-    /// Fills `iov` from the current position; returns how many entries.
-    fn fill<S: Segments + ?Sized>(&self, prefix: &[u8], segs: &S, iov: &mut [libc::iovec; MAX_IOVECS]) -> usize {
-        let mut n = 0;
-        let mut bytes = 0u64;
-        if let Some(rest) = prefix.get(self.prefix_done..).filter(|r| !r.is_empty()) {
-            iov[0] = libc::iovec { iov_base: rest.as_ptr().cast_mut().cast(), iov_len: rest.len() };
-            n = 1;
-            bytes = rest.len() as u64;
-        }
-        let mut i = self.op;
-        let mut off = self.off;
-        let limit = self.window.clamp(MIN_BYTES_PER_CALL, MAX_BYTES_PER_CALL);
-        while n < MAX_IOVECS && i < segs.count() && bytes < limit {
-            let (addr, len) = segs.segment(i);
-            let rest = len.saturating_sub(off);
-            if rest > 0 {
-                let take = rest.min(limit - bytes);
-                // Both fit in usize: the range was checked to lie inside a
-                // registered region of this process's address space.
-                let base = usize::try_from(addr.saturating_add(off)).unwrap_or(0);
-                iov[n] = libc::iovec {
-                    iov_base: std::ptr::with_exposed_provenance_mut(base),
-                    iov_len: usize::try_from(take).unwrap_or(0),
-                };
-                n += 1;
-                bytes += take;
-            }
-            i += 1;
-            off = 0;
-        }
-        n
-    }
-
-    /// Moves past `n` bytes.
-    fn advance<S: Segments + ?Sized>(&mut self, prefix_len: usize, segs: &S, n: usize) {
-        let mut n = n as u64;
-        self.remaining = self.remaining.saturating_sub(n);
-        self.window = n.saturating_mul(4).clamp(MIN_BYTES_PER_CALL, MAX_BYTES_PER_CALL);
-        let p = (prefix_len.saturating_sub(self.prefix_done) as u64).min(n);
-        self.prefix_done += p as usize;
-        n -= p;
-        while n > 0 && self.op < segs.count() {
-            let (_, len) = segs.segment(self.op);
-            let rest = len.saturating_sub(self.off);
-            if n >= rest {
-                n -= rest;
-                self.op += 1;
-                self.off = 0;
-            } else {
-                self.off += n;
-                n = 0;
-            }
-        }
-    }
-}
-
-/// The error payload of an access attempted after [`LocalMemory::close`].
-#[derive(Debug, thiserror::Error)]
-#[error("the transport's memory is closed (shut down)")]
-struct MemoryClosed;
-
-fn closed_error() -> io::Error {
-    io::Error::other(MemoryClosed)
-}
 
 /// Whether `error` reports an access after [`LocalMemory::close`].
 pub(crate) fn is_closed_error(error: &io::Error) -> bool {
     error.get_ref().is_some_and(|inner| inner.is::<MemoryClosed>())
 }
 
-/// Source ranges checked against the registered regions: the payload of one
+/// Progress through `prefix ++ payload`: the frame bytes sent in front of a
+/// payload (the sender's header and op list), then the payload's segments
+/// ([`kv_proto::dataplane::Cursor`]), with the size of the next call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Progress {
+    prefix_len: usize,
+    prefix_done: usize,
+    payload: Cursor,
+    /// Bytes the next call describes (see [`MIN_BYTES_PER_CALL`]).
+    window: u64,
+}
+
+impl Progress {
+    /// At the start of a prefix of `prefix_len` bytes and `total` payload bytes.
+    pub(crate) fn new(prefix_len: usize, total: u64) -> Self {
+        Self { prefix_len, prefix_done: 0, payload: Cursor::new(total), window: 4 * MIN_BYTES_PER_CALL }
+    }
+
+    /// Whether every byte has moved.
+    pub(crate) fn is_done(&self) -> bool {
+        self.prefix_done >= self.prefix_len && self.payload.is_done()
+    }
+
+    /// Payload bytes still to move.
+    pub(crate) fn payload_remaining(&self) -> u64 {
+        self.payload.remaining()
+    }
+
+    /// Fills `iov` from the current position (the rest of `prefix`, then
+    /// payload pieces); returns how many entries.
+    fn fill<S: Segments + ?Sized>(&self, prefix: &[u8], segs: &S, iov: &mut [libc::iovec; MAX_IOVECS]) -> usize {
+        let mut n = 0;
+        let mut bytes = 0u64;
+        if let Some(rest) = prefix.get(self.prefix_done..self.prefix_len).filter(|r| !r.is_empty()) {
+            iov[0] = libc::iovec { iov_base: rest.as_ptr().cast_mut().cast(), iov_len: rest.len() };
+            n = 1;
+            bytes = rest.len() as u64;
+        }
+        let budget = self.window.clamp(MIN_BYTES_PER_CALL, MAX_BYTES_PER_CALL).saturating_sub(bytes);
+        self.payload.peek(segs, budget, MAX_IOVECS - n, |addr, len| {
+            // Both fit in usize: the range was checked to lie inside a
+            // registered region of this process's address space.
+            let base = usize::try_from(addr).unwrap_or(0);
+            if let Some(slot) = iov.get_mut(n) {
+                *slot = libc::iovec {
+                    iov_base: std::ptr::with_exposed_provenance_mut(base),
+                    iov_len: usize::try_from(len).unwrap_or(0),
+                };
+                n += 1;
+            }
+        });
+        n
+    }
+
+    /// Moves past `n` bytes (prefix first).
+    fn advance<S: Segments + ?Sized>(&mut self, segs: &S, n: usize) {
+        self.window = (n as u64).saturating_mul(4).clamp(MIN_BYTES_PER_CALL, MAX_BYTES_PER_CALL);
+        let p = self.prefix_len.saturating_sub(self.prefix_done).min(n);
+        self.prefix_done += p;
+        self.payload.advance(segs, (n - p) as u64);
+    }
+}
+
+/// Source ranges checked against the source regions: the payload of one
 /// outgoing batch.
 #[derive(Debug)]
 pub(crate) struct Sources<'m, 'o> {
@@ -196,7 +121,13 @@ pub(crate) struct Sources<'m, 'o> {
     total: u64,
 }
 
-impl Sources<'_, '_> {
+impl<'m, 'o> Sources<'m, 'o> {
+    /// Checks every op's source range; the result can then move the payload.
+    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
+        let total = mem.check_sources(ops)?;
+        Ok(Self { mem, ops, total })
+    }
+
     /// The ops.
     pub(crate) fn ops(&self) -> &[WriteOp] {
         self.ops
@@ -208,15 +139,12 @@ impl Sources<'_, '_> {
     }
 
     /// One non-blocking `sendmsg` of `prefix` then the payload from
-    /// `cursor` on (up to [`MAX_IOVECS`] segments), advancing `cursor`.
-    /// `WouldBlock` when the socket buffer is full.
-    pub(crate) fn send_to(&self, fd: BorrowedFd<'_>, prefix: &[u8], cursor: &mut Cursor) -> io::Result<usize> {
-        let state = self.mem.read();
-        if state.is_closed() {
-            return Err(closed_error());
-        }
+    /// `progress` on (up to [`MAX_IOVECS`] segments), advancing `progress`.
+    /// `WouldBlock` when the socket buffer is full; an error for which
+    /// [`is_closed_error`] holds once the memory is closed.
+    pub(crate) fn send_to(&self, fd: BorrowedFd<'_>, prefix: &[u8], progress: &mut Progress) -> io::Result<usize> {
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
-        let n = cursor.fill(prefix, self.ops, &mut iov);
+        let n = progress.fill(prefix, self.ops, &mut iov);
         if n == 0 {
             return Ok(0);
         }
@@ -226,130 +154,194 @@ impl Sources<'_, '_> {
         msg.msg_iov = iov.as_mut_ptr();
         // n <= MAX_IOVECS (1024), which fits every platform's msg_iovlen type.
         msg.msg_iovlen = n as _;
-        // SAFETY: `fd` is a live socket borrowed for this call. The first `n`
-        // iovecs describe either the tail of `prefix` (a live Rust slice) or
-        // source ranges that `Sources::check` checked to lie inside
-        // registered regions, which stay valid for reads while the read lock
-        // is held with `closed == false` (module invariant). sendmsg only
-        // reads them. MSG_NOSIGNAL: a closed peer is an EPIPE error, never a
-        // SIGPIPE that would kill an embedding process.
-        let sent = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-        drop(state);
+        let sent = self
+            .mem
+            .read_sources(|| {
+                // SAFETY: `fd` is a live socket borrowed for this call. The
+                // first `n` iovecs describe either the tail of `prefix` (a
+                // live Rust slice) or source ranges that `Sources::check`
+                // checked to lie inside source regions, which stay valid for
+                // reads while `read_sources` runs this closure (the memory is
+                // open and `close` waits for it). sendmsg only reads them.
+                // MSG_NOSIGNAL: a closed peer is an EPIPE error, never a
+                // SIGPIPE that would kill an embedding process.
+                unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) }
+            })
+            .map_err(io::Error::other)?;
         let sent = usize::try_from(sent).map_err(|_| io::Error::last_os_error())?;
-        cursor.advance(prefix.len(), self.ops, sent);
+        progress.advance(self.ops, sent);
         Ok(sent)
     }
 }
 
-/// A peer's op list, checked against the registered regions: where one
-/// incoming batch's payload lands.
+/// A peer's op list admitted under one live grant: where one incoming
+/// batch's payload lands, and the only way to write it.
 #[derive(Debug)]
-pub(crate) struct Destinations<'m> {
-    mem: &'m LocalMemory,
-    list: Vec<[u8; OP_LEN]>,
+pub(crate) struct Destinations {
+    access: GrantAccess,
+    list: Vec<OpEntry>,
     total: u64,
 }
 
-impl Destinations<'_> {
+impl Destinations {
+    /// Admits a peer's op list under `grant` (lengths add up to `declared`,
+    /// the grant is live at `now`, every destination inside its ranges); on
+    /// error the list is handed back with the reason.
+    pub(crate) fn admit(
+        mem: &LocalMemory,
+        grant: &GrantId,
+        list: Vec<OpEntry>,
+        declared: u64,
+        now: Instant,
+    ) -> Result<Self, (Vec<OpEntry>, DestinationError)> {
+        match mem.admit(grant, list.iter().map(decode_op), declared, now) {
+            Ok(access) => Ok(Self { access, list, total: declared }),
+            Err(e) => Err((list, e)),
+        }
+    }
+
     /// The payload's length.
     pub(crate) fn total(&self) -> u64 {
         self.total
     }
 
     /// The op list, for reuse by the next batch.
-    pub(crate) fn into_list(self) -> Vec<[u8; OP_LEN]> {
+    pub(crate) fn into_list(self) -> Vec<OpEntry> {
         self.list
     }
 
     /// One non-blocking `readv` from the socket straight into the
-    /// destinations from `cursor` on, advancing `cursor`. `Ok(0)` means the
-    /// peer closed; `WouldBlock` that no data is buffered.
-    pub(crate) fn recv_from(&self, fd: BorrowedFd<'_>, cursor: &mut Cursor) -> io::Result<usize> {
-        let state = self.mem.read();
-        if state.is_closed() {
-            return Err(closed_error());
-        }
+    /// destinations from `progress` on, advancing `progress`, while the
+    /// grant is live. `Err(Revoked)`: the grant was revoked (or the memory
+    /// closed) and nothing was read. Inside, `Ok(0)` means the peer closed
+    /// and `WouldBlock` that no data is buffered.
+    pub(crate) fn recv_from(&self, fd: BorrowedFd<'_>, progress: &mut Progress) -> Result<io::Result<usize>, Revoked> {
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
-        let n = cursor.fill(&[], self.list.as_slice(), &mut iov);
+        let n = progress.fill(&[], self.list.as_slice(), &mut iov);
         if n == 0 {
-            return Ok(0);
+            return Ok(Ok(0));
         }
         // n <= MAX_IOVECS (1024), which fits in c_int.
         let count = n as libc::c_int;
-        // SAFETY: `fd` is a live socket borrowed for this call. The first `n`
-        // iovecs describe destination ranges that `Destinations::check`
-        // checked to lie inside registered regions, which stay valid for
-        // writes while the read lock is held with `closed == false` (module
-        // invariant). The kernel writes at most each iovec's length; no Rust
-        // reference to that memory exists.
-        let got = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count) };
-        drop(state);
-        let got = usize::try_from(got).map_err(|_| io::Error::last_os_error())?;
-        cursor.advance(0, self.list.as_slice(), got);
-        Ok(got)
+        let got = self.access.with(|| {
+            // SAFETY: `fd` is a live socket borrowed for this call. The first
+            // `n` iovecs describe destination ranges that `admit` checked to
+            // lie inside the grant's ranges (themselves inside regions
+            // registered as destinations), which stay valid for writes while
+            // `with` runs this closure: the grant is live, and `revoke` and
+            // `close` wait for the closure to return. The kernel writes at
+            // most each iovec's length; no Rust reference to that memory
+            // exists.
+            unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count) }
+        })?;
+        Ok(usize::try_from(got).map_err(|_| io::Error::last_os_error()).inspect(|&got| {
+            progress.advance(self.list.as_slice(), got);
+        }))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::wire::encode_op;
-    use kv_proto::MemoryRegion;
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
 
-    fn mem_with(regions: &[MemoryRegion]) -> LocalMemory {
+    use kv_proto::dataplane::encode_op;
+    use kv_proto::{MemoryRegion, RegionAccess};
+
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(60);
+
+    fn mem_with(sources: &[MemoryRegion], destinations: &[MemoryRegion]) -> LocalMemory {
         let m = LocalMemory::new();
-        // SAFETY: these tests never move bytes; the addresses are only checked.
-        unsafe { m.register(regions) }.unwrap();
+        // SAFETY: these tests never move bytes through these addresses; they are only checked.
+        unsafe {
+            m.register(sources, RegionAccess::Source).unwrap();
+            m.register(destinations, RegionAccess::Destination).unwrap();
+        }
         m
     }
 
-    #[test]
-    fn destinations_check_sum_then_bounds() {
-        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
-        let list = vec![encode_op(0x1000, 0x10), encode_op(0x10f8, 0x10)];
-        let (list, err) = Destinations::check(&m, list, 0x20).unwrap_err();
-        assert_eq!(err, DestinationError::Outside { index: 1, dst: 0x10f8, len: 0x10 });
-        let (_, err) = Destinations::check(&m, list, 0x21).unwrap_err();
-        assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
-        let list = vec![encode_op(0x1000, u64::MAX), encode_op(0x1000, 2)];
-        let (_, err) = Destinations::check(&m, list, 1).unwrap_err();
-        assert_eq!(err, DestinationError::LengthMismatch { declared: 1, sum: None });
-        let (_, err) = Destinations::check(&m, vec![encode_op(0x1000, u64::MAX)], u64::MAX).unwrap_err();
-        assert_eq!(err, DestinationError::Outside { index: 0, dst: 0x1000, len: u64::MAX });
-        let ok = Destinations::check(&m, vec![encode_op(0x1000, 0x100), encode_op(0x1100, 0)], 0x100).unwrap();
-        assert_eq!(ok.total(), 0x100);
-        m.close();
-        assert_eq!(Destinations::check(&m, Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
+    fn id(n: u8) -> GrantId {
+        GrantId::from_bytes([n; 16])
     }
 
     #[test]
-    fn sources_are_checked() {
-        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)]);
+    fn destinations_are_admitted_against_the_grant_only() {
+        let m = mem_with(&[MemoryRegion::new(0x9000, 0x100)], &[MemoryRegion::new(0x1000, 0x100)]);
+        let now = Instant::now();
+        m.issue_grant(id(1), &[MemoryRegion::new(0x1000, 0x80)], now, TTL).unwrap();
+        let admit = |list: Vec<OpEntry>, declared| Destinations::admit(&m, &id(1), list, declared, now);
+        let (list, err) = admit(vec![encode_op(0x1000, 0x10), encode_op(0x1078, 0x10)], 0x20).unwrap_err();
+        assert_eq!(err, DestinationError::OutsideGrant { index: 1, dst: 0x1078, len: 0x10 }, "registered, not granted");
+        let (_, err) = admit(list, 0x21).unwrap_err();
+        assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
+        let (_, err) = admit(vec![encode_op(0x9000, 0x10)], 0x10).unwrap_err();
+        assert!(matches!(err, DestinationError::OutsideGrant { .. }), "a source is never writable");
+        let (_, err) = Destinations::admit(&m, &id(2), vec![encode_op(0x1000, 1)], 1, now).unwrap_err();
+        assert_eq!(err, DestinationError::UnknownGrant);
+        let ok = admit(vec![encode_op(0x1000, 0x80), encode_op(0x1080, 0)], 0x80).unwrap();
+        assert_eq!(ok.total(), 0x80);
+        m.close();
+        assert_eq!(admit(Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
+    }
+
+    #[test]
+    fn sources_are_checked_against_source_regions_only() {
+        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)], &[MemoryRegion::new(0x5000, 0x100)]);
         let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
         assert_eq!(Sources::check(&m, &ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
         assert_eq!(Sources::check(&m, &ops[..1]).unwrap().total(), 0x100);
+        let from_destination = [WriteOp { src: 0x5000, dst: 0, len: 1 }];
+        assert_eq!(Sources::check(&m, &from_destination).unwrap_err(), SourceError::Outside { addr: 0x5000, len: 1 });
+    }
+
+    /// The fence at the lowest level: a `readv` under a revoked grant reads
+    /// nothing, and the bytes stay in the socket.
+    #[test]
+    fn no_read_lands_after_the_grant_is_revoked() {
+        let mut buf = vec![0u8; 64].into_boxed_slice();
+        let base = buf.as_mut_ptr().expose_provenance() as u64;
+        let m = mem_with(&[], &[MemoryRegion::new(base, 64)]);
+        let now = Instant::now();
+        m.issue_grant(id(1), &[MemoryRegion::new(base, 64)], now, TTL).unwrap();
+        let dst = Destinations::admit(&m, &id(1), vec![encode_op(base, 64)], 64, now).unwrap();
+        let (mut tx, rx) = UnixStream::pair().unwrap();
+        let mut progress = Progress::new(0, 64);
+        tx.write_all(&[7u8; 16]).unwrap();
+        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress).unwrap().unwrap(), 16);
+        assert_eq!(progress.payload_remaining(), 48);
+        assert!(m.revoke(&id(1)));
+        tx.write_all(&[9u8; 48]).unwrap();
+        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress).unwrap_err(), Revoked);
+        assert_eq!(progress.payload_remaining(), 48, "nothing moved");
+        drop(dst);
+        assert!(buf[..16].iter().all(|&b| b == 7) && buf[16..].iter().all(|&b| b == 0));
     }
 
     #[test]
-    fn cursor_walks_prefix_segments_and_zero_lengths() {
+    fn progress_walks_prefix_segments_and_zero_lengths() {
         let ops = [
             WriteOp { src: 100, dst: 0, len: 10 },
             WriteOp { src: 500, dst: 0, len: 0 },
             WriteOp { src: 200, dst: 0, len: 5 },
         ];
         let prefix = [0u8; 4];
-        let mut c = Cursor::new(prefix.len(), 15);
+        let mut c = Progress::new(prefix.len(), 15);
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
         assert_eq!(c.fill(&prefix, &ops[..], &mut iov), 3, "the zero-length op gets no iovec");
-        c.advance(prefix.len(), &ops[..], 6);
+        c.advance(&ops[..], 6);
         assert_eq!(c.fill(&prefix, &ops[..], &mut iov), 2);
         assert_eq!(iov[0].iov_base as usize, 102);
         assert_eq!(iov[0].iov_len, 8);
-        c.advance(prefix.len(), &ops[..], 9);
+        c.advance(&ops[..], 9);
         assert_eq!(iov[1].iov_base as usize, 200);
         assert_eq!(c.fill(&prefix, &ops[..], &mut iov), 1);
         assert_eq!(iov[0].iov_base as usize, 201);
-        c.advance(prefix.len(), &ops[..], 4);
+        assert!(!c.is_done());
+        c.advance(&ops[..], 4);
         assert!(c.is_done());
         assert_eq!(c.fill(&prefix, &ops[..], &mut iov), 0);
     }
@@ -357,22 +349,24 @@ mod tests {
     #[test]
     fn the_window_follows_what_the_socket_moves() {
         let ops: Vec<WriteOp> = (0..4096).map(|i| WriteOp { src: i * 16384, dst: 0, len: 8192 }).collect();
-        let mut c = Cursor::new(0, 4096 * 8192);
+        let mut c = Progress::new(0, 4096 * 8192);
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
         assert_eq!(c.fill(&[], &ops[..], &mut iov), 128, "starts at 1 MiB");
-        c.advance(0, &ops[..], 16 * 1024);
+        c.advance(&ops[..], 16 * 1024);
         assert_eq!(c.fill(&[], &ops[..], &mut iov), 32, "shrinks to the 256 KiB floor");
-        c.advance(0, &ops[..], 256 * 1024);
+        c.advance(&ops[..], 256 * 1024);
         assert_eq!(c.fill(&[], &ops[..], &mut iov), 128, "grows to four times the last call");
-        c.advance(0, &ops[..], 8 << 20);
+        c.advance(&ops[..], 8 << 20);
         assert_eq!(c.fill(&[], &ops[..], &mut iov), MAX_IOVECS, "capped at IOV_MAX");
     }
 
     #[test]
-    fn fill_stops_at_iov_max() {
+    fn fill_stops_at_iov_max_with_a_prefix() {
         let ops: Vec<WriteOp> = (0..3000).map(|i| WriteOp { src: i * 64, dst: 0, len: 8 }).collect();
-        let c = Cursor::new(0, 3000 * 8);
+        let prefix = [0u8; 16];
+        let c = Progress::new(prefix.len(), 3000 * 8);
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
-        assert_eq!(c.fill(&[], &ops[..], &mut iov), MAX_IOVECS);
+        assert_eq!(c.fill(&prefix, &ops[..], &mut iov), MAX_IOVECS);
+        assert_eq!(iov[0].iov_len, 16, "the prefix goes first");
     }
 }

@@ -1,34 +1,43 @@
 //! The receiving side: the accept loop and one task per incoming connection.
 //!
-//! A connection's life: preamble → accept reply → batches until the peer
-//! closes, the connection idles past `idle_timeout`, the peer breaks the
-//! protocol, or the transport shuts down. A broken connection is logged and
-//! closed; it never affects the listener or other connections.
+//! A connection's life: the handshake (preamble → accept reply →
+//! authentication, all within one overall `handshake_timeout`), then batches
+//! until the peer closes, the connection idles past `idle_timeout`, the peer
+//! breaks the protocol, or the transport shuts down. Each batch's op list is
+//! admitted against the grant it names before a payload byte is read, and
+//! the payload lands only inside that grant while it is live. A broken
+//! connection is logged and closed; it never affects the listener or other
+//! connections.
 
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kv_proto::auth::{self, AuthSecret};
+use bytes::BufMut;
+use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
+use kv_proto::dataplane::{OpEntry, ReplyStatus};
+use kv_proto::{LogThrottle, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
 use crate::io::{read_exact, write_all, WireError};
-use crate::memory::{is_closed_error, Cursor, DestinationError, Destinations};
-use crate::nonce;
+use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
 use crate::wire::{
-    encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyStatus, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN,
-    BATCH_HEADER_LEN, FLAG_AUTH, OP_LEN, PREAMBLE_LEN, SUPPORTED_FLAGS, VERSION,
+    auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN,
+    BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, OP_LEN, PREAMBLE_LEN, SUPPORTED_BATCH_FLAGS, SUPPORTED_FLAGS, VERSION,
 };
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
 /// does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// At most one line per this interval for log lines a peer can provoke at
+/// will (accept failures, connections over the limit).
+const LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// Op-list entries read (and grown into) per step: memory follows the bytes
 /// that actually arrive, not the count a peer announces.
 const OPS_PER_READ: usize = 64 * 1024;
@@ -43,12 +52,16 @@ const DRAIN_CHUNK: usize = 64 * 1024;
 enum ConnError {
     #[error(transparent)]
     Wire(#[from] WireError),
+    #[error("handshake not completed within {0:?}")]
+    HandshakeTimeout(Duration),
     #[error("bad preamble magic {0:02x?} (not a kvlink data-plane client?)")]
     BadMagic([u8; 4]),
     #[error("peer speaks data-plane version {0}, this build speaks {VERSION}")]
     UnsupportedVersion(u16),
     #[error("peer requested unknown preamble flags {0:#06x}")]
     UnsupportedFlags(u16),
+    #[error("batch {batch_id}: unknown batch flags {flags:#x} or a non-zero reserved field {reserved:#x}")]
+    BadBatchHeader { batch_id: u64, flags: u32, reserved: u32 },
     #[error("batch {batch_id} announces {count} ops, more than the limit of {max}")]
     TooManyOps { batch_id: u64, count: u64, max: u64 },
     #[error("batch {batch_id}: op lengths add up to {}, the header says {declared}",
@@ -56,32 +69,10 @@ enum ConnError {
     LengthMismatch { batch_id: u64, declared: u64, sum: Option<u64> },
     #[error("data-plane authentication failed: {0}")]
     AuthFailed(&'static str),
+    #[error("the sender abandoned admitted batch {0} before its payload (another part of it was refused)")]
+    Abandoned(u64),
     #[error("the transport is shut down")]
     Closed,
-}
-
-/// Proves the shared secret to the sender and checks its proof; nothing of
-/// a batch is read before this returns `Ok`.
-async fn authenticate(
-    stream: &mut TcpStream,
-    secret: &AuthSecret,
-    client_nonce: &[u8; AUTH_TAG_LEN],
-    io_timeout: Duration,
-) -> Result<(), ConnError> {
-    let server_nonce = nonce::fresh().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
-    let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
-    challenge[..AUTH_TAG_LEN].copy_from_slice(&server_nonce);
-    challenge[AUTH_TAG_LEN..].copy_from_slice(&auth::server_proof(secret.bytes(), client_nonce, &server_nonce));
-    write_all(stream, &challenge, io_timeout, "authentication challenge").await?;
-    let mut proof = [0u8; AUTH_TAG_LEN];
-    read_exact(stream, &mut proof, io_timeout, "authentication proof").await?;
-    let ok = auth::proofs_match(&auth::client_proof(secret.bytes(), &server_nonce, client_nonce), &proof);
-    write_all(stream, &[if ok { AUTH_OK } else { AUTH_FAILED }], io_timeout, "authentication verdict").await?;
-    if ok {
-        Ok(())
-    } else {
-        Err(ConnError::AuthFailed("the sender's proof does not match the shared secret"))
-    }
 }
 
 /// How a connection ended without error.
@@ -92,9 +83,22 @@ enum End {
     Shutdown,
 }
 
+/// How the payload of an admitted batch ended.
+enum Received {
+    /// Every byte is in memory.
+    All,
+    /// The grant was revoked (or the memory closed) with `remaining` bytes
+    /// unread; none of them was written.
+    Revoked { remaining: u64 },
+}
+
 /// Accepts connections until the transport's token is cancelled.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let local = listener.local_addr().ok();
+    // Peers can provoke these two at will: one line per interval, with the
+    // count of those left out.
+    let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
+    let mut refusals = LogThrottle::new(LOG_INTERVAL);
     loop {
         let accepted = tokio::select! {
             biased;
@@ -104,7 +108,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         match accepted {
             Ok((stream, peer)) => {
                 let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-                    warn!(%peer, limit = shared.config.max_connections, "connection limit reached, closing");
+                    if let Some(suppressed) = refusals.allow(Instant::now()) {
+                        warn!(%peer, limit = shared.config.max_connections, suppressed,
+                            "connection limit reached, closing new connections");
+                    }
                     continue;
                 };
                 shared.accepted.fetch_add(1, Ordering::Relaxed);
@@ -115,7 +122,9 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 });
             }
             Err(error) => {
-                warn!(listener = ?local, %error, "accept failed");
+                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
+                    warn!(listener = ?local, %error, suppressed, "accept failed");
+                }
                 tokio::select! {
                     biased;
                     () = shared.token.cancelled() => break,
@@ -139,6 +148,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     };
     match outcome {
         Ok(end) => debug!(%peer, ?end, "data-plane connection closed"),
+        Err(error @ ConnError::Abandoned(_)) => debug!(%peer, %error, "data-plane connection closed"),
         Err(error) => warn!(%peer, %error, "closing data-plane connection"),
     }
 }
@@ -147,16 +157,39 @@ struct Connection<'s> {
     shared: &'s Shared,
     peer: SocketAddr,
     /// The op list, reused from batch to batch.
-    ops: Vec<[u8; OP_LEN]>,
+    ops: Vec<OpEntry>,
 }
 
 impl Connection<'_> {
     async fn run(mut self, stream: &mut TcpStream) -> Result<End, ConnError> {
+        let deadline = self.shared.config.handshake_timeout;
+        tokio::time::timeout(deadline, self.handshake(stream))
+            .await
+            .map_err(|_| ConnError::HandshakeTimeout(deadline))??;
+
+        let config = &self.shared.config;
+        loop {
+            let mut probe = [0u8; 1];
+            match tokio::time::timeout(config.idle_timeout, stream.peek(&mut probe)).await {
+                Err(_) => return Ok(End::Idle),
+                Ok(Ok(0)) => return Ok(End::PeerClosed),
+                Ok(Ok(_)) => {}
+                Ok(Err(source)) => return Err(WireError::Io { what: "batch header", source }.into()),
+            }
+            let mut header = [0u8; BATCH_HEADER_LEN];
+            read_exact(stream, &mut header, config.io_timeout, "batch header").await?;
+            self.batch(stream, BatchHeader::decode(&header)).await?;
+        }
+    }
+
+    /// Preamble, accept reply and (with a secret) authentication. The caller
+    /// bounds the whole of it by `handshake_timeout`.
+    async fn handshake(&self, stream: &mut TcpStream) -> Result<(), ConnError> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;
-        let mut preamble = [0u8; PREAMBLE_LEN];
-        read_exact(stream, &mut preamble, io_timeout, "preamble").await?;
-        let preamble = Preamble::decode(&preamble).map_err(ConnError::BadMagic)?;
+        let mut preamble_bytes = [0u8; PREAMBLE_LEN];
+        read_exact(stream, &mut preamble_bytes, io_timeout, "preamble").await?;
+        let preamble = Preamble::decode(&preamble_bytes).map_err(ConnError::BadMagic)?;
         let announced_auth = preamble.flags & FLAG_AUTH != 0;
         let (status, refusal) = if preamble.version != VERSION {
             (AcceptStatus::UnsupportedVersion, Some(ConnError::UnsupportedVersion(preamble.version)))
@@ -169,7 +202,7 @@ impl Connection<'_> {
         } else {
             (AcceptStatus::Accepted, None)
         };
-        let mut client_nonce = [0u8; AUTH_TAG_LEN];
+        let mut client_nonce: Nonce = [0u8; AUTH_TAG_LEN];
         if refusal.is_none() && announced_auth {
             read_exact(stream, &mut client_nonce, io_timeout, "authentication nonce").await?;
         }
@@ -178,33 +211,27 @@ impl Connection<'_> {
             status,
             max_ops_per_batch: config.max_ops_per_batch,
             idle_timeout_ms: u64::try_from(config.idle_timeout.as_millis()).unwrap_or(u64::MAX),
-        };
-        write_all(stream, &accept.encode(), io_timeout, "accept reply").await?;
+        }
+        .encode();
+        write_all(stream, &accept, io_timeout, "accept reply").await?;
         if let Some(refusal) = refusal {
             return Err(refusal);
         }
         if let Some(secret) = &config.auth_secret {
-            authenticate(stream, secret, &client_nonce, io_timeout).await?;
+            let context = auth_context(&preamble_bytes, &accept);
+            authenticate(stream, secret, &client_nonce, &context, io_timeout).await?;
         }
-
-        loop {
-            let mut probe = [0u8; 1];
-            match tokio::time::timeout(config.idle_timeout, stream.peek(&mut probe)).await {
-                Err(_) => return Ok(End::Idle),
-                Ok(Ok(0)) => return Ok(End::PeerClosed),
-                Ok(Ok(_)) => {}
-                Ok(Err(source)) => return Err(WireError::Io { what: "batch header", source }.into()),
-            }
-            let mut header = [0u8; BATCH_HEADER_LEN];
-            read_exact(stream, &mut header, io_timeout, "batch header").await?;
-            self.batch(stream, BatchHeader::decode(&header)).await?;
-        }
+        Ok(())
     }
 
     async fn batch(&mut self, stream: &mut TcpStream, header: BatchHeader) -> Result<(), ConnError> {
         let io_timeout = self.shared.config.io_timeout;
         let max = self.shared.config.max_ops_per_batch;
         let batch_id = header.batch_id;
+        if header.flags & !SUPPORTED_BATCH_FLAGS != 0 || header.reserved != 0 {
+            let error = ConnError::BadBatchHeader { batch_id, flags: header.flags, reserved: header.reserved };
+            return Err(self.protocol_error(stream, batch_id, error).await);
+        }
         let count = match usize::try_from(header.op_count) {
             Ok(count) if header.op_count <= max => count,
             _ => {
@@ -221,20 +248,16 @@ impl Connection<'_> {
             read_exact(stream, fresh.as_flattened_mut(), io_timeout, "op list").await?;
         }
 
+        // The grant check: every op inside the named, live grant, before a
+        // payload byte is read.
         let list = std::mem::take(&mut self.ops);
-        let result = match Destinations::check(&self.shared.memory, list, header.total_bytes) {
+        let admitted =
+            Destinations::admit(&self.shared.memory, &header.grant, list, header.total_bytes, Instant::now());
+        let result = match admitted {
             Ok(destinations) => {
-                let received = receive_payload(stream, &destinations, io_timeout).await;
+                let written = self.write_admitted(stream, &header, &destinations).await;
                 self.ops = destinations.into_list();
-                received?;
-                self.reply(stream, batch_id, ReplyStatus::Ok, "").await
-            }
-            Err((list, DestinationError::Outside { index, dst, len })) => {
-                self.ops = list;
-                let reason = format!("op {index}: destination {dst:#x}+{len} is outside the registered regions");
-                warn!(peer = %self.peer, batch_id, %reason, "refusing batch");
-                drain(stream, header.total_bytes, io_timeout).await?;
-                self.reply(stream, batch_id, ReplyStatus::Refused, &reason).await
+                written
             }
             Err((list, DestinationError::LengthMismatch { declared, sum })) => {
                 self.ops = list;
@@ -242,11 +265,53 @@ impl Connection<'_> {
                 Err(self.protocol_error(stream, batch_id, error).await)
             }
             Err((_, DestinationError::Closed)) => Err(ConnError::Closed),
+            Err((list, refusal)) => {
+                self.ops = list;
+                let reason = refusal.to_string();
+                warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, "refusing batch, nothing written");
+                // A pre-checked batch sends no payload after a refusal.
+                if !header.wants_precheck() {
+                    drain(stream, header.total_bytes, io_timeout).await?;
+                }
+                self.reply(stream, batch_id, ReplyStatus::Refused, &reason).await
+            }
         };
         if self.ops.capacity() > KEEP_OPS_CAPACITY {
             self.ops = Vec::new();
         }
         result
+    }
+
+    /// Receives an admitted batch's payload under its grant and replies.
+    async fn write_admitted(
+        &self,
+        stream: &mut TcpStream,
+        header: &BatchHeader,
+        destinations: &Destinations,
+    ) -> Result<(), ConnError> {
+        let io_timeout = self.shared.config.io_timeout;
+        let batch_id = header.batch_id;
+        if header.wants_precheck() {
+            self.reply(stream, batch_id, ReplyStatus::Ok, "").await?;
+        }
+        match receive_payload(stream, destinations, io_timeout).await {
+            Ok(Received::All) => self.reply(stream, batch_id, ReplyStatus::Ok, "").await,
+            Ok(Received::Revoked { remaining }) => {
+                if self.shared.memory.is_closed() {
+                    return Err(ConnError::Closed);
+                }
+                let reason = format!("grant {} was revoked during the batch", header.grant);
+                let written = destinations.total() - remaining;
+                warn!(peer = %self.peer, grant = %header.grant, batch_id, written, remaining,
+                    "grant revoked mid-batch: discarding the rest of the payload");
+                drain(stream, remaining, io_timeout).await?;
+                self.reply(stream, batch_id, ReplyStatus::Refused, &reason).await
+            }
+            Err(ConnError::Wire(WireError::Eof { partial: false, .. })) if header.wants_precheck() => {
+                Err(ConnError::Abandoned(batch_id))
+            }
+            Err(error) => Err(error),
+        }
     }
 
     async fn reply(
@@ -271,16 +336,58 @@ impl Connection<'_> {
     }
 }
 
-/// Reads the payload straight into the checked destinations.
-async fn receive_payload(
-    stream: &TcpStream,
-    destinations: &Destinations<'_>,
+/// Proves the shared secret to the sender and checks its proof, both bound
+/// to the whole transcript (this channel, both nonces, `context`); nothing
+/// of a batch is read before this returns `Ok`.
+async fn authenticate(
+    stream: &mut TcpStream,
+    secret: &AuthSecret,
+    client_nonce: &Nonce,
+    context: &[u8],
     io_timeout: Duration,
 ) -> Result<(), ConnError> {
-    let mut cursor = Cursor::new(0, destinations.total());
-    while !cursor.is_done() {
-        match stream.try_io(Interest::READABLE, || destinations.recv_from(stream.as_fd(), &mut cursor)) {
-            Ok(0) => return Err(WireError::Eof { what: "payload", partial: true }.into()),
+    let server_nonce = auth::fresh_nonce().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
+    let transcript = Transcript { channel: Channel::DataTcp, client_nonce, server_nonce: &server_nonce, context };
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    let mut out = &mut challenge[..];
+    out.put_slice(&server_nonce);
+    out.put_slice(&auth::server_proof(secret, &transcript));
+    write_all(stream, &challenge, io_timeout, "authentication challenge").await?;
+    let mut proof = [0u8; AUTH_TAG_LEN];
+    read_exact(stream, &mut proof, io_timeout, "authentication proof").await?;
+    let ok = auth::verify_client_proof(secret, &transcript, &proof);
+    write_all(stream, &[if ok { AUTH_OK } else { AUTH_FAILED }], io_timeout, "authentication verdict").await?;
+    if ok {
+        Ok(())
+    } else {
+        Err(ConnError::AuthFailed("the sender's proof does not match this connection's transcript and secret"))
+    }
+}
+
+fn is_revoked(error: &io::Error) -> bool {
+    error.get_ref().is_some_and(|inner| inner.is::<Revoked>())
+}
+
+/// Reads the payload straight into the admitted destinations while the
+/// grant is live.
+async fn receive_payload(
+    stream: &TcpStream,
+    destinations: &Destinations,
+    io_timeout: Duration,
+) -> Result<Received, ConnError> {
+    let total = destinations.total();
+    let mut progress = Progress::new(0, total);
+    while !progress.is_done() {
+        let attempt = stream.try_io(Interest::READABLE, || {
+            destinations
+                .recv_from(stream.as_fd(), &mut progress)
+                .unwrap_or_else(|revoked| Err(io::Error::other(revoked)))
+        });
+        match attempt {
+            Ok(0) => {
+                let partial = progress.payload_remaining() < total;
+                return Err(WireError::Eof { what: "payload", partial }.into());
+            }
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 match tokio::time::timeout(io_timeout, stream.readable()).await {
@@ -290,15 +397,15 @@ async fn receive_payload(
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if is_closed_error(&e) => return Err(ConnError::Closed),
+            Err(e) if is_revoked(&e) => return Ok(Received::Revoked { remaining: progress.payload_remaining() }),
             Err(source) => return Err(WireError::Io { what: "payload", source }.into()),
         }
     }
-    Ok(())
+    Ok(Received::All)
 }
 
-/// Reads and discards a refused batch's payload, so the connection stays in
-/// step and usable.
+/// Reads and discards `total` payload bytes (a refused batch, or the rest of
+/// one whose grant was revoked), so the connection stays in step and usable.
 async fn drain(stream: &mut TcpStream, total: u64, io_timeout: Duration) -> Result<(), ConnError> {
     let chunk = usize::try_from(total).map_or(DRAIN_CHUNK, |t| t.min(DRAIN_CHUNK));
     let mut scratch = vec![0u8; chunk];
@@ -306,7 +413,7 @@ async fn drain(stream: &mut TcpStream, total: u64, io_timeout: Duration) -> Resu
     while left > 0 {
         let n = usize::try_from(left).map_or(chunk, |l| l.min(chunk));
         let part = scratch.get_mut(..n).unwrap_or_default();
-        read_exact(stream, part, io_timeout, "refused payload").await?;
+        read_exact(stream, part, io_timeout, "discarded payload").await?;
         left -= n as u64;
     }
     Ok(())

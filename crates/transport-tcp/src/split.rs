@@ -1,54 +1,14 @@
 //! Spreading one large batch over several connections: the ops are cut into
 //! parts of about equal bytes, an op straddling a cut split in two.
 //!
-//! Each part is checked by the receiver on its own, so to keep "a batch with
-//! one bad op is refused whole, nothing written", the sender first checks
-//! every destination against the regions the receiver advertises in its
-//! endpoint (`Endpoint::details`: `(addr u64 LE, len u64 LE)` per region).
-//! A peer that advertises none is written on one connection.
+//! Each part travels on its own connection and the receiver admits each on
+//! its own, so to keep "a batch with one op outside its grant is refused
+//! whole, nothing written", the parts are pre-checked first: every part's
+//! header and op list go out asking for an admission verdict, and payloads
+//! follow only once every part was admitted (see `TcpTransport::write_split`
+//! and its gate).
 
-use kv_proto::{MemoryRegion, RegionSet, WriteOp, MAX_ENDPOINT_DETAILS_LEN};
-
-const REGION_ENTRY_LEN: usize = 16;
-
-/// The endpoint details advertising `regions`; empty if they do not fit.
-pub(crate) fn encode_regions(regions: &[MemoryRegion]) -> Vec<u8> {
-    if regions.len() * REGION_ENTRY_LEN > MAX_ENDPOINT_DETAILS_LEN {
-        return Vec::new();
-    }
-    let mut out = Vec::with_capacity(regions.len() * REGION_ENTRY_LEN);
-    for r in regions {
-        out.extend_from_slice(&r.addr.to_le_bytes());
-        out.extend_from_slice(&r.len.to_le_bytes());
-    }
-    out
-}
-
-/// The regions a peer advertises, or `None` if it advertises none or the
-/// details are malformed (peer input: never trusted beyond this use).
-pub(crate) fn decode_regions(details: &[u8]) -> Option<RegionSet> {
-    if details.is_empty() || details.len() % REGION_ENTRY_LEN != 0 || details.len() > MAX_ENDPOINT_DETAILS_LEN {
-        return None;
-    }
-    let regions: Vec<MemoryRegion> = details
-        .chunks_exact(REGION_ENTRY_LEN)
-        .map(|c| {
-            let (addr, len) = c.split_at(8);
-            MemoryRegion::new(
-                u64::from_le_bytes(addr.try_into().unwrap_or_default()),
-                u64::from_le_bytes(len.try_into().unwrap_or_default()),
-            )
-        })
-        .collect();
-    let mut set = RegionSet::new();
-    set.insert(&regions).ok()?;
-    Some(set)
-}
-
-/// The first op whose destination lies outside `regions`.
-pub(crate) fn first_outside(ops: &[WriteOp], regions: &RegionSet) -> Option<(usize, WriteOp)> {
-    ops.iter().copied().enumerate().find(|(_, op)| !regions.contains(op.dst, op.len))
-}
+use kv_proto::WriteOp;
 
 /// How many connections a batch of `total` payload bytes is spread over.
 pub(crate) fn stream_count(total: u64, parallel_streams: usize, parallel_min_bytes: u64) -> usize {
@@ -91,19 +51,6 @@ mod tests {
 
     fn bytes(part: &[WriteOp]) -> u64 {
         part.iter().map(|o| o.len).sum()
-    }
-
-    #[test]
-    fn advertised_regions_round_trip_and_bad_details_are_ignored() {
-        let regions = [MemoryRegion::new(4096, 100), MemoryRegion::new(0, 10)];
-        let set = decode_regions(&encode_regions(&regions)).unwrap();
-        assert!(set.contains(4096, 100) && set.contains(0, 10) && !set.contains(10, 1));
-        assert!(decode_regions(&[]).is_none());
-        assert!(decode_regions(&[0; 15]).is_none());
-        let overlapping = encode_regions(&[MemoryRegion::new(0, 10), MemoryRegion::new(5, 10)]);
-        assert!(decode_regions(&overlapping).is_none());
-        let ops = [WriteOp { src: 0, dst: 4096, len: 100 }, WriteOp { src: 0, dst: 4100, len: 100 }];
-        assert_eq!(first_outside(&ops, &set), Some((1, ops[1])));
     }
 
     #[test]

@@ -2,14 +2,18 @@
 //! together.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, TransportError, WriteOp};
+use kv_proto::{
+    BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp,
+};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
@@ -35,13 +39,15 @@ pub(crate) struct Shared {
     pub(crate) next_batch_id: AtomicU64,
 }
 
-/// A [`BatchWriter`] over TCP: serves peers' batches into the registered
-/// memory and writes batches into peers' memory.
+/// A [`BatchWriter`] over TCP: serves peers' batches into its destination
+/// memory under the grants it issued, and writes batches from its source
+/// memory into peers' memory under the grants they issued.
 ///
 /// Created by [`TcpTransport::bind`] inside a tokio runtime, whose tasks it
-/// uses. [`BatchWriter::shutdown`] stops the listener and every connection and
-/// waits for them; dropping the last handle cancels them too, and no byte of
-/// registered memory is touched once the drop has returned.
+/// uses. [`BatchWriter::close`] ends all access to registered memory at once;
+/// [`BatchWriter::shutdown`] closes, then stops the listener and every
+/// connection and waits for them; dropping the last handle closes too, so no
+/// byte of registered memory is touched once the drop has returned.
 #[derive(Debug)]
 pub struct TcpTransport {
     shared: Arc<Shared>,
@@ -112,15 +118,228 @@ impl TcpTransport {
     pub fn idle_connections(&self) -> usize {
         self.shared.pool.len()
     }
+
+    /// Grants issued and neither revoked nor expired and purged.
+    pub fn live_grants(&self) -> usize {
+        self.shared.memory.live_grants()
+    }
+
+    /// Writes a batch of at least `parallel_min_bytes` over `streams`
+    /// connections, refused whole if any part is refused: each part, on its
+    /// own task and connection, asks the receiver to admit it (header and op
+    /// list, no payload) and waits at a [`Gate`]; payloads follow only once
+    /// every part was admitted. Otherwise the admitted parts are abandoned:
+    /// their connections close before any payload byte, so the receiver
+    /// writes nothing of them.
+    async fn write_split(
+        &self,
+        peer: &Endpoint,
+        grant: GrantId,
+        ops: &[WriteOp],
+        total: u64,
+        streams: usize,
+    ) -> Result<(), TransportError> {
+        let parts = split::split_by_bytes(ops, total, streams);
+        let gate = Arc::new(Gate::new(parts.len()));
+        // Bound on waiting at the gate: the slowest part's question and
+        // verdict, a reconnect included.
+        let config = &self.shared.config;
+        let gate_bound = 2 * (config.connect_timeout + config.io_timeout);
+        // Each part on its own task, so the copies run on several cores;
+        // every part is awaited, so on return none is still writing, and
+        // dropping this future aborts them (it stops the batch).
+        let tasks: Vec<AbortOnDropHandle<Result<(), PartError>>> = parts
+            .into_iter()
+            .map(|part| {
+                let shared = Arc::clone(&self.shared);
+                let address = peer.address.clone();
+                let gate = Arc::clone(&gate);
+                AbortOnDropHandle::new(self.shared.tracker.spawn(async move {
+                    let sources = match Sources::check(&shared.memory, &part) {
+                        Ok(sources) => sources,
+                        Err(error) => {
+                            gate.close();
+                            return Err(PartError::Failed(source_error(error)));
+                        }
+                    };
+                    let admitted = match client::ask(&shared, &address, grant, &sources).await {
+                        Ok(asked) => client::verdict(&shared, &address, grant, &sources, asked).await,
+                        Err(error) => Err(error),
+                    };
+                    let admitted = match admitted {
+                        Ok(admitted) => admitted,
+                        Err(error) => {
+                            gate.close();
+                            return Err(PartError::Failed(error));
+                        }
+                    };
+                    if !gate.admitted(gate_bound).await {
+                        // Another part was not admitted (or the gate timed
+                        // out): drop this part's connection before its payload.
+                        drop(admitted);
+                        return Err(PartError::Abandoned);
+                    }
+                    client::finish(&shared, &address, admitted, &sources).await.map_err(PartError::Failed)
+                }))
+            })
+            .collect();
+        // Open the gate from here once every part was admitted (or leave it
+        // closed): the parts are then woken from this task, as spawning them
+        // would, and not all onto the worker of the last part admitted.
+        if !gate.decide(gate_bound).await {
+            debug!(peer = %peer, grant = %grant, "not every part of a split batch was admitted in time");
+        }
+        let mut failure: Option<TransportError> = None;
+        let mut abandoned = 0;
+        for task in tasks {
+            let outcome = task.await.unwrap_or_else(|join| {
+                Err(PartError::Failed(TransportError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(join),
+                }))
+            });
+            match outcome {
+                Ok(()) => {}
+                Err(PartError::Abandoned) => abandoned += 1,
+                Err(PartError::Failed(error)) => failure = Some(more_telling(failure, error)),
+            }
+        }
+        if abandoned > 0 && failure.is_none() {
+            // Every part was admitted, but not all before the gate's bound.
+            failure = Some(TransportError::Timeout {
+                peer: peer.to_string(),
+                what: "admission of every part of a split batch",
+                after: gate_bound,
+            });
+        }
+        match failure {
+            Some(error) => {
+                if !gate.opened() {
+                    debug!(peer = %peer, grant = %grant, %error,
+                        "a part of a split batch was not admitted: the admitted parts were abandoned, nothing sent");
+                }
+                Err(error)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// How one part of a split batch ended, if not with success.
+enum PartError {
+    /// Another part was not admitted; this one sent no payload.
+    Abandoned,
+    /// This part failed (refused, or a connection error).
+    Failed(TransportError),
+}
+
+/// Where the parts of a split batch meet once the receiver answered each:
+/// the batch's own task opens it when every part is admitted, and it closes
+/// for good as soon as one part is not.
+#[derive(Debug)]
+struct Gate {
+    parts: usize,
+    admitted: AtomicUsize,
+    /// Every part was admitted, or one was not: the batch's task decides.
+    reported: Notify,
+    state: watch::Sender<GateState>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GateState {
+    Waiting,
+    Open,
+    Closed,
+}
+
+impl Gate {
+    fn new(parts: usize) -> Self {
+        Self {
+            parts,
+            admitted: AtomicUsize::new(0),
+            reported: Notify::new(),
+            state: watch::Sender::new(GateState::Waiting),
+        }
+    }
+
+    /// Moves a waiting gate to `to`; a decided gate stays as it is.
+    fn set(&self, to: GateState) {
+        self.state.send_if_modified(|state| {
+            let waiting = *state == GateState::Waiting;
+            if waiting {
+                *state = to;
+            }
+            waiting
+        });
+    }
+
+    /// A part was not admitted: no part sends its payload.
+    fn close(&self) {
+        self.set(GateState::Closed);
+        self.reported.notify_one();
+    }
+
+    /// Waits (at most `bound`) until every part was admitted or one was
+    /// not, opens the gate in the first case, and returns whether it is open.
+    async fn decide(&self, bound: Duration) -> bool {
+        if tokio::time::timeout(bound, self.reported.notified()).await.is_ok()
+            && self.admitted.load(Ordering::Acquire) == self.parts
+        {
+            self.set(GateState::Open);
+        } else {
+            self.set(GateState::Closed);
+        }
+        self.opened()
+    }
+
+    /// Whether every part was admitted.
+    fn opened(&self) -> bool {
+        *self.state.borrow() == GateState::Open
+    }
+
+    /// A part was admitted: waits (at most `bound`) until the gate is
+    /// decided, and returns whether it opened.
+    async fn admitted(&self, bound: Duration) -> bool {
+        let mut state = self.state.subscribe();
+        if self.admitted.fetch_add(1, Ordering::AcqRel) + 1 == self.parts {
+            self.reported.notify_one();
+        }
+        let decided = tokio::time::timeout(bound, state.wait_for(|s| *s != GateState::Waiting)).await;
+        match decided {
+            Ok(Ok(state)) => *state == GateState::Open,
+            Ok(Err(_)) | Err(_) => {
+                self.close();
+                self.opened()
+            }
+        }
+    }
+}
+
+/// The error a batch reports when several parts failed: a refusal (the
+/// peer's verdict on the batch) over a connection error, else the first.
+fn more_telling(first: Option<TransportError>, next: TransportError) -> TransportError {
+    match first {
+        Some(first @ TransportError::Refused { .. }) => first,
+        Some(_) if matches!(next, TransportError::Refused { .. }) => next,
+        Some(first) => first,
+        None => next,
+    }
+}
+
+fn source_error(error: SourceError) -> TransportError {
+    match error {
+        SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
+            TransportError::SourceOutOfBounds { addr, len }
+        }
+        SourceError::Closed => TransportError::Shutdown,
+    }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.shared.token.cancel();
         // After this no task touches registered memory, so the caller may
         // free it as soon as the drop returns.
-        self.shared.memory.close();
-        self.shared.pool.clear();
+        self.close();
     }
 }
 
@@ -130,25 +349,45 @@ impl BatchWriter for TcpTransport {
         Protocol::Tcp
     }
 
-    unsafe fn register_regions(&self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
-        if self.shared.token.is_cancelled() {
+    unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
+        if self.shared.token.is_cancelled() || self.shared.memory.is_closed() {
             return Err(TransportError::Shutdown);
         }
         // SAFETY: the caller guarantees (this method's contract) that each
-        // region is valid for reads and writes for as long as this writer
-        // lives; `Drop` closes the memory before the writer is gone, which is
-        // what `LocalMemory::register` requires.
-        unsafe { self.shared.memory.register(regions) }?;
+        // region is valid for reads (and writes, for destinations) until
+        // `shutdown().await` or `close()` returned or the last handle was
+        // dropped; each of those closes the memory first, which is what
+        // `RegisteredMemory::register` requires.
+        unsafe { self.shared.memory.register(regions, access) }?;
         Ok(())
     }
 
     fn endpoint(&self) -> Endpoint {
-        // Advertise the registered regions so a sender spreading a batch over
-        // several connections can refuse a bad batch whole (see `split`).
-        Endpoint { details: split::encode_regions(&self.shared.memory.regions()), ..self.endpoint.clone() }
+        // Nothing transport-specific for TCP: the receiver checks every batch
+        // against the grant it names.
+        self.endpoint.clone()
     }
 
-    async fn batch_write(&self, peer: &Endpoint, ops: &[WriteOp]) -> Result<(), TransportError> {
+    async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
+        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
+        match self.shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
+            Ok(()) => {
+                debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
+                Ok(Grant::plain(id))
+            }
+            Err(GrantError::Closed) => Err(TransportError::Shutdown),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    async fn revoke(&self, grant: &GrantId) {
+        // The fence: returns once no `readv` under the grant is in progress,
+        // and none can start (see `memory`).
+        let was_live = self.shared.memory.revoke(grant);
+        debug!(grant = %grant, was_live, "grant revoked");
+    }
+
+    async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {
         let shared = &*self.shared;
         if shared.token.is_cancelled() {
             return Err(TransportError::Shutdown);
@@ -161,53 +400,18 @@ impl BatchWriter for TcpTransport {
             });
         }
         peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: peer.to_string(), reason })?;
-        let sources = Sources::check(&shared.memory, ops).map_err(|error| match error {
-            SourceError::Outside { addr, len } => TransportError::SourceOutOfBounds { addr, len },
-            SourceError::TotalOverflows { addr, len } => TransportError::SourceOutOfBounds { addr, len },
-            SourceError::Closed => TransportError::Shutdown,
-        })?;
+        let sources = Sources::check(&shared.memory, ops).map_err(source_error)?;
         if ops.is_empty() {
             return Ok(());
         }
-        let streams =
-            split::stream_count(sources.total(), shared.config.parallel_streams, shared.config.parallel_min_bytes);
-        let peer_regions = if streams > 1 { split::decode_regions(&peer.details) } else { None };
+        let total = sources.total();
+        let streams = split::stream_count(total, shared.config.parallel_streams, shared.config.parallel_min_bytes);
         let written = async {
-            let Some(peer_regions) = peer_regions else {
-                return client::write_batch(shared, &peer.address, &sources).await;
-            };
-            if let Some((index, op)) = split::first_outside(ops, &peer_regions) {
-                return Err(TransportError::Refused {
-                    peer: peer.to_string(),
-                    reason: format!(
-                        "op {index}: destination {:#x}+{} is outside the regions the peer advertises",
-                        op.dst, op.len
-                    ),
-                });
+            if streams > 1 {
+                self.write_split(peer, grant.id, ops, total, streams).await
+            } else {
+                client::write_batch(shared, &peer.address, grant.id, &sources).await
             }
-            // Each part on its own task, so the parts' copies run on several
-            // cores; every part is awaited, so on return none is still writing.
-            let tasks: Vec<_> = split::split_by_bytes(ops, sources.total(), streams)
-                .into_iter()
-                .map(|part| {
-                    let shared = Arc::clone(&self.shared);
-                    let address = peer.address.clone();
-                    self.shared.tracker.spawn(async move {
-                        let sources = Sources::check(&shared.memory, &part).map_err(|_| TransportError::Shutdown)?;
-                        client::write_batch(&shared, &address, &sources).await
-                    })
-                })
-                .collect();
-            let mut result = Ok(());
-            for task in tasks {
-                let outcome = task.await.unwrap_or_else(|join| {
-                    Err(TransportError::Io { peer: peer.to_string(), source: std::io::Error::other(join) })
-                });
-                if result.is_ok() {
-                    result = outcome;
-                }
-            }
-            result
         };
         tokio::select! {
             biased;
@@ -216,11 +420,17 @@ impl BatchWriter for TcpTransport {
         }
     }
 
-    async fn shutdown(&self) {
+    fn close(&self) {
         let shared = &*self.shared;
         shared.token.cancel();
+        // Waits for any raw access in progress; none starts after it.
         shared.memory.close();
         shared.pool.clear();
+    }
+
+    async fn shutdown(&self) {
+        self.close();
+        let shared = &*self.shared;
         shared.tracker.close();
         shared.tracker.wait().await;
         debug!(local_addr = %self.local_addr, "data-plane transport shut down");

@@ -1,62 +1,54 @@
-//! Byte layout of the TCP data plane: fixed-size frames, little-endian, pure
-//! encode/decode with no I/O.
+//! Byte layout of the TCP data plane (wire v2): fixed-size frames,
+//! little-endian, encoded and decoded with `bytes::Buf`/`BufMut`, no I/O.
 //!
-//! The layout is drawn in the crate documentation. Everything here is public
+//! The layout is drawn in the crate documentation. The op list and the
+//! verdict every data-plane wire shares come from [`kv_proto::dataplane`];
+//! this module adds the TCP framing around them. Everything here is public
 //! so that tests (and a future second wire beside this one) can speak it
 //! byte for byte; the transport itself is the only intended user.
 
+use bytes::{Buf, BufMut};
+use kv_proto::dataplane::{self, ReplyStatus, VERDICT_HEADER_LEN};
+use kv_proto::{GrantId, GRANT_ID_LEN};
+
+pub use kv_proto::dataplane::{decode_op, encode_op, OpEntry, MAX_REASON_LEN, OP_LEN};
+
 /// The four bytes a data-plane connection starts with.
 pub const MAGIC: [u8; 4] = *b"KVLT";
-/// The data-plane wire version this build speaks.
-pub const VERSION: u16 = 1;
+/// The data-plane wire version this build speaks (2: batches name a grant).
+pub const VERSION: u16 = 2;
 /// Preamble flag: the sender holds the shared secret and sends its nonce
 /// ([`AUTH_TAG_LEN`] bytes) right after the preamble.
 pub const FLAG_AUTH: u16 = 1;
 /// Preamble flags this build understands.
 pub const SUPPORTED_FLAGS: u16 = FLAG_AUTH;
-/// Bytes of a nonce, a proof, and so of the challenge (nonce then proof) is twice this.
+/// Bytes of a nonce and of a proof.
 pub const AUTH_TAG_LEN: usize = kv_proto::auth::AUTH_TAG_LEN;
 /// Verdict byte after the sender's proof: accepted.
 pub const AUTH_OK: u8 = 0;
 /// Verdict byte after the sender's proof: refused (the receiver then closes).
 pub const AUTH_FAILED: u8 = 1;
 
-/// Bytes of the [`Preamble`].
+/// Batch flag: the sender asks for an admission verdict before it sends
+/// the payload (used for each part of a batch spread over several
+/// connections, so a batch is refused whole before any part is written).
+pub const BATCH_FLAG_PRECHECK: u32 = 1;
+/// Batch flags this build understands.
+pub const SUPPORTED_BATCH_FLAGS: u32 = BATCH_FLAG_PRECHECK;
+
+/// Bytes of the [`Preamble`] (the nonce of `FLAG_AUTH` not included).
 pub const PREAMBLE_LEN: usize = 8;
 /// Bytes of the [`Accept`] reply.
 pub const ACCEPT_LEN: usize = 24;
+/// Bytes of the receiver's challenge: its nonce, then its proof.
+pub const CHALLENGE_LEN: usize = 2 * AUTH_TAG_LEN;
+/// Bytes of the authentication transcript's context: the preamble and the
+/// accept reply, as sent.
+pub const AUTH_CONTEXT_LEN: usize = PREAMBLE_LEN + ACCEPT_LEN;
 /// Bytes of a [`BatchHeader`].
-pub const BATCH_HEADER_LEN: usize = 24;
-/// Bytes of one op-list entry (`dst u64`, `len u64`).
-pub const OP_LEN: usize = 16;
+pub const BATCH_HEADER_LEN: usize = 48;
 /// Bytes of a [`ReplyHeader`] (the reason follows it).
-pub const REPLY_HEADER_LEN: usize = 16;
-/// Bound on the reason text of a reply (peer input on the sender side).
-pub const MAX_REASON_LEN: usize = 1024;
-
-fn u16_at(buf: &[u8], at: usize) -> u16 {
-    let mut b = [0u8; 2];
-    if let Some(s) = buf.get(at..at + 2) {
-        b.copy_from_slice(s);
-    }
-    u16::from_le_bytes(b)
-}
-
-fn u32_at(buf: &[u8], at: usize) -> u32 {
-    let mut b = [0u8; 4];
-    if let Some(s) = buf.get(at..at + 4) {
-        b.copy_from_slice(s);
-    }
-    u32::from_le_bytes(b)
-}
-
-fn u64_at(buf: &[u8], at: usize) -> u64 {
-    let mut b = [0u8; 8];
-    if let Some(s) = buf.get(at..at + 8) {
-        b.copy_from_slice(s);
-    }
-    u64::from_le_bytes(b)
-}
+pub const REPLY_HEADER_LEN: usize = 8 + VERDICT_HEADER_LEN;
 
 /// What a connecting sender writes first: `KVLT | version u16 | flags u16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,7 +60,7 @@ pub struct Preamble {
 }
 
 impl Preamble {
-    /// This build's preamble.
+    /// This build's preamble, without authentication.
     pub fn current() -> Self {
         Self { version: VERSION, flags: 0 }
     }
@@ -76,28 +68,37 @@ impl Preamble {
     /// The preamble's bytes.
     pub fn encode(&self) -> [u8; PREAMBLE_LEN] {
         let mut b = [0u8; PREAMBLE_LEN];
-        b[..4].copy_from_slice(&MAGIC);
-        b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        let mut out = &mut b[..];
+        out.put_slice(&MAGIC);
+        out.put_u16_le(self.version);
+        out.put_u16_le(self.flags);
         b
     }
 
     /// Parses a preamble; `Err` carries the four bytes found in place of
     /// [`MAGIC`].
     pub fn decode(b: &[u8; PREAMBLE_LEN]) -> Result<Self, [u8; 4]> {
-        let mut magic = [0u8; 4];
-        magic.copy_from_slice(&b[..4]);
-        if magic != MAGIC {
-            return Err(magic);
-        }
-        Ok(Self { version: u16_at(b, 4), flags: u16_at(b, 6) })
+        let mut buf = &b[..];
+        take_magic(&mut buf)?;
+        Ok(Self { version: buf.get_u16_le(), flags: buf.get_u16_le() })
+    }
+}
+
+/// Reads the four magic bytes; `Err` carries them if they are not [`MAGIC`].
+fn take_magic(buf: &mut &[u8]) -> Result<(), [u8; 4]> {
+    let mut magic = [0u8; 4];
+    buf.copy_to_slice(&mut magic);
+    if magic == MAGIC {
+        Ok(())
+    } else {
+        Err(magic)
     }
 }
 
 /// The receiver's answer to a [`Preamble`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AcceptStatus {
-    /// The connection is accepted; batches may follow.
+    /// The connection is accepted; batches (or authentication) may follow.
     Accepted,
     /// The receiver does not speak the sender's version; it closes.
     UnsupportedVersion,
@@ -161,113 +162,100 @@ impl Accept {
     /// The reply's bytes.
     pub fn encode(&self) -> [u8; ACCEPT_LEN] {
         let mut b = [0u8; ACCEPT_LEN];
-        b[..4].copy_from_slice(&MAGIC);
-        b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        b[6..8].copy_from_slice(&self.status.code().to_le_bytes());
-        b[8..16].copy_from_slice(&self.max_ops_per_batch.to_le_bytes());
-        b[16..24].copy_from_slice(&self.idle_timeout_ms.to_le_bytes());
+        let mut out = &mut b[..];
+        out.put_slice(&MAGIC);
+        out.put_u16_le(self.version);
+        out.put_u16_le(self.status.code());
+        out.put_u64_le(self.max_ops_per_batch);
+        out.put_u64_le(self.idle_timeout_ms);
         b
     }
 
     /// Parses a reply; `Err` carries the four bytes found in place of [`MAGIC`].
     pub fn decode(b: &[u8; ACCEPT_LEN]) -> Result<Self, [u8; 4]> {
-        let mut magic = [0u8; 4];
-        magic.copy_from_slice(&b[..4]);
-        if magic != MAGIC {
-            return Err(magic);
-        }
+        let mut buf = &b[..];
+        take_magic(&mut buf)?;
         Ok(Self {
-            version: u16_at(b, 4),
-            status: AcceptStatus::from_code(u16_at(b, 6)),
-            max_ops_per_batch: u64_at(b, 8),
-            idle_timeout_ms: u64_at(b, 16),
+            version: buf.get_u16_le(),
+            status: AcceptStatus::from_code(buf.get_u16_le()),
+            max_ops_per_batch: buf.get_u64_le(),
+            idle_timeout_ms: buf.get_u64_le(),
         })
     }
 }
 
-/// What starts every batch: `batch_id u64 | op_count u64 | total_bytes u64`.
+/// The context of the authentication transcript
+/// ([`kv_proto::auth::Transcript::context`]): everything both sides have
+/// seen before the proofs, as sent — the preamble, then the accept reply.
+/// (The nonces are transcript fields of their own.)
+pub fn auth_context(preamble: &[u8; PREAMBLE_LEN], accept: &[u8; ACCEPT_LEN]) -> [u8; AUTH_CONTEXT_LEN] {
+    let mut b = [0u8; AUTH_CONTEXT_LEN];
+    let mut out = &mut b[..];
+    out.put_slice(preamble);
+    out.put_slice(accept);
+    b
+}
+
+/// What starts every batch:
+/// `batch_id u64 | flags u32 | reserved u32 | op_count u64 | total_bytes u64 | grant_id [u8; 16]`.
 ///
-/// `op_count` entries of [`OP_LEN`] bytes follow, then `total_bytes` of
-/// payload (every op's bytes, concatenated in op order).
+/// `op_count` entries of [`OP_LEN`] bytes follow, then (unless the receiver
+/// refused a [`BATCH_FLAG_PRECHECK`] batch) `total_bytes` of payload: every
+/// op's bytes, concatenated in op order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchHeader {
-    /// Sender-chosen id, echoed in the reply.
+    /// Sender-chosen id, echoed in the replies.
     pub batch_id: u64,
+    /// [`BATCH_FLAG_PRECHECK`] or 0; the receiver refuses unknown bits.
+    pub flags: u32,
+    /// Must be zero (room for a later version).
+    pub reserved: u32,
     /// Number of ops in the op list.
     pub op_count: u64,
     /// Sum of the ops' lengths: the payload's size.
     pub total_bytes: u64,
+    /// The grant the batch writes under (issued by the receiver).
+    pub grant: GrantId,
 }
 
 impl BatchHeader {
     /// The header's bytes.
     pub fn encode(&self) -> [u8; BATCH_HEADER_LEN] {
         let mut b = [0u8; BATCH_HEADER_LEN];
-        b[..8].copy_from_slice(&self.batch_id.to_le_bytes());
-        b[8..16].copy_from_slice(&self.op_count.to_le_bytes());
-        b[16..24].copy_from_slice(&self.total_bytes.to_le_bytes());
+        let mut out = &mut b[..];
+        out.put_u64_le(self.batch_id);
+        out.put_u32_le(self.flags);
+        out.put_u32_le(self.reserved);
+        out.put_u64_le(self.op_count);
+        out.put_u64_le(self.total_bytes);
+        out.put_slice(&self.grant.to_bytes());
         b
     }
 
     /// Parses a header (any bytes are a header; the receiver validates the
-    /// counts).
+    /// flags, the counts and the grant).
     pub fn decode(b: &[u8; BATCH_HEADER_LEN]) -> Self {
-        Self { batch_id: u64_at(b, 0), op_count: u64_at(b, 8), total_bytes: u64_at(b, 16) }
+        let mut buf = &b[..];
+        let batch_id = buf.get_u64_le();
+        let flags = buf.get_u32_le();
+        let reserved = buf.get_u32_le();
+        let op_count = buf.get_u64_le();
+        let total_bytes = buf.get_u64_le();
+        let mut grant = [0u8; GRANT_ID_LEN];
+        buf.copy_to_slice(&mut grant);
+        Self { batch_id, flags, reserved, op_count, total_bytes, grant: GrantId::from_bytes(grant) }
+    }
+
+    /// Whether the sender asks for an admission verdict before the payload.
+    pub fn wants_precheck(&self) -> bool {
+        self.flags & BATCH_FLAG_PRECHECK != 0
     }
 }
 
-/// One op-list entry's bytes: `dst u64 | len u64`.
-pub fn encode_op(dst: u64, len: u64) -> [u8; OP_LEN] {
-    let mut b = [0u8; OP_LEN];
-    b[..8].copy_from_slice(&dst.to_le_bytes());
-    b[8..].copy_from_slice(&len.to_le_bytes());
-    b
-}
-
-/// Parses one op-list entry into `(dst, len)`.
-pub fn decode_op(b: &[u8; OP_LEN]) -> (u64, u64) {
-    (u64_at(b, 0), u64_at(b, 8))
-}
-
-/// The outcome of a batch, as the receiver reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReplyStatus {
-    /// Every byte of the batch is in the receiver's memory.
-    Ok,
-    /// The batch was refused whole (nothing written); the connection stays
-    /// usable.
-    Refused,
-    /// The sender broke the protocol; the receiver closes the connection.
-    ProtocolError,
-    /// A status this build does not know.
-    Unknown(u32),
-}
-
-impl ReplyStatus {
-    /// The status code on the wire.
-    pub fn code(self) -> u32 {
-        match self {
-            ReplyStatus::Ok => 0,
-            ReplyStatus::Refused => 1,
-            ReplyStatus::ProtocolError => 2,
-            ReplyStatus::Unknown(c) => c,
-        }
-    }
-
-    /// The status of a wire code.
-    pub fn from_code(code: u32) -> Self {
-        match code {
-            0 => ReplyStatus::Ok,
-            1 => ReplyStatus::Refused,
-            2 => ReplyStatus::ProtocolError,
-            c => ReplyStatus::Unknown(c),
-        }
-    }
-}
-
-/// The receiver's reply to a batch:
-/// `batch_id u64 | status u32 | reason_len u32`, then `reason_len` bytes of
-/// UTF-8 reason (empty for [`ReplyStatus::Ok`]).
+/// The receiver's reply to a batch, or its admission verdict on a
+/// [`BATCH_FLAG_PRECHECK`] batch: `batch_id u64`, then the shared verdict
+/// (`status u32 | reason_len u32`, [`kv_proto::dataplane::put_verdict`]),
+/// then `reason_len` bytes of UTF-8 reason (empty for [`ReplyStatus::Ok`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplyHeader {
     /// The batch this replies to.
@@ -279,34 +267,29 @@ pub struct ReplyHeader {
 }
 
 impl ReplyHeader {
-    /// The header's bytes.
-    pub fn encode(&self) -> [u8; REPLY_HEADER_LEN] {
-        let mut b = [0u8; REPLY_HEADER_LEN];
-        b[..8].copy_from_slice(&self.batch_id.to_le_bytes());
-        b[8..12].copy_from_slice(&self.status.code().to_le_bytes());
-        b[12..16].copy_from_slice(&self.reason_len.to_le_bytes());
-        b
-    }
-
     /// Parses a reply header.
     pub fn decode(b: &[u8; REPLY_HEADER_LEN]) -> Self {
-        Self { batch_id: u64_at(b, 0), status: ReplyStatus::from_code(u32_at(b, 8)), reason_len: u32_at(b, 12) }
+        let mut buf = &b[..];
+        let batch_id = buf.get_u64_le();
+        let mut verdict = [0u8; VERDICT_HEADER_LEN];
+        buf.copy_to_slice(&mut verdict);
+        let (status, reason_len) = dataplane::decode_verdict_header(&verdict);
+        Self { batch_id, status, reason_len }
     }
 }
 
-/// A whole reply (header and reason), the reason cut to [`MAX_REASON_LEN`]
-/// bytes at a character boundary.
+/// Appends a whole reply (header and reason, the reason cut to
+/// [`MAX_REASON_LEN`] bytes at a character boundary) to `out`.
+pub fn put_reply(out: &mut impl BufMut, batch_id: u64, status: ReplyStatus, reason: &str) {
+    out.put_u64_le(batch_id);
+    dataplane::put_verdict(out, status, reason);
+}
+
+/// A whole reply's bytes (see [`put_reply`]).
 pub fn encode_reply(batch_id: u64, status: ReplyStatus, reason: &str) -> Vec<u8> {
-    let mut end = reason.len().min(MAX_REASON_LEN);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    let reason = &reason.as_bytes()[..end];
-    // `end` <= MAX_REASON_LEN, which fits in u32.
-    let reason_len = u32::try_from(reason.len()).unwrap_or(0);
-    let mut out = Vec::with_capacity(REPLY_HEADER_LEN + reason.len());
-    out.extend_from_slice(&ReplyHeader { batch_id, status, reason_len }.encode());
-    out.extend_from_slice(&reason[..reason_len as usize]);
+    let reason_len = dataplane::bounded_reason(reason).len();
+    let mut out = Vec::with_capacity(REPLY_HEADER_LEN + reason_len);
+    put_reply(&mut out, batch_id, status, reason);
     out
 }
 
@@ -325,11 +308,34 @@ mod tests {
             idle_timeout_ms: 120_000,
         };
         assert_eq!(Accept::decode(&a.encode()), Ok(a));
-        let h = BatchHeader { batch_id: u64::MAX, op_count: 3, total_bytes: 1 << 40 };
+        let h = BatchHeader {
+            batch_id: u64::MAX,
+            flags: BATCH_FLAG_PRECHECK,
+            reserved: 0,
+            op_count: 3,
+            total_bytes: 1 << 40,
+            grant: GrantId::from_bytes([0xA5; GRANT_ID_LEN]),
+        };
         assert_eq!(BatchHeader::decode(&h.encode()), h);
-        assert_eq!(decode_op(&encode_op(0xdead_beef, 8192)), (0xdead_beef, 8192));
-        let r = ReplyHeader { batch_id: 9, status: ReplyStatus::Unknown(77), reason_len: 5 };
-        assert_eq!(ReplyHeader::decode(&r.encode()), r);
+        assert!(h.wants_precheck());
+        let bytes = encode_reply(9, ReplyStatus::Unknown(77), "hello");
+        let r = ReplyHeader::decode(bytes[..REPLY_HEADER_LEN].try_into().unwrap());
+        assert_eq!(r, ReplyHeader { batch_id: 9, status: ReplyStatus::Unknown(77), reason_len: 5 });
+        assert_eq!(&bytes[REPLY_HEADER_LEN..], b"hello");
+    }
+
+    #[test]
+    fn the_layout_is_little_endian_at_fixed_offsets() {
+        let grant = GrantId::from_bytes(core::array::from_fn(|i| i as u8));
+        let h = BatchHeader { batch_id: 1, flags: 2, reserved: 3, op_count: 4, total_bytes: 5, grant };
+        let b = h.encode();
+        assert_eq!((b[0], b[8], b[12], b[16], b[24]), (1, 2, 3, 4, 5));
+        assert_eq!(&b[32..], &grant.to_bytes());
+        assert_eq!(&Preamble::current().encode(), b"KVLT\x02\x00\x00\x00");
+        let p = [1u8; PREAMBLE_LEN];
+        let a = [2u8; ACCEPT_LEN];
+        let c = auth_context(&p, &a);
+        assert_eq!((&c[..PREAMBLE_LEN], &c[PREAMBLE_LEN..]), (&p[..], &a[..]));
     }
 
     #[test]
@@ -337,16 +343,19 @@ mod tests {
         let mut b = Preamble::current().encode();
         b[0] = b'X';
         assert_eq!(Preamble::decode(&b), Err(*b"XVLT"));
+        let mut a =
+            Accept { version: 2, status: AcceptStatus::Accepted, max_ops_per_batch: 1, idle_timeout_ms: 1 }.encode();
+        a[3] = b'!';
+        assert_eq!(Accept::decode(&a), Err(*b"KVL!"));
     }
 
     #[test]
     fn reply_reason_is_cut_at_a_char_boundary() {
         let long = "é".repeat(MAX_REASON_LEN);
         let bytes = encode_reply(1, ReplyStatus::Refused, &long);
-        let mut h = [0u8; REPLY_HEADER_LEN];
-        h.copy_from_slice(&bytes[..REPLY_HEADER_LEN]);
-        let h = ReplyHeader::decode(&h);
-        assert_eq!(h.reason_len as usize, MAX_REASON_LEN);
+        let h = ReplyHeader::decode(bytes[..REPLY_HEADER_LEN].try_into().unwrap());
+        assert!(h.reason_len as usize <= MAX_REASON_LEN);
+        assert_eq!(bytes.len(), REPLY_HEADER_LEN + h.reason_len as usize);
         assert!(std::str::from_utf8(&bytes[REPLY_HEADER_LEN..]).is_ok());
     }
 }

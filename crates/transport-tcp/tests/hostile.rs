@@ -8,14 +8,16 @@ mod common;
 
 use std::time::Duration;
 
+use bytes::BufMut;
 use common::{assert_still_serves, Node, RawClient, BOUND};
-use kv_proto::{BatchWriter, Endpoint, Protocol, TransportError, WriteOp};
+use kv_proto::dataplane::ReplyStatus;
+use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, Protocol, TransportError, WriteOp};
 use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use transport_tcp::wire::{
-    encode_op, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ReplyStatus, ACCEPT_LEN,
-    MAX_REASON_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
+    encode_op, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, BATCH_HEADER_LEN,
+    MAX_REASON_LEN, OP_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
 };
 use transport_tcp::TcpConfig;
 
@@ -56,6 +58,10 @@ enum Abuse {
     IdleAfterPreamble,
     /// Part of a batch header, then the write side closed.
     TruncatedHeader,
+    /// A batch header with flags this build does not know.
+    UnknownBatchFlags,
+    /// A batch header with a non-zero reserved field.
+    ReservedField,
     /// One op more than the receiver's limit.
     TooManyOps,
     /// An op count of u64::MAX.
@@ -83,6 +89,8 @@ async fn a_hostile_client_costs_only_its_connection(
         Abuse::Silent,
         Abuse::IdleAfterPreamble,
         Abuse::TruncatedHeader,
+        Abuse::UnknownBatchFlags,
+        Abuse::ReservedField,
         Abuse::TooManyOps,
         Abuse::HugeOpCount,
         Abuse::SumMismatch,
@@ -95,6 +103,10 @@ async fn a_hostile_client_costs_only_its_connection(
 ) {
     let victim = Node::new(victim_config(), VICTIM_LEN).await;
     let base = victim.buf.addr();
+    let grant = victim.grant_all().await.id;
+    let header = |batch_id, flags, reserved, op_count, total_bytes| {
+        BatchHeader { batch_id, flags, reserved, op_count, total_bytes, grant }.encode()
+    };
     let mut client = RawClient::connect(&victim).await;
     // What the receiver must answer before closing, if anything.
     let mut expect_accept = None;
@@ -123,27 +135,37 @@ async fn a_hostile_client_costs_only_its_connection(
         Abuse::TooManyOps => {
             handshake(&mut client).await;
             // The header alone: the receiver must refuse before reading ops.
-            client.send(&BatchHeader { batch_id: 7, op_count: 1025, total_bytes: 1025 }.encode()).await;
+            client.send(&header(7, 0, 0, 1025, 1025)).await;
             expect_reply = Some((7, ReplyStatus::ProtocolError));
+        }
+        Abuse::UnknownBatchFlags => {
+            handshake(&mut client).await;
+            client.send(&header(5, 0x8000_0000, 0, 1, 16)).await;
+            expect_reply = Some((5, ReplyStatus::ProtocolError));
+        }
+        Abuse::ReservedField => {
+            handshake(&mut client).await;
+            client.send(&header(6, 0, 1, 1, 16)).await;
+            expect_reply = Some((6, ReplyStatus::ProtocolError));
         }
         Abuse::HugeOpCount => {
             handshake(&mut client).await;
-            client.send(&BatchHeader { batch_id: 8, op_count: u64::MAX, total_bytes: 0 }.encode()).await;
+            client.send(&header(8, 0, 0, u64::MAX, 0)).await;
             expect_reply = Some((8, ReplyStatus::ProtocolError));
         }
         Abuse::SumMismatch => {
             handshake(&mut client).await;
-            client.batch(9, &[(base, 100), (base + 200, 100)], 201, &[]).await;
+            client.batch(9, grant, &[(base, 100), (base + 200, 100)], 201, &[]).await;
             expect_reply = Some((9, ReplyStatus::ProtocolError));
         }
         Abuse::SumOverflows => {
             handshake(&mut client).await;
-            client.batch(10, &[(base, u64::MAX), (base, 2)], 1, &[]).await;
+            client.batch(10, grant, &[(base, u64::MAX), (base, 2)], 1, &[]).await;
             expect_reply = Some((10, ReplyStatus::ProtocolError));
         }
         Abuse::TruncatedOpList => {
             handshake(&mut client).await;
-            let mut bytes = BatchHeader { batch_id: 11, op_count: 4, total_bytes: 64 }.encode().to_vec();
+            let mut bytes = header(11, 0, 0, 4, 64).to_vec();
             bytes.extend_from_slice(&encode_op(base, 16));
             bytes.extend_from_slice(&[0; 8]);
             client.send(&bytes).await;
@@ -151,12 +173,12 @@ async fn a_hostile_client_costs_only_its_connection(
         }
         Abuse::TruncatedPayload => {
             handshake(&mut client).await;
-            client.batch(12, &[(base, 1000)], 1000, &[0xAB; 400]).await;
+            client.batch(12, grant, &[(base, 1000)], 1000, &[0xAB; 400]).await;
             client.stream.shutdown().await.unwrap();
         }
         Abuse::StalledPayload => {
             handshake(&mut client).await;
-            client.batch(13, &[(base, 1000)], 1000, &[0xAB; 400]).await;
+            client.batch(13, grant, &[(base, 1000)], 1000, &[0xAB; 400]).await;
         }
     }
 
@@ -180,6 +202,7 @@ async fn a_hostile_client_costs_only_its_connection(
         Abuse::TruncatedPayload | Abuse::StalledPayload => 400,
         _ => 0,
     };
+    victim.transport.revoke(&grant).await;
     assert!(victim.buf.bytes()[clean_from..].iter().all(|&b| b == 0), "bad input wrote to memory");
     assert_still_serves(&victim).await;
 }
@@ -191,6 +214,7 @@ async fn a_refused_batch_keeps_the_connection_usable() {
     let victim = Node::new(victim_config(), VICTIM_LEN).await;
     let base = victim.buf.addr();
     let end = victim.buf.end();
+    let grant = victim.grant_all().await.id;
     let (mut client, _) = RawClient::handshaken(&victim).await;
 
     let below = base - 4;
@@ -199,20 +223,38 @@ async fn a_refused_batch_keeps_the_connection_usable() {
     {
         let ops = [(base, 16), bad];
         let total = 16 + bad.1;
-        client.batch(batch_id, &ops, total, &vec![0xCD; total as usize]).await;
+        client.batch(batch_id, grant, &ops, total, &vec![0xCD; total as usize]).await;
         let (reply, reason) = client.reply().await;
         assert_eq!((reply.batch_id, reply.status), (batch_id, ReplyStatus::Refused));
         assert!(reason.contains("op 1"), "reason {reason:?} names no op");
         assert!(victim.buf.is_zero(), "a refused batch wrote bytes");
     }
 
-    client.batch(20, &[], 0, &[]).await;
+    client.batch(20, grant, &[], 0, &[]).await;
     assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
-    client.batch(21, &[(base + 100, 3), (base + 10, 2)], 5, &[1, 2, 3, 4, 5]).await;
+    client.batch(21, grant, &[(base + 100, 3), (base + 10, 2)], 5, &[1, 2, 3, 4, 5]).await;
     let (reply, reason) = client.reply().await;
     assert_eq!((reply.batch_id, reply.status, reason.as_str()), (21, ReplyStatus::Ok, ""));
+    victim.transport.revoke(&grant).await;
     assert_eq!(&victim.buf.bytes()[100..103], &[1, 2, 3]);
     assert_eq!(&victim.buf.bytes()[10..12], &[4, 5]);
+}
+
+/// A huge announced op list costs memory only as its bytes arrive, and an
+/// announced payload is never read before its op list is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_list_is_admitted_before_any_payload_byte_is_read() {
+    let victim = Node::new(victim_config(), VICTIM_LEN).await;
+    let base = victim.buf.addr();
+    let grant = victim.grant(&[kv_proto::MemoryRegion::new(base, 1024)]).await.id;
+    let (mut client, _) = RawClient::handshaken(&victim).await;
+    // The second op is outside the grant; its payload bytes follow at once.
+    client.batch(1, grant, &[(base, 512), (base + 1024, 512)], 1024, &[0xEE; 1024]).await;
+    let (reply, reason) = client.reply().await;
+    assert_eq!(reply.status, ReplyStatus::Refused, "{reason}");
+    assert!(reason.contains("op 1") && reason.contains("outside the grant"), "{reason}");
+    victim.transport.revoke(&grant).await;
+    assert!(victim.buf.is_zero(), "the first op's payload landed before the second was checked");
 }
 
 /// Many hostile connections at once, then a well-behaved writer.
@@ -289,18 +331,25 @@ async fn a_sender_survives_hostile_receivers(
             }
             _ => s.write_all(&accept(VERSION, AcceptStatus::Accepted)).await.unwrap(),
         }
-        // Read the whole batch: header (24) + one op (16) + 64 payload bytes.
-        let mut batch = [0u8; 24 + 16 + 64];
+        // Read the whole batch: header, one op and 64 payload bytes.
+        let mut batch = [0u8; BATCH_HEADER_LEN + OP_LEN + 64];
         s.read_exact(&mut batch).await.unwrap();
-        let batch_id = u64::from_le_bytes(batch[..8].try_into().unwrap());
+        let header = BatchHeader::decode(batch[..BATCH_HEADER_LEN].try_into().unwrap());
+        assert_eq!(header.grant, GrantId::from_bytes([3; 16]), "the batch names its grant");
+        assert!(!header.wants_precheck(), "a small batch is sent in one go");
+        let batch_id = header.batch_id;
         match fake {
             FakeReceiver::WrongBatchId => {
                 s.write_all(&encode_reply(batch_id + 1, ReplyStatus::Ok, "")).await.unwrap();
             }
             FakeReceiver::OversizedReason => {
-                let header =
-                    ReplyHeader { batch_id, status: ReplyStatus::Refused, reason_len: (MAX_REASON_LEN + 1) as u32 };
-                s.write_all(&header.encode()).await.unwrap();
+                let mut reply = Vec::new();
+                reply.put_u64_le(batch_id);
+                reply.put_u32_le(ReplyStatus::Refused.code());
+                reply.put_u32_le((MAX_REASON_LEN + 1) as u32);
+                assert_eq!(reply.len(), REPLY_HEADER_LEN);
+                assert_eq!(ReplyHeader::decode(reply[..].try_into().unwrap()).reason_len as usize, MAX_REASON_LEN + 1);
+                s.write_all(&reply).await.unwrap();
             }
             FakeReceiver::ProtocolError => {
                 s.write_all(&encode_reply(batch_id, ReplyStatus::ProtocolError, "nope")).await.unwrap();
@@ -316,7 +365,9 @@ async fn a_sender_survives_hostile_receivers(
     });
     let peer = Endpoint { protocol: Protocol::Tcp, address, details: Vec::new() };
     let ops = [WriteOp { src: sender.buf.addr(), dst: 0x1000, len: 64 }];
-    let result = tokio::time::timeout(BOUND, sender.transport.batch_write(&peer, &ops)).await.expect("unbounded wait");
+    let grant = Grant::plain(GrantId::from_bytes([3; 16]));
+    let result =
+        tokio::time::timeout(BOUND, sender.transport.batch_write(&peer, &grant, &ops)).await.expect("unbounded wait");
     let err = result.expect_err("a hostile receiver's batch succeeded");
     let expected = match fake {
         FakeReceiver::NotKvlink => matches!(err, TransportError::Connect { .. }),

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use common::{check, fill, ops, Node, BOUND};
-use kv_proto::{BatchWriter, Protocol, TransportError};
+use kv_proto::{BatchWriter, Protocol, RegionAccess, TransportError};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 use transport_tcp::{TcpConfig, TcpTransport};
@@ -17,10 +17,11 @@ use transport_tcp::{TcpConfig, TcpTransport};
 async fn sequential_batches_reuse_one_connection() {
     let mut a = Node::with_defaults(1 << 16).await;
     let b = Node::with_defaults(1 << 16).await;
+    let grant = b.grant_all().await;
     for round in 0..3 {
         let batch = ops(&a.buf, &b.buf, 16, 1024 + round);
         fill(&mut a.buf, &batch);
-        a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+        a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
         check(&b.buf, &batch);
     }
     assert_eq!(a.transport.connections_opened(), 1);
@@ -35,10 +36,12 @@ async fn concurrent_batches_keep_at_most_the_idle_bound() {
     let b = Node::with_defaults(1 << 20).await;
     let all = ops(&a.buf, &b.buf, 8 * 128, 1024);
     fill(&mut a.buf, &all);
+    let grant = b.grant_all().await;
     let mut tasks = JoinSet::new();
     for chunk in all.chunks(128) {
         let (writer, endpoint, chunk) = (Arc::clone(&a.transport), b.transport.endpoint(), chunk.to_vec());
-        tasks.spawn(async move { writer.batch_write(&endpoint, &chunk).await });
+        let grant = grant.clone();
+        tasks.spawn(async move { writer.batch_write(&endpoint, &grant, &chunk).await });
     }
     while let Some(joined) = tasks.join_next().await {
         joined.unwrap().unwrap();
@@ -55,8 +58,9 @@ async fn no_pooling_when_the_idle_bound_is_zero() {
     let b = Node::with_defaults(1 << 16).await;
     let batch = ops(&a.buf, &b.buf, 4, 1024);
     fill(&mut a.buf, &batch);
+    let grant = b.grant_all().await;
     for _ in 0..2 {
-        a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+        a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     }
     check(&b.buf, &batch);
     assert_eq!(a.transport.connections_opened(), 2);
@@ -71,13 +75,14 @@ async fn a_batch_above_the_peers_op_limit_fails_fast() {
     let b = Node::new(TcpConfig { max_ops_per_batch: 8, ..TcpConfig::default() }, 1 << 16).await;
     let nine = ops(&a.buf, &b.buf, 9, 256);
     fill(&mut a.buf, &nine);
-    let err = a.transport.batch_write(&b.transport.endpoint(), &nine).await.unwrap_err();
+    let grant = b.grant_all().await;
+    let err = a.transport.batch_write(&b.transport.endpoint(), &grant, &nine).await.unwrap_err();
     match err {
         TransportError::Refused { reason, .. } => assert!(reason.contains("limit of 8"), "{reason}"),
         other => panic!("expected Refused, got {other:?}"),
     }
     assert!(b.buf.is_zero());
-    a.transport.batch_write(&b.transport.endpoint(), &nine[..8]).await.unwrap();
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &nine[..8]).await.unwrap();
     check(&b.buf, &nine[..8]);
     assert_eq!(a.transport.connections_opened(), 1);
 }
@@ -91,7 +96,8 @@ async fn reconnects_after_the_peer_restarted_on_the_same_port() {
     let endpoint = b.transport.endpoint();
     let batch = ops(&a.buf, &b.buf, 8, 512);
     fill(&mut a.buf, &batch);
-    a.transport.batch_write(&endpoint, &batch).await.unwrap();
+    let grant = b.grant_all().await;
+    a.transport.batch_write(&endpoint, &grant, &batch).await.unwrap();
     assert_eq!(a.transport.idle_connections(), 1);
 
     b.transport.shutdown().await;
@@ -99,10 +105,14 @@ async fn reconnects_after_the_peer_restarted_on_the_same_port() {
         TcpTransport::bind(TcpConfig { listen_addr: b.transport.local_addr(), ..TcpConfig::default() }).await.unwrap();
     // SAFETY: `b.buf` outlives `restarted` (dropped at the end of this test,
     // before `b`); the shut-down `b.transport` no longer touches it.
-    unsafe { restarted.register_regions(&[b.buf.region()]) }.unwrap();
-    assert_eq!(restarted.endpoint(), endpoint, "same address, same advertised regions");
+    unsafe { restarted.register_regions(&[b.buf.region()], RegionAccess::Destination) }.unwrap();
+    assert_eq!(restarted.endpoint(), endpoint, "same address, nothing else advertised");
     let second: Vec<_> = batch.iter().map(|op| kv_proto::WriteOp { dst: op.dst + 8192, ..*op }).collect();
-    tokio::time::timeout(BOUND, a.transport.batch_write(&endpoint, &second)).await.unwrap().unwrap();
+    // The old grant died with the old process: the restarted peer refuses it.
+    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&endpoint, &grant, &second)).await.unwrap();
+    assert!(matches!(err, Err(TransportError::Refused { .. })), "{err:?}");
+    let grant = restarted.grant(&[b.buf.region()], BOUND).await.unwrap();
+    tokio::time::timeout(BOUND, a.transport.batch_write(&endpoint, &grant, &second)).await.unwrap().unwrap();
     check(&b.buf, &second);
     assert_eq!(a.transport.connections_opened(), 2);
     drop(restarted);
@@ -127,7 +137,8 @@ async fn endpoints_name_the_bound_or_advertised_host() {
     assert_eq!(b.transport.endpoint().address, format!("localhost:{}", b.transport.local_addr().port()));
     let batch = ops(&a.buf, &b.buf, 4, 100);
     fill(&mut a.buf, &batch);
-    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    let grant = b.grant_all().await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
 }
 
@@ -137,13 +148,45 @@ async fn shutdown_closes_the_listener_and_pooled_connections() {
     let b = Node::with_defaults(1 << 16).await;
     let batch = ops(&a.buf, &b.buf, 2, 64);
     fill(&mut a.buf, &batch);
-    a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap();
+    let grant = b.grant_all().await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     let addr: SocketAddr = b.transport.local_addr();
     a.transport.shutdown().await;
     assert_eq!(a.transport.idle_connections(), 0);
     b.transport.shutdown().await;
+    assert_eq!(b.transport.live_grants(), 0, "shutdown ends every grant");
     assert!(TcpStream::connect(addr).await.is_err(), "the listener still accepts after shutdown");
-    let err = a.transport.batch_write(&b.transport.endpoint(), &batch).await.unwrap_err();
+    let err = a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap_err();
+    assert!(matches!(err, TransportError::Shutdown), "{err:?}");
+    let err = b.transport.grant(&[b.buf.region()], BOUND).await.unwrap_err();
+    assert!(matches!(err, TransportError::Shutdown), "{err:?}");
+}
+
+/// `close` is synchronous and final: when it returns, no grant is live, the
+/// peer's next batch is not served, and every later call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_ends_all_access_at_once() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let b = Node::with_defaults(1 << 16).await;
+    let batch = ops(&a.buf, &b.buf, 2, 64);
+    fill(&mut a.buf, &batch);
+    let grant = b.grant_all().await;
+    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
+    check(&b.buf, &batch);
+    b.transport.close();
+    assert_eq!(b.transport.live_grants(), 0);
+    let second: Vec<_> = batch.iter().map(|op| kv_proto::WriteOp { dst: op.dst + 4096, ..*op }).collect();
+    let err = tokio::time::timeout(BOUND, a.transport.batch_write(&b.transport.endpoint(), &grant, &second))
+        .await
+        .expect("a batch to a closed peer did not fail within the bound")
+        .unwrap_err();
+    assert!(!matches!(err, TransportError::Shutdown), "the sender is not shut down: {err:?}");
+    assert!(b.buf.bytes()[4096..].iter().all(|&x| x == 0), "a closed transport wrote");
+    let extra = common::TestBuf::new(4096);
+    // SAFETY: refused (the transport is closed), so the buffer is never used.
+    let err = unsafe { b.transport.register_regions(&[extra.region()], RegionAccess::Destination) }.unwrap_err();
+    assert!(matches!(err, TransportError::Shutdown), "{err:?}");
+    let err = b.transport.batch_write(&a.transport.endpoint(), &grant, &batch).await.unwrap_err();
     assert!(matches!(err, TransportError::Shutdown), "{err:?}");
 }
 

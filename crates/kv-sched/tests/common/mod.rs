@@ -59,6 +59,14 @@ pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> 
     ConnectorMetadata {
         reqs_to_recv: recvs.into_iter().map(|(id, m)| (ReqId::from(id), m)).collect(),
         reqs_to_send: sends.into_iter().map(|(id, u)| (ReqId::from(id), u)).collect(),
+        ..ConnectorMetadata::default()
+    }
+}
+
+pub fn cancelled(ids: &[&str]) -> ConnectorMetadata {
+    ConnectorMetadata {
+        reqs_to_cancel: ids.iter().map(|id| ReqId::from(*id)).collect(),
+        ..ConnectorMetadata::default()
     }
 }
 

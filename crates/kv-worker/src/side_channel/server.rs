@@ -75,20 +75,18 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
 fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     let ours = shared.cache.layout();
     let protocol = shared.writer.protocol();
+    let decode = format!("decode {}", hello.engine_id);
+    let prefill = format!("prefill {}", shared.config.engine_id);
+    let mut mismatches = Vec::new();
     if hello.protocol != protocol {
-        return Err(format!(
-            "transport mismatch: decode {} uses {}, prefill {} uses {}",
-            hello.engine_id, hello.protocol, shared.config.engine_id, protocol
-        ));
+        mismatches.push(format!("transport: {decode} uses {}, {prefill} uses {protocol}", hello.protocol));
     }
-    if hello.layout != ours {
-        return Err(format!(
-            "cache layout mismatch: decode {} has {:?}, {} regions, block_len {}; prefill {} has {:?}, {} regions, block_len {}",
-            hello.engine_id, hello.layout.kind, hello.layout.region_count, hello.layout.block_len,
-            shared.config.engine_id, ours.kind, ours.region_count, ours.block_len
-        ));
+    mismatches.extend(hello.layout.mismatches(&decode, &ours, &prefill));
+    if mismatches.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("incompatible peers ({})", mismatches.join("; ")))
     }
-    Ok(())
 }
 
 /// Handshakes in progress per source host.

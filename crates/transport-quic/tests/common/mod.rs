@@ -9,12 +9,19 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{BatchWriter, Endpoint, MemoryRegion, Protocol, WriteOp};
+use kv_proto::auth::{client_proof, verify_server_proof, AuthSecret, Channel, Transcript};
+use kv_proto::dataplane::{
+    decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, VERDICT_HEADER_LEN,
+};
+use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, WriteOp};
 use quinn::{Connection, RecvStream, SendStream};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use transport_quic::details::{EndpointDetails, Fingerprint};
 use transport_quic::tls::{fingerprint_of, pinned_client_config};
-use transport_quic::wire::{encode_op, BatchHeader, ReplyHeader, ALPN, MAX_REASON_LEN, REPLY_HEADER_LEN, SERVER_NAME};
+use transport_quic::wire::{
+    transcript_context, BatchHeader, ClientHello, ServerHello, ALPN, CLIENT_HELLO_LEN, EXPORTER_LABEL, EXPORTER_LEN,
+    SERVER_HELLO_LEN, SERVER_NAME,
+};
 use transport_quic::{QuicConfig, QuicTransport};
 
 /// Upper bound on any single wait in these tests (never reached when things work).
@@ -25,7 +32,7 @@ const ALIGN: usize = 4096;
 /// A zeroed, page-aligned allocation.
 pub struct TestBuf {
     ptr: NonNull<u8>,
-    len: usize,
+    pub len: usize,
 }
 
 impl TestBuf {
@@ -72,7 +79,8 @@ impl Drop for TestBuf {
     }
 }
 
-/// A transport and its one registered buffer; the transport is dropped first.
+/// A transport and its one registered buffer (a source and a destination,
+/// as for a `kv_both` instance); the transport is dropped first.
 pub struct Node {
     pub transport: Arc<QuicTransport>,
     pub buf: TestBuf,
@@ -83,13 +91,27 @@ impl Node {
         let transport = QuicTransport::bind(config).await.unwrap();
         let buf = TestBuf::new(len);
         // SAFETY: `buf` lives in the returned Node, which drops the transport
-        // first; tests read it only after the batches into it completed.
-        unsafe { transport.register_regions(&[buf.region()]) }.unwrap();
+        // first; tests read it only while no grant covering it is live.
+        unsafe {
+            transport.register_regions(&[buf.region()], RegionAccess::Source).unwrap();
+            transport.register_regions(&[buf.region()], RegionAccess::Destination).unwrap();
+        }
         Self { transport, buf }
     }
 
     pub async fn with_defaults(len: usize) -> Self {
         Self::new(QuicConfig::default(), len).await
+    }
+
+    /// A grant over `[off, off + len)` of the buffer, valid for a minute.
+    pub async fn grant(&self, off: u64, len: u64) -> Grant {
+        let range = MemoryRegion::new(self.buf.addr() + off, len);
+        self.transport.grant(&[range], Duration::from_secs(60)).await.unwrap()
+    }
+
+    /// A grant over the whole buffer, valid for a minute.
+    pub async fn grant_all(&self) -> Grant {
+        self.grant(0, self.buf.len as u64).await
     }
 }
 
@@ -118,25 +140,31 @@ pub fn check(dst: &TestBuf, ops: &[WriteOp]) {
     }
 }
 
-/// A new, well-behaved sender writes a patterned batch into `victim` and
-/// checks it landed: the endpoint still serves.
+/// A new, well-behaved sender writes a patterned batch into `victim` under
+/// a fresh grant and checks it landed: the endpoint still serves.
 pub async fn assert_still_serves(victim: &Node) {
-    let mut sender = Node::with_defaults(1 << 16).await;
+    let mut sender = Node::new(
+        QuicConfig { auth_secret: victim.transport.config().auth_secret.clone(), ..QuicConfig::default() },
+        1 << 16,
+    )
+    .await;
     let dst_off = 32 * 1024;
     let ops: Vec<WriteOp> = (0..8)
         .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + dst_off + k * 1024, len: 1024 })
         .collect();
     fill(&mut sender.buf, &ops);
-    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &ops))
+    let grant = victim.grant(dst_off, 8 * 1024).await;
+    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
         .await
         .expect("well-behaved batch timed out")
         .expect("well-behaved batch failed");
+    victim.transport.revoke(&grant.id).await;
     check(&victim.buf, &ops);
 }
 
 /// The bytes of a request: header, op list, payload.
-pub fn request(ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) -> Vec<u8> {
-    let mut bytes = BatchHeader { op_count: ops.len() as u64, total_bytes }.encode().to_vec();
+pub fn request(grant: &GrantId, ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = BatchHeader { grant: *grant, op_count: ops.len() as u64, total_bytes }.encode().to_vec();
     for &(dst, len) in ops {
         bytes.extend_from_slice(&encode_op(dst, len));
     }
@@ -144,9 +172,47 @@ pub fn request(ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) -> Vec<u8> 
     bytes
 }
 
+/// A verdict's bytes.
+pub fn verdict(status: ReplyStatus, reason: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_verdict(&mut out, status, reason);
+    out
+}
+
 /// A client endpoint on loopback.
 pub fn client_endpoint() -> quinn::Endpoint {
     quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap()
+}
+
+/// The keying material a hello's proofs are bound to, on `conn`.
+pub fn exported(conn: &Connection) -> [u8; EXPORTER_LEN] {
+    let mut out = [0u8; EXPORTER_LEN];
+    conn.export_keying_material(&mut out, EXPORTER_LABEL, b"").unwrap();
+    out
+}
+
+/// The secret the tests' receivers hold when they hold one.
+pub const RIGHT_SECRET: &str = "the data-plane secret";
+
+/// How a raw client proves itself in the hello.
+#[derive(Clone, Debug)]
+pub enum Proving {
+    /// Says it has no secret.
+    NoSecret,
+    /// Proves with this secret, for this channel, over the exporter value of
+    /// this connection (or of `other`'s).
+    Secret { secret: AuthSecret, channel: Channel, exporter_of: Option<Connection> },
+}
+
+/// What the raw client saw of the hello.
+#[derive(Debug)]
+pub enum HelloOutcome {
+    /// The receiver accepted (its verdict, or its no-secret answer).
+    Accepted,
+    /// The receiver's answer, when it is not accepted outright.
+    Answered(ServerHello),
+    /// The connection was closed (code, reason).
+    Closed(u64, String),
 }
 
 /// A raw QUIC client speaking the data-plane wire by hand, pinned to the
@@ -157,7 +223,16 @@ pub struct RawClient {
 }
 
 impl RawClient {
+    /// Connects and says hello without a secret (the receiver must have none).
     pub async fn connect(node: &Node) -> Self {
+        let client = Self::handshake(node).await;
+        let outcome = client.hello(&Proving::NoSecret).await;
+        assert!(matches!(outcome, HelloOutcome::Accepted), "{outcome:?}");
+        client
+    }
+
+    /// Connects (TLS only, no hello yet).
+    pub async fn handshake(node: &Node) -> Self {
         let endpoint = client_endpoint();
         let config = pinned_client_config(node.transport.fingerprint()).unwrap();
         let conn = tokio::time::timeout(
@@ -170,12 +245,61 @@ impl RawClient {
         Self { endpoint, conn }
     }
 
+    /// The hello, as the client, by hand.
+    pub async fn hello(&self, proving: &Proving) -> HelloOutcome {
+        let closed = |conn: &Connection| match conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                HelloOutcome::Closed(c.error_code.into_inner(), String::from_utf8_lossy(&c.reason).into_owned())
+            }
+            other => HelloOutcome::Closed(u64::MAX, format!("{other:?}")),
+        };
+        let (mut send, mut recv) = self.stream().await;
+        let nonce = [0x5a; 32];
+        let hello = ClientHello { auth: !matches!(proving, Proving::NoSecret), nonce }.encode();
+        send.write_all(&hello).await.unwrap();
+        let mut answer = [0u8; SERVER_HELLO_LEN];
+        if tokio::time::timeout(BOUND, recv.read_exact(&mut answer)).await.unwrap().is_err() {
+            return closed(&self.conn);
+        }
+        let server = ServerHello::decode(&answer).unwrap();
+        let Proving::Secret { secret, channel, exporter_of } = proving else {
+            return if server.auth { HelloOutcome::Answered(server) } else { HelloOutcome::Accepted };
+        };
+        if !server.auth {
+            return HelloOutcome::Answered(server);
+        }
+        let exporter = exported(exporter_of.as_ref().unwrap_or(&self.conn));
+        let context = transcript_context(&exporter, &hello);
+        let transcript =
+            Transcript { channel: *channel, client_nonce: &nonce, server_nonce: &server.nonce, context: &context };
+        // The receiver proves itself for the QUIC data plane on this
+        // connection, whatever the client then claims.
+        let ours = Transcript {
+            channel: Channel::DataQuic,
+            context: &transcript_context(&exported(&self.conn), &hello),
+            ..transcript
+        };
+        let right_secret = *secret == AuthSecret::new(RIGHT_SECRET);
+        assert_eq!(verify_server_proof(secret, &ours, &server.proof), right_secret, "the receiver's proof");
+        send.write_all(&client_proof(secret, &transcript)).await.unwrap();
+        send.finish().unwrap();
+        let mut header = [0u8; VERDICT_HEADER_LEN];
+        match tokio::time::timeout(BOUND, recv.read_exact(&mut header)).await.unwrap() {
+            Ok(()) if decode_verdict_header(&header).0 == ReplyStatus::Ok => HelloOutcome::Accepted,
+            _ => {
+                // Wait for the close the refusal comes with.
+                tokio::time::timeout(BOUND, self.conn.closed()).await.unwrap();
+                closed(&self.conn)
+            }
+        }
+    }
+
     pub async fn stream(&self) -> (SendStream, RecvStream) {
         tokio::time::timeout(BOUND, self.conn.open_bi()).await.unwrap().unwrap()
     }
 
     /// Sends `bytes` on a new stream, finishes it, and reads the reply.
-    pub async fn exchange(&self, bytes: &[u8]) -> Result<(ReplyHeader, String), quinn::ReadExactError> {
+    pub async fn exchange(&self, bytes: &[u8]) -> Result<(ReplyStatus, String), quinn::ReadExactError> {
         let (mut send, mut recv) = self.stream().await;
         // The receiver may stop the stream before all of it is written.
         let _ = send.write_all(bytes).await;
@@ -184,15 +308,27 @@ impl RawClient {
     }
 }
 
-/// Reads one reply (header and reason) within `BOUND`.
-pub async fn reply(recv: &mut RecvStream) -> Result<(ReplyHeader, String), quinn::ReadExactError> {
-    let mut h = [0u8; REPLY_HEADER_LEN];
+/// Reads one reply (verdict and reason) within `BOUND`.
+pub async fn reply(recv: &mut RecvStream) -> Result<(ReplyStatus, String), quinn::ReadExactError> {
+    let mut h = [0u8; VERDICT_HEADER_LEN];
     tokio::time::timeout(BOUND, recv.read_exact(&mut h)).await.expect("no reply within the bound")?;
-    let header = ReplyHeader::decode(&h);
-    assert!(header.reason_len as usize <= MAX_REASON_LEN);
-    let mut reason = vec![0u8; header.reason_len as usize];
+    let (status, reason_len) = decode_verdict_header(&h);
+    assert!(reason_len as usize <= MAX_REASON_LEN);
+    let mut reason = vec![0u8; reason_len as usize];
     tokio::time::timeout(BOUND, recv.read_exact(&mut reason)).await.expect("no reason within the bound")?;
-    Ok((header, String::from_utf8(reason).unwrap()))
+    Ok((status, String::from_utf8(reason).unwrap()))
+}
+
+/// The receiver's side of a hello without a secret, by hand (for fake
+/// receivers): reads the client's hello, answers "no secret".
+pub async fn fake_server_hello(conn: &Connection) -> anyhow::Result<()> {
+    let (mut send, mut recv) = conn.accept_bi().await?;
+    let mut hello = [0u8; CLIENT_HELLO_LEN];
+    recv.read_exact(&mut hello).await?;
+    ClientHello::decode(&hello)?;
+    send.write_all(&ServerHello { auth: false, nonce: [0; 32], proof: [0; 32] }.encode()).await?;
+    send.finish()?;
+    Ok(())
 }
 
 /// A receiver that is not a `QuicTransport`: its own certificate, its own
@@ -205,6 +341,12 @@ pub struct FakeReceiver {
 impl FakeReceiver {
     /// Binds on loopback with a fresh certificate, offering `alpn`.
     pub fn bind(alpn: &[u8]) -> Self {
+        Self::bind_with(alpn, quinn::TransportConfig::default())
+    }
+
+    /// Binds on loopback with a fresh certificate, offering `alpn`, with
+    /// these transport parameters.
+    pub fn bind_with(alpn: &[u8], transport: quinn::TransportConfig) -> Self {
         let certified = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_owned()]).unwrap();
         let cert: CertificateDer<'static> = certified.cert.der().clone();
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(certified.key_pair.serialize_der()));
@@ -218,15 +360,15 @@ impl FakeReceiver {
                 .unwrap();
         crypto.alpn_protocols = vec![alpn.to_vec()];
         let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(crypto).unwrap();
-        let config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        config.transport_config(Arc::new(transport));
         let endpoint = quinn::Endpoint::server(config, SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
         Self { endpoint, fingerprint }
     }
 
-    /// The endpoint a sender is given for this receiver (no regions listed,
-    /// so every batch is sent).
+    /// The endpoint a sender is given for this receiver.
     pub fn endpoint(&self) -> Endpoint {
-        let details = EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: 1 << 20, regions: None };
+        let details = EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: 1 << 20 };
         Endpoint {
             protocol: Protocol::Quic,
             address: self.endpoint.local_addr().unwrap().to_string(),
@@ -238,4 +380,9 @@ impl FakeReceiver {
     pub fn kvlink() -> Self {
         Self::bind(ALPN)
     }
+}
+
+/// A grant no receiver issued (fake receivers do not check grants).
+pub fn any_grant() -> Grant {
+    Grant::plain(GrantId::random().unwrap())
 }

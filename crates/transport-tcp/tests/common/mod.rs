@@ -3,11 +3,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{BatchWriter, MemoryRegion, WriteOp};
+use kv_proto::{BatchWriter, Grant, GrantId, MemoryRegion, RegionAccess, WriteOp};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_tcp::wire::{
@@ -60,6 +61,15 @@ impl TestBuf {
     pub fn is_zero(&self) -> bool {
         self.bytes().iter().all(|&b| b == 0)
     }
+
+    /// Byte `i`, read while the kernel may be writing into the buffer (a
+    /// volatile read through the raw pointer; no reference is made).
+    pub fn peek_volatile(&self, i: usize) -> u8 {
+        assert!(i < self.len);
+        // SAFETY: `i` is inside the live allocation; a volatile read of a u8
+        // is a plain load the compiler cannot elide or merge.
+        unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(i)) }
+    }
 }
 
 impl Drop for TestBuf {
@@ -70,7 +80,8 @@ impl Drop for TestBuf {
     }
 }
 
-/// A transport and its one registered buffer; the transport is dropped first.
+/// A transport and its one registered buffer (a source and a destination,
+/// as on a `kv_both` instance); the transport is dropped first.
 pub struct Node {
     pub transport: Arc<TcpTransport>,
     pub buf: TestBuf,
@@ -81,14 +92,33 @@ impl Node {
         let transport = TcpTransport::bind(config).await.unwrap();
         let buf = TestBuf::new(len);
         // SAFETY: `buf` lives in the returned Node, which drops the transport
-        // first; tests read it only after the batches into it completed.
-        unsafe { transport.register_regions(&[buf.region()]) }.unwrap();
+        // first; tests read it only after the batches into it completed or
+        // their grant was revoked.
+        unsafe {
+            transport.register_regions(&[buf.region()], RegionAccess::Source).unwrap();
+            transport.register_regions(&[buf.region()], RegionAccess::Destination).unwrap();
+        }
         Self { transport, buf }
     }
 
     pub async fn with_defaults(len: usize) -> Self {
         Self::new(TcpConfig::default(), len).await
     }
+
+    /// A grant over `ranges` of this node's buffer, valid for `BOUND`.
+    pub async fn grant(&self, ranges: &[MemoryRegion]) -> Grant {
+        self.transport.grant(ranges, BOUND).await.unwrap()
+    }
+
+    /// A grant over this node's whole buffer, valid for `BOUND`.
+    pub async fn grant_all(&self) -> Grant {
+        self.grant(&[self.buf.region()]).await
+    }
+}
+
+/// The destination ranges of `ops`, for a grant covering exactly them.
+pub fn dst_ranges(ops: &[WriteOp]) -> Vec<MemoryRegion> {
+    ops.iter().filter(|op| op.len > 0).map(|op| MemoryRegion::new(op.dst, op.len)).collect()
 }
 
 pub fn pattern(seed: u64, i: usize) -> u8 {
@@ -132,10 +162,12 @@ pub async fn assert_still_serves(victim: &Node) {
         .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + dst_off + k * 1024, len: 1024 })
         .collect();
     fill(&mut sender.buf, &ops);
-    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &ops))
+    let grant = victim.grant(&dst_ranges(&ops)).await;
+    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
         .await
         .expect("well-behaved batch timed out")
         .expect("well-behaved batch failed");
+    victim.transport.revoke(&grant.id).await;
     check(&victim.buf, &ops);
 }
 
@@ -146,14 +178,23 @@ pub struct RawClient {
 
 impl RawClient {
     pub async fn connect(node: &Node) -> Self {
-        let stream = TcpStream::connect(node.transport.local_addr()).await.unwrap();
+        Self::connect_to(node.transport.local_addr()).await
+    }
+
+    pub async fn connect_to(addr: SocketAddr) -> Self {
+        let stream = TcpStream::connect(addr).await.unwrap();
         stream.set_nodelay(true).unwrap();
         Self { stream }
     }
 
     /// Connects and completes the preamble exchange.
     pub async fn handshaken(node: &Node) -> (Self, Accept) {
-        let mut client = Self::connect(node).await;
+        Self::handshaken_to(node.transport.local_addr()).await
+    }
+
+    /// Connects to `addr` and completes the preamble exchange.
+    pub async fn handshaken_to(addr: SocketAddr) -> (Self, Accept) {
+        let mut client = Self::connect_to(addr).await;
         client.send(&Preamble::current().encode()).await;
         let accept = client.accept().await;
         (client, accept)
@@ -169,9 +210,23 @@ impl RawClient {
         Accept::decode(&b).unwrap()
     }
 
-    /// Sends a batch header, its op list and `payload`.
-    pub async fn batch(&mut self, batch_id: u64, ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) {
-        let mut bytes = BatchHeader { batch_id, op_count: ops.len() as u64, total_bytes }.encode().to_vec();
+    /// Sends a batch header under `grant`, its op list and `payload`.
+    pub async fn batch(&mut self, batch_id: u64, grant: GrantId, ops: &[(u64, u64)], total_bytes: u64, payload: &[u8]) {
+        self.batch_with_flags(batch_id, 0, grant, ops, total_bytes, payload).await;
+    }
+
+    /// [`RawClient::batch`] with header flags.
+    pub async fn batch_with_flags(
+        &mut self,
+        batch_id: u64,
+        flags: u32,
+        grant: GrantId,
+        ops: &[(u64, u64)],
+        total_bytes: u64,
+        payload: &[u8],
+    ) {
+        let header = BatchHeader { batch_id, flags, reserved: 0, op_count: ops.len() as u64, total_bytes, grant };
+        let mut bytes = header.encode().to_vec();
         for &(dst, len) in ops {
             bytes.extend_from_slice(&encode_op(dst, len));
         }

@@ -1,0 +1,208 @@
+"""The connector's logic over duck-typed vLLM objects (no torch, no vllm import).
+
+:class:`SchedulerSide` takes request objects with ``request_id``,
+``prompt_token_ids``, ``status`` (an enum with ``.name``, or its name) and
+``kv_transfer_params`` (vLLM's dict, updated in place as the reference
+does), and block objects with ``get_unhashed_block_ids()``.
+
+:class:`WorkerSide` takes per-layer tensors (see :mod:`kvlink_vllm.layout`)
+and the metadata bytes the scheduler side built.
+
+Both are what :class:`kvlink_vllm.connector.KvlinkConnector` delegates to,
+and what tests drive directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Any, Iterable, Mapping
+
+from . import _native, layout
+
+logger = logging.getLogger("kvlink_vllm")
+
+#: The request parameter fields kvlink reads; the rest of the dict is left alone.
+PARAM_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_host", "remote_port")
+
+
+def settings_from_transfer_config(kv_transfer_config: Any) -> _native.Settings:
+    """kvlink's settings from vLLM's ``KVTransferConfig`` (or any object with
+    ``kv_role``, ``engine_id`` and ``kv_connector_extra_config``)."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    doc = {
+        "kv_role": getattr(kv_transfer_config, "kv_role", None),
+        "engine_id": getattr(kv_transfer_config, "engine_id", None),
+        "kv_connector_extra_config": dict(extra),
+    }
+    try:
+        text = json.dumps(doc)
+    except TypeError as e:
+        raise _native.ConfigError(f"kv_connector_extra_config is not JSON-serializable: {e}") from e
+    return _native.Settings(text)
+
+
+def default_host() -> str:
+    """This host's address when vLLM's ``get_ip`` is not at hand:
+    ``VLLM_HOST_IP``, else what the host name resolves to, else loopback.
+    Set ``advertised_host`` (or ``VLLM_HOST_IP``) for multi-host deployments."""
+    host = os.environ.get("VLLM_HOST_IP", "").strip()
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _status_name(status: Any) -> str:
+    return str(getattr(status, "name", status))
+
+
+def _params_json(params: Mapping[str, Any] | None) -> str | None:
+    if params is None:
+        return None
+    return json.dumps({k: params[k] for k in PARAM_FIELDS if k in params})
+
+
+def _prompt_len(request: Any) -> int:
+    return len(getattr(request, "prompt_token_ids", None) or [])
+
+
+class SchedulerSide:
+    """vLLM's scheduler-side connector methods over kvlink's scheduler."""
+
+    def __init__(self, settings: _native.Settings, host: str, dp_rank: int = 0, tp_size: int = 1):
+        self.settings = settings
+        self._native = _native.Scheduler(settings, host, dp_rank, tp_size)
+
+    @property
+    def host(self) -> str:
+        return self._native.host
+
+    @property
+    def port(self) -> int:
+        return self._native.port
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._native.get_num_new_matched_tokens(
+            request.request_id,
+            _prompt_len(request),
+            _params_json(request.kv_transfer_params),
+            num_computed_tokens,
+        )
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        unhashed = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        clear = self._native.update_state_after_alloc(
+            request.request_id, _prompt_len(request), _params_json(params), unhashed, num_external_tokens
+        )
+        if clear:
+            # Only one transfer per request, as the reference does to vLLM's dict.
+            params["do_remote_prefill"] = False
+
+    def build_connector_meta(self) -> bytes:
+        return self._native.build_connector_meta()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        delay, out, clear = self._native.request_finished(
+            request.request_id,
+            _prompt_len(request),
+            _status_name(request.status),
+            _params_json(params),
+            list(block_ids),
+        )
+        if clear:
+            params["do_remote_prefill"] = False
+        return delay, (json.loads(out) if out is not None else None)
+
+
+class WorkerSide:
+    """vLLM's worker-side connector methods over a kvlink worker.
+
+    The worker starts in :meth:`register_kv_caches` (vLLM calls it once the
+    cache is allocated); the tensors stay referenced until :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        settings: _native.Settings,
+        host: str,
+        block_size: int,
+        use_mla: bool = False,
+        num_blocks: int | None = None,
+        dp_rank: int = 0,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ):
+        self.settings = settings
+        self.host = host
+        self.block_size = block_size
+        self.use_mla = use_mla
+        self.num_blocks = num_blocks
+        self.dp_rank, self.tp_size, self.tp_rank = dp_rank, tp_size, tp_rank
+        self.layout: layout.CacheLayout | None = None
+        self._worker: _native.Worker | None = None
+        self._load_errors: set[int] = set()
+
+    @property
+    def worker(self) -> _native.Worker:
+        if self._worker is None:
+            raise _native.KvlinkError("kvlink worker not started: register_kv_caches was not called")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        if self._worker is not None:
+            raise _native.KvlinkError("register_kv_caches called twice")
+        layout.check_memory(kv_caches, self.settings.protocol)
+        cache = layout.describe(kv_caches, self.block_size, self.use_mla, self.num_blocks)
+        self.layout = cache
+        # The tensors are handed over as their owner: the native worker keeps
+        # them alive until it has stopped touching their memory.
+        keepalive = dict(kv_caches)
+        self._worker = _native.Worker(
+            self.settings,
+            self.host,
+            cache.kind,
+            self.block_size,
+            cache.native_layers(),
+            keepalive,
+            self.dp_rank,
+            self.tp_size,
+            self.tp_rank,
+        )
+        logger.info(
+            "kvlink worker started: role=%s protocol=%s layout=%s regions=%d block_len=%d side_channel_port=%s data=%s",
+            self.settings.role,
+            self.settings.protocol,
+            cache.kind,
+            sum(len(r) for _, r in cache.layers),
+            cache.block_len,
+            self._worker.side_channel_port,
+            self._worker.data_endpoint,
+        )
+
+    def start_load_kv(self, payload: bytes) -> None:
+        self.worker.start_load_kv(payload)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker.get_finished(list(finished_req_ids))
+        self._load_errors.update(self.worker.take_load_errors())
+        return (set(sending) or None), (set(recving) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None and not worker.shutdown():
+            logger.error("kvlink worker did not stop in time; its KV cache memory stays allocated")

@@ -1,0 +1,225 @@
+"""``KvlinkConnector``: the class vLLM loads with
+``{"kv_connector": "KvlinkConnector", "kv_connector_module_path": "kvlink_vllm"}``.
+
+It subclasses vLLM's ``KVConnectorBase_V1`` when vLLM is importable (else a
+stand-in with the same worker-side plumbing, so the class can be exercised
+without vLLM) and delegates to :mod:`kvlink_vllm.adapter`.
+
+The name must not be ``MooncakeConnector``: vLLM's factory looks names up in
+its own registry before ``kv_connector_module_path``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import TYPE_CHECKING, Any, Optional
+
+from . import adapter
+
+try:  # vLLM present: subclass its real base classes.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except ImportError:  # Without vLLM: stand-ins, for tests and tools.
+    HAVE_VLLM = False
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorMetadata``."""
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorRole``."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorBase_V1``: the constructor and the
+        metadata binding the model runner uses."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KvlinkConnectorMetadata(KVConnectorMetadata):
+    """One step's metadata: opaque bytes built by kvlink's scheduler (JSON of
+    the scheduler's ``ConnectorMetadata`` and the notify-only pulls). Pickles
+    as a plain bytes attribute."""
+
+    def __init__(self, payload: bytes = b""):
+        self.payload = payload
+
+    def decoded(self) -> dict[str, Any]:
+        """The payload as a dict (for logs and tests)."""
+        return json.loads(self.payload) if self.payload else {}
+
+    def __repr__(self) -> str:
+        return f"KvlinkConnectorMetadata({len(self.payload)} bytes)"
+
+
+def _is_scheduler(role: Any) -> bool:
+    return getattr(role, "name", str(role)) == "SCHEDULER"
+
+
+def _host() -> str:
+    if HAVE_VLLM:
+        from vllm.utils.network_utils import get_ip
+
+        return get_ip()
+    return adapter.default_host()
+
+
+def _tp(vllm_config: Any) -> tuple[int, int]:
+    """(tp_size, tp_rank) of this process."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    if HAVE_VLLM:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            return tp_size, int(get_tensor_model_parallel_rank())
+        except AssertionError:  # no tensor-parallel group: a single worker
+            return tp_size, 0
+    return tp_size, int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
+
+
+def _dp_rank(vllm_config: Any) -> int:
+    parallel = getattr(vllm_config, "parallel_config", None)
+    index = getattr(parallel, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+class KvlinkConnector(KVConnectorBase_V1):
+    """kvlink as a vLLM v1 KV connector (P/D disaggregation, MooncakeConnector's protocol roles)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: "KVConnectorRole",
+        kv_cache_config: Optional["KVCacheConfig"] = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = adapter.settings_from_transfer_config(vllm_config.kv_transfer_config)
+        self.settings = settings
+        tp_size, tp_rank = _tp(vllm_config)
+        # This host's address is only looked up when none is configured.
+        host = settings.advertised_host or _host()
+        self.connector_scheduler: adapter.SchedulerSide | None = None
+        self.connector_worker: adapter.WorkerSide | None = None
+        if _is_scheduler(role):
+            self.connector_scheduler = adapter.SchedulerSide(settings, host, _dp_rank(vllm_config), tp_size)
+        else:
+            cache_config = vllm_config.cache_config
+            model_config = getattr(vllm_config, "model_config", None)
+            self.connector_worker = adapter.WorkerSide(
+                settings,
+                host,
+                block_size=int(cache_config.block_size),
+                use_mla=bool(getattr(model_config, "use_mla", False)),
+                num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                dp_rank=_dp_rank(vllm_config),
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+            )
+
+    def _scheduler(self) -> adapter.SchedulerSide:
+        if self.connector_scheduler is None:
+            raise RuntimeError("scheduler-side method called on a worker-side KvlinkConnector")
+        return self.connector_scheduler
+
+    def _worker(self) -> adapter.WorkerSide:
+        if self.connector_worker is None:
+            raise RuntimeError("worker-side method called on a scheduler-side KvlinkConnector")
+        return self.connector_worker
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvlinkConnectorMetadata:
+        return KvlinkConnectorMetadata(self._scheduler().build_connector_meta())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        self._worker().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvlinkConnectorMetadata):
+            raise TypeError(f"KvlinkConnector got {type(meta).__name__} metadata; the scheduler must run KvlinkConnector too")
+        self._worker().start_load_kv(meta.payload)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Pulls land between steps, not layer by layer: nothing to wait for."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: "torch.Tensor",
+        attn_metadata: "AttentionMetadata",
+        **kwargs: Any,
+    ) -> None:
+        """The decode side pulls from the cache itself: nothing to save."""
+
+    def wait_for_save(self):
+        """Nothing is saved per layer: nothing to wait for."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.connector_worker is None:
+            return set()
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def shutdown(self):
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

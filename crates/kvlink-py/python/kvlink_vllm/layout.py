@@ -1,0 +1,191 @@
+"""KV cache layout: from vLLM's per-layer cache tensors to memory regions.
+
+Pure Python over duck-typed tensors: anything with ``data_ptr()``,
+``shape``, ``stride()``, ``element_size()`` and ``device.type`` (a
+``torch.Tensor`` has them all). No torch import.
+
+The layouts vLLM 0.14's attention backends allocate, per layer (logical
+shape; the physical order may differ, which the strides reveal):
+
+================  ==================================  ===============
+backend           shape                               kvlink layout
+================  ==================================  ===============
+FlashAttention    ``(2, blocks, block_size, H, D)``   split K/V
+CPU (``cpu``)     ``(2, blocks, H, block_size, D)``   split K/V
+FlashInfer        ``(blocks, 2, block_size, H, D)``   fused
+MLA backends      ``(blocks, block_size, D)``         mla
+================  ==================================  ===============
+
+A block must be one contiguous run of bytes inside each region (the block
+dimension is outermost after K/V); a region is ``blocks x block bytes``.
+When the kernel's block is smaller than the engine's (``block_size`` a
+multiple of it), consecutive kernel blocks form one engine block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ._native import ConfigError
+
+#: Memory the host-memory transports (tcp, quic) can reach.
+HOST_DEVICES = ("cpu",)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered memory region: a K, V, fused or MLA tensor of a layer."""
+
+    addr: int
+    length: int
+    num_blocks: int
+    block_size: int
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.addr, self.length, self.num_blocks, self.block_size)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The regions of every layer, in registration order."""
+
+    kind: str  # "split" | "fused" | "mla"
+    layers: list[tuple[str, list[Region]]]
+    block_len: int
+
+    def native_layers(self) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
+        return [(name, [r.as_tuple() for r in regions]) for name, regions in self.layers]
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape)
+
+
+def _strides(t: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.stride())
+
+
+def _device(t: Any) -> str:
+    device = getattr(t, "device", "cpu")
+    return str(getattr(device, "type", device))
+
+
+def _dense_bytes(shape: tuple[int, ...], strides: tuple[int, ...], elem: int) -> int | None:
+    """Bytes spanned by dims that tile their span without gaps or overlap
+    (in any order), else None."""
+    expected = 1
+    for size, stride in sorted(zip(shape, strides), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    return expected * elem
+
+
+def check_memory(kv_caches: Mapping[str, Any], protocol: str) -> None:
+    """Refuses memory the transport cannot reach, naming the fix."""
+    for name, t in kv_caches.items():
+        device = _device(t)
+        if device not in HOST_DEVICES:
+            raise ConfigError(
+                f"KV cache layer {name!r} is in {device} device memory, which "
+                f"mooncake_protocol={protocol!r} cannot reach: kvlink's tcp and quic "
+                "transports move host memory only. Fix: run this instance on vLLM's "
+                "CPU backend (KV cache in host memory), or use a transport that reaches "
+                "device memory (rdma with GPUDirect, not available in this kvlink build); "
+                "host staging of device KV is not implemented yet."
+            )
+
+
+def describe(
+    kv_caches: Mapping[str, Any],
+    block_size: int,
+    use_mla: bool = False,
+    num_blocks: int | None = None,
+) -> CacheLayout:
+    """The layout of ``kv_caches`` (layer name -> tensor), checked.
+
+    ``block_size`` is the engine's (``cache_config.block_size``);
+    ``num_blocks`` (``kv_cache_config.num_blocks``), when known, settles
+    which leading dimension is the block one.
+    """
+    if not kv_caches:
+        raise ConfigError("no KV cache layers to register")
+    kinds = set()
+    layers = []
+    block_len = None
+    for name, t in kv_caches.items():
+        kind, regions = _layer(name, t, block_size, use_mla, num_blocks)
+        kinds.add(kind)
+        layers.append((name, regions))
+        for r in regions:
+            this = r.length // r.num_blocks
+            if block_len is None:
+                block_len = this
+    if len(kinds) != 1:
+        raise ConfigError(f"KV cache layers mix layouts {sorted(kinds)}; kvlink needs one layout for all layers")
+    assert block_len is not None
+    return CacheLayout(kind=kinds.pop(), layers=layers, block_len=block_len)
+
+
+def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | None):
+    shape, strides = _shape(t), _strides(t)
+    elem = int(t.element_size())
+    base = int(t.data_ptr())
+    cpu = _device(t) == "cpu"
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"KV cache layer {name!r}: shape {shape} strides {strides}: {why} "
+            "(kvlink reads the layouts of vLLM 0.14's FlashAttention, FlashInfer, CPU and MLA backends)"
+        )
+
+    if use_mla:
+        if len(shape) != 3:
+            raise bad("an MLA cache has 3 dimensions (blocks, block_size, head_size)")
+        kind, kv_dim, block_dim, kernel_dim = "mla", None, 0, 1
+    elif len(shape) == 5:
+        # With kernel blocks smaller than the engine's, a tensor holds a
+        # multiple of the engine's block count.
+        split = shape[0] == 2 and (not num_blocks or shape[1] % num_blocks == 0)
+        fused = shape[1] == 2 and (not num_blocks or shape[0] % num_blocks == 0)
+        if split:
+            # CPU: (2, blocks, H, block_size, D); CUDA: (2, blocks, block_size, H, D).
+            kind, kv_dim, block_dim, kernel_dim = "split", 0, 1, (3 if cpu else 2)
+        elif fused:
+            kind, kv_dim, block_dim, kernel_dim = "fused", None, 0, 2
+        else:
+            raise bad("no K/V dimension of size 2 in front" + (f" of {num_blocks} blocks" if num_blocks else ""))
+    else:
+        raise bad("expected 5 dimensions (3 with MLA)")
+
+    kernel_block = shape[kernel_dim]
+    blocks = shape[block_dim]
+    inner = [d for d in range(len(shape)) if d not in (kv_dim, block_dim)]
+    if kind == "fused":
+        inner = [d for d in range(len(shape)) if d != block_dim]
+    block_bytes = strides[block_dim] * elem
+    dense = _dense_bytes(tuple(shape[d] for d in inner), tuple(strides[d] for d in inner), elem)
+    if dense is None or dense != block_bytes:
+        raise bad("a block is not one contiguous run of bytes (the block dimension must be outermost after K/V)")
+    if blocks == 0:
+        raise bad("no blocks")
+    region_len = blocks * block_bytes
+
+    if kernel_block != block_size:
+        if kernel_block == 0 or block_size % kernel_block or blocks % (block_size // kernel_block):
+            raise bad(f"kernel block of {kernel_block} tokens does not divide the engine block of {block_size}")
+        ratio = block_size // kernel_block
+        blocks //= ratio
+    regions = []
+    if kv_dim is None:
+        regions.append(Region(base, region_len, blocks, block_size))
+    else:
+        kv_bytes = strides[kv_dim] * elem
+        if kv_bytes < region_len:
+            raise bad("K and V overlap")
+        for i in range(shape[kv_dim]):
+            regions.append(Region(base + i * kv_bytes, region_len, blocks, block_size))
+    return kind, regions

@@ -1,0 +1,151 @@
+//! The one module that uses `kv-worker`'s API: config construction, start
+//! over engine memory, the per-step calls, and shutdown. Everything else in
+//! this crate goes through [`Engine`].
+
+use std::time::Duration;
+
+use kv_proto::{ConnectorMetadata, LayoutKind};
+use kv_worker::{Finished, LayerCache, LayerTensor, RegisteredCache, Worker, WorkerConfig};
+
+use crate::config::Settings;
+use crate::error::Result;
+use crate::runtime::ProcessRuntime;
+
+/// Where this worker sits in vLLM's parallel layout.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placement {
+    /// Data-parallel rank.
+    pub(crate) dp_rank: u16,
+    /// Tensor-parallel size.
+    pub(crate) tp_size: u16,
+    /// Tensor-parallel rank of this worker.
+    pub(crate) tp_rank: u16,
+}
+
+/// One tensor of engine memory, described by plain integers from Python.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TensorDesc {
+    /// Base address.
+    pub(crate) addr: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+    /// Blocks in it.
+    pub(crate) num_blocks: u64,
+    /// Tokens per block.
+    pub(crate) block_size: u32,
+}
+
+/// The worker config for `settings` at `placement`; listeners bind per the
+/// settings, `default_host` is this host's address when none is configured.
+pub(crate) fn worker_config(settings: &Settings, placement: Placement, default_host: &str) -> Result<WorkerConfig> {
+    let bind = settings.bind_addr(default_host);
+    let mut config = WorkerConfig::from_transfer_config(
+        &settings.transfer,
+        bind,
+        placement.dp_rank,
+        placement.tp_size,
+        placement.tp_rank,
+    )?;
+    if let Some(depth) = settings.queue_depth {
+        config.queue_depth = depth;
+    }
+    if let Some(timeout) = settings.transfer_timeout {
+        config.transfer_timeout = timeout;
+    }
+    if let Some(timeout) = settings.connect_timeout {
+        config.connect_timeout = timeout;
+    }
+    config.auth_secret = settings.auth_secret.clone();
+    config.data_advertise_host = Some(settings.host(default_host).to_owned());
+    Ok(config)
+}
+
+/// The registered cache of `layers` (validated: equal sizes, whole blocks,
+/// block size as the engine's).
+pub(crate) fn registered_cache(
+    kind: LayoutKind,
+    engine_block_size: u32,
+    layers: &[(String, Vec<TensorDesc>)],
+) -> Result<RegisteredCache> {
+    let layers: Vec<LayerCache> = layers
+        .iter()
+        .map(|(name, tensors)| LayerCache {
+            name: name.clone(),
+            tensors: tensors
+                .iter()
+                .map(|t| LayerTensor {
+                    addr: t.addr,
+                    len: t.len,
+                    num_blocks: t.num_blocks,
+                    kernel_block_size: t.block_size,
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(RegisteredCache::new(kind, engine_block_size, &layers).map_err(kv_worker::WorkerError::from)?)
+}
+
+/// A running kv-worker over engine memory.
+pub(crate) struct Engine {
+    worker: Worker,
+    runtime: &'static ProcessRuntime,
+}
+
+impl Engine {
+    /// Opens the configured transport and starts the worker. Blocks until
+    /// the listeners are bound.
+    ///
+    /// # Safety
+    ///
+    /// Every region of `cache` must stay valid for reads and writes until
+    /// [`Engine::shutdown`] has returned `Ok` (dropping an `Engine` without
+    /// it does not end the transport's access), and the engine must not read
+    /// a block before it is reported received nor write one being sent.
+    pub(crate) unsafe fn start(
+        runtime: &'static ProcessRuntime,
+        config: WorkerConfig,
+        cache: RegisteredCache,
+    ) -> Result<Self> {
+        let worker = runtime.get().block_on(async move {
+            let writer = kv_worker::transport::open(&config).await?;
+            // SAFETY: forwarded from this function's contract: the regions
+            // stay valid until `shutdown` returns, which waits for the writer
+            // to be shut down.
+            unsafe { Worker::start_with_writer(config, cache, writer).await }
+        })?;
+        Ok(Self { worker, runtime })
+    }
+
+    /// Applies one step's metadata (returns at once).
+    pub(crate) fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        self.worker.start_load_kv(meta);
+    }
+
+    /// What finished since the last call.
+    pub(crate) fn get_finished(&self) -> Finished {
+        self.worker.get_finished()
+    }
+
+    /// Port of this worker's side-channel listener (producers only).
+    pub(crate) fn side_channel_port(&self) -> Option<u16> {
+        self.worker.side_channel_addr().map(|a| a.port())
+    }
+
+    /// The data-plane endpoint, as text.
+    pub(crate) fn data_endpoint(&self) -> String {
+        self.worker.data_endpoint().to_string()
+    }
+
+    /// Transfer requests admitted on this (prefill) worker and not answered yet.
+    pub(crate) fn transfers_in_progress(&self) -> usize {
+        self.worker.transfers_in_progress()
+    }
+
+    /// Stops every task and the transport; `Ok` once no access to the
+    /// registered memory can happen any more, `Err(())` if that did not
+    /// finish within `timeout` (the memory must then be kept alive for good).
+    pub(crate) fn shutdown(self, timeout: Duration) -> std::result::Result<(), ()> {
+        let Self { worker, runtime } = self;
+        runtime.get().block_on(async move { tokio::time::timeout(timeout, worker.shutdown()).await }).map_err(|_| ())
+    }
+}

@@ -1,0 +1,96 @@
+//! `Settings`: the parsed kvlink settings, for Python.
+
+use pyo3::prelude::*;
+
+use crate::config::{Settings, EXTRA_KEYS};
+use crate::error::Result;
+
+/// kvlink's settings of one engine instance, parsed and checked.
+#[pyclass(name = "Settings", module = "kvlink_vllm._native", frozen)]
+pub(crate) struct PySettings {
+    inner: Settings,
+}
+
+impl PySettings {
+    /// The parsed settings.
+    pub(crate) fn inner(&self) -> &Settings {
+        &self.inner
+    }
+}
+
+#[pymethods]
+impl PySettings {
+    /// Parses the JSON object `{"kv_role", "engine_id",
+    /// "kv_connector_extra_config"}`; the environment variables
+    /// `VLLM_MOONCAKE_BOOTSTRAP_PORT` and `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`
+    /// are read from this process. Raises `ConfigError` naming the bad key.
+    #[new]
+    fn new(config_json: &str) -> Result<Self> {
+        Ok(Self { inner: Settings::from_json(config_json, |k| std::env::var(k).ok())? })
+    }
+
+    /// `kv_role`.
+    #[getter]
+    fn role(&self) -> &'static str {
+        self.inner.transfer.kv_role.as_str()
+    }
+
+    /// `engine_id`.
+    #[getter]
+    fn engine_id(&self) -> &str {
+        self.inner.transfer.engine_id.as_str()
+    }
+
+    /// `mooncake_protocol`.
+    #[getter]
+    fn protocol(&self) -> &'static str {
+        self.inner.transfer.protocol.as_str()
+    }
+
+    /// `num_workers`.
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.inner.transfer.num_workers
+    }
+
+    /// Side-channel bootstrap port.
+    #[getter]
+    fn bootstrap_port(&self) -> u16 {
+        self.inner.transfer.bootstrap_port
+    }
+
+    /// Seconds P holds blocks D never asks for.
+    #[getter]
+    fn abort_request_timeout(&self) -> f64 {
+        self.inner.transfer.abort_request_timeout.as_secs_f64()
+    }
+
+    /// `advertised_host`, if set.
+    #[getter]
+    fn advertised_host(&self) -> Option<&str> {
+        self.inner.advertised_host.as_deref()
+    }
+
+    /// `auth_secret_file`, if set.
+    #[getter]
+    fn auth_secret_file(&self) -> Option<String> {
+        self.inner.auth_secret_file.as_ref().map(|p| p.display().to_string())
+    }
+
+    /// The keys `kv_connector_extra_config` accepts, with what each means.
+    #[staticmethod]
+    fn known_keys() -> Vec<(&'static str, &'static str)> {
+        EXTRA_KEYS.to_vec()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Settings(role={}, engine_id={:?}, protocol={}, num_workers={}, bootstrap_port={})",
+            self.role(),
+            self.engine_id(),
+            self.protocol(),
+            self.num_workers(),
+            self.bootstrap_port()
+        )
+    }
+}

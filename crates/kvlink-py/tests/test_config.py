@@ -1,0 +1,110 @@
+"""kvlink settings from kv_connector_extra_config and the reference's environment variables."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import collected, free_port, step_until
+from kvsim import FakeTensor
+
+from kvlink_vllm import ConfigError, _native, adapter
+
+ALL_KEYS = {
+    "mooncake_protocol": "tcp",
+    "num_workers": 3,
+    "queue_depth": 7,
+    "transfer_timeout": 2.5,
+    "connect_timeout": 1,
+    "advertised_host": "p.example",
+    "bind_host": "127.0.0.1",
+}
+
+
+def settings(extra: dict, role: str = "kv_producer") -> _native.Settings:
+    return adapter.settings_from_transfer_config(
+        SimpleNamespace(kv_role=role, engine_id="e", kv_connector_extra_config=extra)
+    )
+
+
+def test_every_documented_key_is_accepted(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    s = settings({**ALL_KEYS, "auth_secret_file": str(secret)})
+    assert (s.protocol, s.num_workers, s.advertised_host) == ("tcp", 3, "p.example")
+    assert s.auth_secret_file == str(secret)
+    assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | {"auth_secret_file"}
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match=r"unknown key kv_connector_extra_config\.num_worker\b"):
+        settings({"num_worker": 4})
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"mooncake_protocol": "nvlink"}, "mooncake_protocol"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"queue_depth": "8"}, "queue_depth"),
+        ({"transfer_timeout": -1}, "transfer_timeout"),
+        ({"connect_timeout": "5s"}, "connect_timeout"),
+        ({"advertised_host": ""}, "advertised_host"),
+        ({"bind_host": "not-an-ip"}, "bind_host"),
+        ({"auth_secret_file": "/nonexistent/kvlink-secret"}, "/nonexistent/kvlink-secret"),
+    ],
+)
+def test_bad_values_name_the_key(extra, named):
+    with pytest.raises(ConfigError, match=named):
+        settings(extra)
+
+
+def test_reference_environment_variables_are_honoured(monkeypatch):
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "9100")
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "12.5")
+    s = settings({})
+    assert (s.bootstrap_port, s.abort_request_timeout) == (9100, 12.5)
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "0")
+    with pytest.raises(ConfigError, match="VLLM_MOONCAKE_BOOTSTRAP_PORT"):
+        settings({})
+
+
+@pytest.mark.parametrize("protocol", ["quic", "rdma"])
+def test_protocol_not_in_this_build_fails_at_start(protocol):
+    if protocol in _native.compiled_protocols():
+        pytest.skip(f"{protocol} is compiled in")
+    import ctypes
+    import mmap
+
+    mm = mmap.mmap(-1, 2 * 4 * 16 * 16 * 2)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    side = adapter.WorkerSide(settings({"mooncake_protocol": protocol}, "kv_consumer"), "127.0.0.1", block_size=16)
+    with pytest.raises(ConfigError, match=f'mooncake_protocol = "{protocol}" is not compiled'):
+        side.register_kv_caches({"l": FakeTensor(mm, addr, (2, 4, 1, 16, 16), 2)})
+
+
+def test_auth_secret_mismatch_fails_the_pull_and_match_succeeds(instances, tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("the-shared-secret")
+    bad.write_text("another-secret")
+    port = free_port()
+    p = instances("P", "kv_producer", extra={"auth_secret_file": str(good)}, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)})
+    d_ok = instances("D1", "kv_consumer", extra={"auth_secret_file": str(good)})
+    d_bad = instances("D2", "kv_consumer", extra={"auth_secret_file": str(bad)})
+    for rid in ("a", "b"):
+        p.call("add", request_id=rid, prompt_len=32, params={"do_remote_decode": True})
+    ev = p.call("step")
+    params = {rid: ev["finished"][rid]["kv_transfer_params"] for rid in ("a", "b")}
+    d_ok.call("add", request_id="a", prompt_len=32, params=params["a"], max_tokens=100)
+    d_bad.call("add", request_id="b", prompt_len=32, params=params["b"], max_tokens=100)
+    ev = step_until(
+        [p, d_ok, d_bad],
+        lambda e: "a" in collected(e["D1"], "finished_recving") and "b" in collected(e["D2"], "finished_recving"),
+        what="both pulls ended",
+    )
+    assert collected(ev["D1"], "invalid_block_ids") == []
+    assert d_ok.call("verify", request_id="a")["bad"] == []
+    # The D without the secret is refused: a failed load, its blocks reported.
+    assert sorted(collected(ev["D2"], "invalid_block_ids")) == d_bad.call("verify", request_id="b")["blocks"]
+    assert json.dumps(p.call("state")["violations"]) == "[]"

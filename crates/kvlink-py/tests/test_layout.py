@@ -1,0 +1,75 @@
+"""KV cache layouts read from tensor shapes and strides (no torch)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from kvsim import FakeTensor
+
+from kvlink_vllm import ConfigError, adapter, layout
+
+N, B, H, D, E = 10, 16, 4, 8, 2
+BASE = 0x10000000
+
+
+def t(shape, device="cpu", strides=None, addr=BASE):
+    return FakeTensor(None, addr, shape, E, device, strides)
+
+
+def test_cpu_backend_split_layout():
+    # vLLM's CPU backend: (2, blocks, heads, block_size, head_dim).
+    c = layout.describe({"l0": t((2, N, H, B, D)), "l1": t((2, N, H, B, D), addr=BASE + 10**8)}, B, num_blocks=N)
+    assert c.kind == "split" and c.block_len == H * B * D * E
+    (_, (k, v)), (_, (k1, _)) = c.layers
+    assert (k.addr, v.addr, k1.addr) == (BASE, BASE + N * c.block_len, BASE + 10**8)
+    assert k.num_blocks == N and k.length == N * c.block_len and k.block_size == B
+
+
+def test_cuda_flash_attention_layout_and_hnd_strides():
+    # FlashAttention: (2, blocks, block_size, heads, head_dim); block size is dim 2.
+    c = layout.describe({"l0": t((2, N, B, H, D), device="cuda")}, B)
+    assert c.kind == "split" and c.block_len == B * H * D * E
+    # HND: same logical shape, physical order (2, blocks, heads, block_size, head_dim).
+    hnd = (N * H * B * D, H * B * D, D, B * D, 1)
+    c = layout.describe({"l0": t((2, N, B, H, D), device="cuda", strides=hnd)}, B)
+    assert c.block_len == B * H * D * E
+
+
+def test_flashinfer_fused_and_mla_layouts():
+    c = layout.describe({"l0": t((N, 2, B, H, D), device="cuda")}, B, num_blocks=N)
+    assert c.kind == "fused" and c.block_len == 2 * B * H * D * E and len(c.layers[0][1]) == 1
+    c = layout.describe({"l0": t((N, B, 576))}, B, use_mla=True)
+    assert c.kind == "mla" and c.block_len == B * 576 * E
+
+
+def test_kernel_blocks_smaller_than_engine_blocks_are_grouped():
+    # vLLM splits each 32-token block into two 16-token kernel blocks: the
+    # tensor holds twice kv_cache_config.num_blocks.
+    c = layout.describe({"l0": t((2, N, H, B, D))}, 2 * B, num_blocks=N // 2)
+    (_, (k, _)), = c.layers
+    assert k.num_blocks == N // 2 and c.block_len == 2 * H * B * D * E and k.block_size == 2 * B
+
+
+def test_unreadable_layouts_are_errors_naming_the_layer():
+    # Heads outside blocks (physical (2, heads, blocks, block_size, head_dim)): a
+    # block is not one contiguous run.
+    heads_outer = (H * N * B * D, B * D, N * B * D, D, 1)
+    with pytest.raises(ConfigError, match="layer 'l0'.*contiguous"):
+        layout.describe({"l0": t((2, N, H, B, D), strides=heads_outer)}, B)
+    with pytest.raises(ConfigError, match="kernel block"):
+        layout.describe({"l0": t((2, N, H, 12, D))}, B)
+    with pytest.raises(ConfigError, match="5 dimensions"):
+        layout.describe({"l0": t((N, B, D))}, B)
+
+
+def test_device_memory_with_a_host_transport_is_a_startup_error_naming_the_fix():
+    settings = adapter.settings_from_transfer_config(
+        SimpleNamespace(kv_role="kv_consumer", engine_id="d", kv_connector_extra_config={"mooncake_protocol": "tcp"})
+    )
+    side = adapter.WorkerSide(settings, "127.0.0.1", block_size=B)
+    with pytest.raises(ConfigError) as e:
+        side.register_kv_caches({"model.layers.0.attn": t((2, N, B, H, D), device="cuda")})
+    text = str(e.value)
+    assert "model.layers.0.attn" in text and "cuda" in text and "CPU backend" in text and "tcp" in text
+    assert side._worker is None

@@ -1,0 +1,180 @@
+"""P and D as two processes on loopback, driven through vLLM 0.14's call
+sequence (see ``kvsim``), over memory-mapped fake KV tensors; every byte
+that lands on D is compared with what P computed."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import collected, free_port, step_until
+
+BLOCK = 16
+
+
+def start_pair(instances, p_env=None, d_extra=None):
+    port = free_port()
+    env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}
+    env.update(p_env or {})
+    p = instances("P", "kv_producer", env=env)
+    d = instances("D", "kv_consumer", extra=d_extra or {"transfer_timeout": 20})
+    assert p.ready["side_channel_port"] == port
+    return p, d
+
+
+def prefill(p, rid: str, prompt_len: int, hold: bool = False) -> dict:
+    """Runs the prefill of ``rid`` on P; returns the params for D (as the proxy does)."""
+    p.call("add", request_id=rid, prompt_len=prompt_len, params={"do_remote_decode": True}, hold=hold)
+    ev = p.call("step")
+    if hold:
+        return {}
+    out = ev["finished"][rid]
+    assert out["delay_free"] is True
+    params = out["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_host"] == "127.0.0.1"
+    return params
+
+
+def no_violations(*procs):
+    for p in procs:
+        assert p.call("state")["violations"] == [], p.name
+
+
+def test_plain_prefill_to_decode(instances):
+    p, d = start_pair(instances)
+    params = prefill(p, "r1", prompt_len=3 * BLOCK + 5)  # 4 blocks
+    d.call("add", request_id="r1", prompt_len=3 * BLOCK + 5, params=params, max_tokens=100)
+    ev = step_until(
+        [p, d],
+        lambda e: "r1" in collected(e["D"], "finished_recving") and "r1" in collected(e["P"], "finished_sending"),
+        what="r1 received on D and sent on P",
+    )
+    assert collected(ev["D"], "invalid_block_ids") == []
+    v = d.call("verify", request_id="r1")
+    assert v["bad"] == [] and len(v["blocks"]) == 4
+    assert v["bytes"] == 4 * 8 * 2 * BLOCK * 16 * 2  # blocks x regions x heads x tokens x head_dim x bf16
+    # Reported once each, and D's request runs (decodes) from the pulled KV.
+    assert collected(ev["D"], "finished_recving").count("r1") == 1
+    assert collected(ev["P"], "finished_sending").count("r1") == 1
+    d.call("step")
+    assert d.call("state")["requests"]["r1"] == "RUNNING"
+    assert "r1" not in p.call("state")["requests"]  # P freed its blocks
+    no_violations(p, d)
+
+
+def test_partial_prefix_hit_on_decode(instances):
+    p, d = start_pair(instances)
+    params = prefill(p, "r2", prompt_len=5 * BLOCK)  # 5 blocks on P
+    # D already holds the first 2 blocks (prefix cache): only the last 3 are pulled.
+    d.call("add", request_id="r2", prompt_len=5 * BLOCK, params=params, max_tokens=100, hit_blocks=2)
+    ev = step_until(
+        [p, d],
+        lambda e: "r2" in collected(e["D"], "finished_recving") and "r2" in collected(e["P"], "finished_sending"),
+        what="r2 received",
+    )
+    assert collected(ev["D"], "invalid_block_ids") == []
+    v = d.call("verify", request_id="r2")
+    assert v["bad"] == [] and len(v["blocks"]) == 5
+    no_violations(p, d)
+
+
+def test_abort_before_scheduling_on_decode(instances):
+    p, d = start_pair(instances)
+    params = prefill(p, "r3", prompt_len=2 * BLOCK)
+    d.call("add", request_id="r3", prompt_len=2 * BLOCK, params=params, max_tokens=100)
+    # Aborted before D's scheduler ever ran it: D must still tell P to free.
+    out = d.call("abort", request_id="r3")
+    assert out == {"delay_free": False, "kv_transfer_params": None}
+    ev = step_until([p, d], lambda e: "r3" in collected(e["P"], "finished_sending"), what="P frees r3")
+    # P freed on D's notice, long before its 480 s lease; D reports nothing for r3.
+    assert collected(ev["D"], "finished_recving") == []
+    assert collected(ev["D"], "invalid_block_ids") == []
+    for _ in range(3):
+        assert d.call("step")["finished_recving"] == []
+    no_violations(p, d)
+
+
+def test_prefill_lease_frees_unpulled_blocks(instances):
+    p, d = start_pair(instances, p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
+    prefill(p, "r4", prompt_len=2 * BLOCK)
+    started = time.monotonic()
+    step_until([p], lambda e: "r4" in collected(e["P"], "finished_sending"), timeout=10, what="lease end")
+    held = time.monotonic() - started
+    assert held >= 0.9, f"blocks freed after {held:.2f} s, before the 1 s lease"
+    assert "r4" not in p.call("state")["requests"]
+    # A late pull for it fails on D (reported with its blocks), it does not hang.
+    d.call(
+        "add",
+        request_id="r4",
+        prompt_len=2 * BLOCK,
+        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": p.ready["side_channel_port"]},
+        max_tokens=100,
+    )
+    ev = step_until([p, d], lambda e: "r4" in collected(e["D"], "finished_recving"), what="late pull fails")
+    assert sorted(collected(ev["D"], "invalid_block_ids")) == d.call("verify", request_id="r4")["blocks"]
+    no_violations(p, d)
+
+
+def test_prefill_killed_mid_transfer(instances):
+    p, d = start_pair(instances, d_extra={"transfer_timeout": 30})
+    port = p.ready["side_channel_port"]
+    # P is still prefilling r5 (its forward spans steps) when D asks for it:
+    # P admits D's transfer request and holds it until r5 is ready.
+    prefill(p, "r5", prompt_len=3 * BLOCK, hold=True)
+    d.call(
+        "add",
+        request_id="r5",
+        prompt_len=3 * BLOCK,
+        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+        max_tokens=100,
+    )
+    d.call("step")  # D schedules r5 and starts the pull
+    deadline = time.monotonic() + 10
+    while p.call("state")["transfers_in_progress"] < 1:
+        assert time.monotonic() < deadline, "P never admitted D's transfer request"
+        time.sleep(0.01)
+    blocks = d.call("verify", request_id="r5")["blocks"]
+    p.kill()
+    started = time.monotonic()
+    ev = step_until([d], lambda e: "r5" in collected(e["D"], "finished_recving"), timeout=10, what="failure reported")
+    assert time.monotonic() - started < 5, "the failure took longer than a dead connection should"
+    assert collected(ev["D"], "finished_recving") == ["r5"]
+    assert sorted(collected(ev["D"], "invalid_block_ids")) == sorted(blocks)
+    # Same step: the ids and the blocks arrive together.
+    last = ev["D"][-1]
+    assert last["finished_recving"] == ["r5"] and sorted(last["invalid_block_ids"]) == sorted(blocks)
+    # Exactly once; the request is then recomputed locally.
+    for _ in range(3):
+        e = d.call("step")
+        assert e["finished_recving"] == [] and e["invalid_block_ids"] == []
+    state = d.call("state")
+    assert state["recompute"] == ["r5"] and state["requests"]["r5"] == "RUNNING"
+    assert state["violations"] == []
+
+
+def test_decode_abort_during_pull_is_not_reported(instances):
+    p, d = start_pair(instances)
+    port = p.ready["side_channel_port"]
+    prefill(p, "r6", prompt_len=2 * BLOCK, hold=True)  # still prefilling on P
+    d.call(
+        "add",
+        request_id="r6",
+        prompt_len=2 * BLOCK,
+        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+        max_tokens=100,
+    )
+    d.call("step")  # D starts the pull
+    deadline = time.monotonic() + 10
+    while p.call("state")["transfers_in_progress"] < 1:
+        assert time.monotonic() < deadline, "P never admitted D's transfer request"
+        time.sleep(0.01)
+    # vLLM aborts the request on D while its pull is in flight (and frees its blocks).
+    assert d.call("abort", request_id="r6") == {"delay_free": False, "kv_transfer_params": None}
+    # P finishes the prefill: the pull completes, but vLLM no longer knows r6.
+    p.call("release", request_id="r6")
+    ev = step_until([p, d], lambda e: "r6" in collected(e["P"], "finished_sending"), what="P sends r6")
+    for _ in range(3):
+        ev["D"].append(d.call("step"))
+    assert collected(ev["D"], "finished_recving") == []
+    assert collected(ev["D"], "invalid_block_ids") == []
+    no_violations(p, d)

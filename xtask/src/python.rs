@@ -1,0 +1,127 @@
+//! The Python side: `kvlink_vllm` (crates/kvlink-py) built and tested in a
+//! virtual environment of the workspace's target directory.
+//!
+//! * `cargo xtask ci --step python`: creates the environment if needed,
+//!   installs the pinned build and test tools from PyPI, installs the
+//!   package exactly as the README tells users to (`pip install
+//!   crates/kvlink-py`), and runs its pytest suite (P and D as processes,
+//!   fork safety, the signature check against the released vLLM 0.14.0).
+//! * `cargo xtask vllm-check` (not in CI): a second environment with
+//!   `vllm==0.14.0` itself, running `crates/kvlink-py/vllm_check/` against
+//!   vLLM's real scheduler and connector factory.
+//!
+//! The interpreter is `$PYTHON`, else `python3` (3.10 or newer).
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::cmd;
+
+/// maturin, the build backend (also pinned in crates/kvlink-py/pyproject.toml).
+pub(crate) const MATURIN: &str = "maturin==1.16.0";
+/// pytest, the test runner.
+pub(crate) const PYTEST: &str = "pytest==8.4.2";
+/// The vLLM release the connector targets.
+pub(crate) const VLLM: &str = "vllm==0.14.0";
+
+/// The package's directory.
+fn package_dir(root: &Path) -> PathBuf {
+    root.join("crates").join("kvlink-py")
+}
+
+/// The target directory (`$CARGO_TARGET_DIR`, else `target/`).
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+fn python_program() -> OsString {
+    std::env::var_os("PYTHON").unwrap_or_else(|| OsString::from("python3"))
+}
+
+fn run(mut command: Command, what: &str) -> Result<()> {
+    println!("  $ {what}");
+    command.env("PIP_DISABLE_PIP_VERSION_CHECK", "1");
+    cmd::run_inherited(command, what)
+}
+
+/// A virtual environment under the target directory, created if missing;
+/// returns its interpreter.
+fn venv(root: &Path, name: &str) -> Result<PathBuf> {
+    let dir = target_dir(root).join(name);
+    let python = dir.join("bin").join("python");
+    if !python.exists() {
+        let mut check = Command::new(python_program());
+        check.args(["-c", "import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)"]);
+        run(check, "python3 is 3.10 or newer").context("kvlink_vllm needs CPython 3.10+ (set $PYTHON)")?;
+        let mut create = Command::new(python_program());
+        create.arg("-m").arg("venv").arg(&dir);
+        run(create, &format!("python3 -m venv {}", dir.display()))?;
+    }
+    if !python.exists() {
+        bail!("{} was not created", python.display());
+    }
+    Ok(python)
+}
+
+fn pip(python: &Path, args: &[&str]) -> Result<()> {
+    let mut command = Command::new(python);
+    command.args(["-m", "pip"]).args(args);
+    run(command, &format!("pip {}", args.join(" ")))
+}
+
+/// Installs the package from the repository, as the README says. `profile`
+/// is the cargo profile maturin builds with (`dev` reuses what the other CI
+/// steps compiled; users get `release`).
+fn install_package(root: &Path, python: &Path, profile: &str) -> Result<()> {
+    let dir = package_dir(root);
+    let mut command = Command::new(python);
+    command.args(["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps"]).arg(&dir);
+    // Reuse the workspace's build directory between runs.
+    command.env("CARGO_TARGET_DIR", target_dir(root));
+    command.env("MATURIN_PEP517_ARGS", format!("--profile {profile}"));
+    run(command, &format!("MATURIN_PEP517_ARGS='--profile {profile}' pip install {}", dir.display()))
+}
+
+/// `cargo xtask ci --step python`.
+pub(crate) fn ci(root: &Path) -> Result<()> {
+    let python = venv(root, "kvlink-py-venv")?;
+    pip(&python, &["install", "--quiet", MATURIN, PYTEST])?;
+    install_package(root, &python, "dev")?;
+    let mut pytest = Command::new(&python);
+    pytest.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]).current_dir(package_dir(root));
+    // The vLLM wheel the signature test reads is kept between runs.
+    pytest.env("KVLINK_VLLM_DIST_DIR", target_dir(root).join("vllm-dist"));
+    run(pytest, "pytest -q tests")
+}
+
+/// Arguments of `cargo xtask vllm-check`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct VllmCheckArgs {
+    /// Extra arguments for pytest (e.g. `-k scheduler -x`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pytest_args: Vec<String>,
+}
+
+/// `cargo xtask vllm-check`: vLLM 0.14.0's own scheduler and factory with kvlink.
+pub(crate) fn vllm_check(args: &VllmCheckArgs) -> Result<std::process::ExitCode> {
+    let root = cmd::workspace_root()?;
+    let python = venv(&root, "vllm-check-venv")?;
+    pip(&python, &["install", "--quiet", MATURIN, PYTEST, VLLM])?;
+    install_package(&root, &python, "release")?;
+    let mut pytest = Command::new(&python);
+    pytest
+        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "vllm_check"])
+        .args(&args.pytest_args)
+        .current_dir(package_dir(&root))
+        // Offline: the model is a local config.json, nothing is fetched.
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("VLLM_HOST_IP", "127.0.0.1")
+        .env("VLLM_TARGET_DEVICE", "cpu");
+    run(pytest, "pytest -v vllm_check")?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
