@@ -261,9 +261,6 @@ async fn write_on(
         Err(ChainError::Timeout(after)) => {
             Err(Failure::Final(TransportError::Timeout { peer, what: "an RDMA WRITE completion", after }))
         }
-        Err(ChainError::Busy(after)) => {
-            Err(Failure::Final(TransportError::Timeout { peer, what: "the queue pair (held by another batch)", after }))
-        }
         Err(ChainError::Failed { .. } | ChainError::Verbs(_)) => {
             Err(Failure::Final(TransportError::Io { peer, source: std::io::Error::other(result_text(&result)) }))
         }
@@ -285,13 +282,16 @@ async fn windows(shared: &Shared, conn: &Conn, label: &str, grant: &Grant) -> Re
     }
     let io_timeout = shared.config.io_timeout;
     let peer = label.to_owned();
-    let Ok(mut control) = tokio::time::timeout(io_timeout, conn.control.lock()).await else {
-        return Err(Failure::Final(TransportError::Timeout {
-            peer,
-            what: "the control connection (held by another batch)",
-            after: io_timeout,
-        }));
+    // Opens take turns on the control connection; the one ahead is bounded
+    // (each of its waits is, and it breaks the connection when one runs out).
+    let mut control = tokio::select! {
+        biased;
+        () = conn.link.died() => return Err(Failure::Retry(TransportError::PeerClosed { peer })),
+        control = conn.control.lock() => control,
     };
+    if conn.link.is_dead() {
+        return Err(Failure::Retry(TransportError::PeerClosed { peer }));
+    }
     // Another batch may have opened it meanwhile.
     if let Some(windows) = lock(&conn.grants).get(&grant.id) {
         return Ok(windows);

@@ -18,20 +18,20 @@ use crate::window::SendWindow;
 /// Why a chain of work requests did not complete.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ChainError {
-    /// The queue pair is gone (destroyed by a failure, a revocation that
-    /// could not invalidate, or close).
+    /// The queue pair is gone (in the error state after a failure, a
+    /// revocation that could not invalidate, the end of its connection, or
+    /// close).
     #[error("the queue pair is gone")]
     Gone,
-    /// No completion within the bound; the queue pair was destroyed.
+    /// No completion within the bound; the queue pair was moved to the
+    /// error state.
     #[error("no completion within {0:?}")]
     Timeout(Duration),
-    /// Another chain held the queue pair past the bound.
-    #[error("the queue pair stayed busy for {0:?}")]
-    Busy(Duration),
-    /// A verbs call failed; the queue pair was destroyed.
+    /// A verbs call failed; the queue pair was moved to the error state.
     #[error("{0}")]
     Verbs(#[from] VerbsError),
-    /// A work request completed with an error; the queue pair was destroyed.
+    /// A work request completed with an error; the queue pair is in the
+    /// error state.
     #[error("work request {index:?} of the chain failed: {status} (vendor error {vendor_err:#x})")]
     Failed {
         /// Its position in the chain (`None`: a request of an earlier,
@@ -159,18 +159,25 @@ impl Link {
     /// Posts a chain of `count` work requests through `post` (given the
     /// queue pair, the indices to post and the first's sequence number),
     /// never more outstanding than the send queue holds, and waits until
-    /// every one completed. Each wait is bounded by `io_timeout`.
+    /// every one completed. Each wait for completions is bounded by
+    /// `io_timeout`; chains take turns, and the wait for a turn is bounded
+    /// by the chain ahead (whose every wait is bounded, and which moves the
+    /// queue pair to the error state when one runs out).
     ///
-    /// Any failure destroys the queue pair (an RC queue pair in error is
-    /// useless, and destroying it is the fence for whatever it had open).
-    /// A chain abandoned half-way (its future dropped) leaves requests
-    /// outstanding: the next chain waits for them first.
+    /// Any failure moves the queue pair to the error state (an RC queue
+    /// pair in error is useless, and the error state is the fence for
+    /// whatever windows it had open). A chain abandoned half-way (its future
+    /// dropped) leaves requests outstanding: the next chain waits for them
+    /// first.
     pub(crate) async fn run<F>(&self, count: usize, io_timeout: Duration, mut post: F) -> Result<(), ChainError>
     where
         F: FnMut(&mut QueuePair, Range<usize>, u64) -> Result<(), VerbsError>,
     {
-        let mut driver =
-            tokio::time::timeout(io_timeout, self.driver.lock()).await.map_err(|_| ChainError::Busy(io_timeout))?;
+        let mut driver = tokio::select! {
+            biased;
+            () = self.dead.cancelled() => return Err(ChainError::Gone),
+            driver = self.driver.lock() => driver,
+        };
         if self.is_dead() {
             return Err(ChainError::Gone);
         }
