@@ -198,12 +198,20 @@ impl RdmaTransport {
         let address = match &config.advertise_host {
             Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{}", local_addr.port()),
             Some(host) => format!("{host}:{}", local_addr.port()),
-            None => local_addr.to_string(),
+            None => {
+                if local_addr.ip().is_unspecified() {
+                    tracing::warn!(%local_addr, "listening on a wildcard address without advertise_host: peers get an unusable endpoint");
+                }
+                local_addr.to_string()
+            }
         };
-        let gid = match (config.gid_index, local_addr.ip()) {
-            (Some(index), _) => GidChoice::Index(index),
-            (None, IpAddr::V4(ip)) if !ip.is_unspecified() => GidChoice::Ipv4(ip),
-            (None, _) => GidChoice::Index(0),
+        // RoCE: the GID of the address peers reach us at, unless told.
+        let advertised = config.advertise_host.as_deref().and_then(|host| host.parse::<IpAddr>().ok());
+        let gid = match (config.gid_index, local_addr.ip(), advertised) {
+            (Some(index), _, _) => GidChoice::Index(index),
+            (None, IpAddr::V4(ip), _) if !ip.is_unspecified() => GidChoice::Ipv4(ip),
+            (None, _, Some(IpAddr::V4(ip))) => GidChoice::Ipv4(ip),
+            (None, _, _) => GidChoice::Index(0),
         };
         let name = config.device.clone().unwrap_or_else(|| "(first device)".to_owned());
         let device =
@@ -316,7 +324,8 @@ impl BatchWriter for RdmaTransport {
             return Err(TransportError::Shutdown);
         }
         let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
-        match shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
+        let issued = Instant::now();
+        match shared.memory.issue_grant(id, ranges, issued, valid_for) {
             Ok(()) => {}
             Err(GrantError::Closed) => return Err(TransportError::Shutdown),
             Err(err) => return Err(err.into()),
@@ -340,11 +349,15 @@ impl BatchWriter for RdmaTransport {
             shared.memory.revoke(&id);
             return Err(TransportError::Shutdown);
         }
+        // The expiry fences the windows as a revocation does, at the same
+        // instant the bookkeeping stops admitting the grant.
         let timer = Arc::clone(shared);
+        // (The bookkeeping caps an overflowing validity at a year; so does this.)
+        let expires = issued.checked_add(valid_for).unwrap_or(issued + Duration::from_secs(365 * 24 * 3600));
         shared.tracker.spawn(async move {
             tokio::select! {
                 () = slot.expiry.cancelled() => {}
-                () = tokio::time::sleep(valid_for) => server::revoke(&timer, &id, "expired").await,
+                () = tokio::time::sleep_until(expires.into()) => server::revoke(&timer, &id, "expired").await,
             }
         });
         tracing::debug!(grant = %id, windows, ?valid_for, "grant issued");
