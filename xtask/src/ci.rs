@@ -14,10 +14,12 @@ use anyhow::{bail, Result};
 use crate::{cmd, deps, python, rdma_test};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
-/// steps: transport-rdma's `verbs` feature needs cmake, libclang and, to run,
-/// an RDMA device. Its own steps below cover it: clippy with `verbs`, its
-/// device-free tests on the host, and `rdma-test` (every test, in a
-/// Soft-RoCE guest).
+/// steps: transport-rdma's device tests need an RDMA device. Its own steps
+/// below cover it: clippy with `verbs`, its device-free tests on the host,
+/// and `rdma-test` (every test, in a Soft-RoCE guest). kv-worker's and
+/// kvlink's `rdma` features still build it (with cmake and libclang) in the
+/// all-features steps; their RDMA tests pass vacuously on a host without a
+/// device and run for real in `rdma-test`.
 const EXCLUDED: &[&str] = &["--exclude", "transport-rdma"];
 
 /// Clippy is run once per feature set: `(step suffix, cargo clippy args)`.
@@ -27,6 +29,7 @@ const CLIPPY_FEATURE_SETS: &[(&str, &[&str])] = &[
     ("kv-worker-no-default", &["-p", "kv-worker", "--no-default-features", "--all-targets"]),
     ("all-features", &["--workspace", "--all-targets", "--all-features", "--exclude", "transport-rdma"]),
     ("rdma", &["-p", "transport-rdma", "--all-targets", "--features", "verbs"]),
+    ("kv-worker-rdma", &["-p", "kv-worker", "--no-default-features", "--features", "rdma", "--all-targets"]),
 ];
 
 /// The checks that must hold without debug assertions or overflow checks
@@ -84,9 +87,9 @@ impl Step {
                 format!("{env}cargo {}", args.join(" "))
             }
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
-            Action::RdmaTest => {
-                "cargo xtask rdma-test (transport-rdma, feature verbs, in a Soft-RoCE guest)".to_owned()
-            }
+            Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
+                                 and end-to-end test, in a Soft-RoCE guest)"
+                .to_owned(),
             Action::Python => format!(
                 "kvlink_vllm: venv, pip install {} {}, pip install crates/kvlink-py, pytest",
                 python::MATURIN,
@@ -127,7 +130,8 @@ fn steps() -> Vec<Step> {
     test.push("--no-fail-fast");
     steps.push(Step::cargo("test", "test", test));
     steps.push(Step::cargo("release-checks", "release-checks", RELEASE_CHECKS.to_vec()));
-    // transport-rdma's device-free tests (planner, window, handshake) need no verbs.
+    // transport-rdma's device-free tests (planner, window, handshake, control
+    // codec, fence bookkeeping) need no verbs.
     steps.push(Step::cargo("test:rdma-host", "test", vec!["test", "-p", "transport-rdma", "--no-fail-fast"]));
     steps.push(Step { name: "rdma-test".to_owned(), group: "rdma-test", action: Action::RdmaTest });
 

@@ -13,8 +13,11 @@
 //!   environment and runs the connector against vLLM's own scheduler (not in CI).
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
-//! * `cargo xtask rdma-test` builds transport-rdma's tests with its verbs
-//!   layer and runs them in a QEMU guest with a Soft-RoCE device.
+//! * `cargo xtask rdma-test` builds the RDMA tests (transport-rdma's, with
+//!   its verbs layer; kv-worker's conformance suite and end-to-end test with
+//!   its `rdma` feature) and runs them in a QEMU guest with a Soft-RoCE
+//!   device; `--bench` runs `kvlink demo` and `kvlink bench` over RDMA and
+//!   perftest's `ib_write_bw` there instead, with the throughput ratio.
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
@@ -51,7 +54,7 @@ enum Command {
     Ci(ci::CiArgs),
     /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
     Bench(bench::BenchArgs),
-    /// Build transport-rdma's tests (feature `verbs`) and run them in a Soft-RoCE QEMU guest.
+    /// Build the RDMA tests and run them in a Soft-RoCE QEMU guest (`--bench`: demo, bench, ib_write_bw).
     RdmaTest(rdma_test::RdmaTestArgs),
     /// Install vLLM 0.14.0 in a scratch venv and run kvlink against vLLM's own scheduler (offline, CPU).
     VllmCheck(python::VllmCheckArgs),

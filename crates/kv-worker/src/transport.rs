@@ -1,5 +1,12 @@
 //! Transport selection: `mooncake_protocol` picks the `BatchWriter`, among
 //! those compiled in by cargo features.
+//!
+//! RDMA (feature `rdma`) takes its device from the environment, as
+//! `transport_rdma::RdmaConfig::with_env` reads it: `KVLINK_RDMA_DEVICE`
+//! (default: the first device), `KVLINK_RDMA_PORT` (default 1) and
+//! `KVLINK_RDMA_GID_INDEX` (default: the port's IPv4-mapped GID of the data
+//! listen address). Its control listener binds `data_listen`, and
+//! `connect_timeout` and `data_io_timeout` bound its waits.
 
 use std::sync::Arc;
 
@@ -38,8 +45,63 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 transport_quic::QuicTransport::bind(quic).await.map_err(WorkerError::Transport)?;
             Ok(writer)
         }
+        #[cfg(feature = "rdma")]
+        Protocol::Rdma => {
+            let rdma = transport_rdma::RdmaConfig {
+                listen_addr: config.data_listen,
+                advertise_host: config.data_advertise_host.clone(),
+                connect_timeout: config.connect_timeout,
+                io_timeout: config.data_io_timeout,
+                ..transport_rdma::RdmaConfig::default()
+            }
+            .with_env(|name| std::env::var(name).ok())
+            .map_err(|err| {
+                WorkerError::Transport(kv_proto::TransportError::Io {
+                    peer: "rdma device".to_owned(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidInput, err),
+                })
+            })?;
+            if config.auth_secret.is_some() {
+                tracing::warn!(
+                    "auth_secret covers the side channel only with mooncake_protocol = \"rdma\": \
+                     the RDMA data plane admits a writer by its grant (a 128-bit capability) alone"
+                );
+            }
+            let writer: Arc<dyn BatchWriter> =
+                transport_rdma::RdmaTransport::bind(rdma).await.map_err(WorkerError::Transport)?;
+            Ok(writer)
+        }
+        #[allow(unreachable_patterns)]
         other => Err(WorkerError::TransportNotCompiled { protocol: other, feature: feature_of(other) }),
     }
+}
+
+/// The transport an unset `mooncake_protocol` means in this build: `rdma`
+/// when it is compiled in (the reference's default), else `tcp`.
+pub fn default_protocol() -> Protocol {
+    if cfg!(feature = "rdma") {
+        Protocol::Rdma
+    } else {
+        Protocol::Tcp
+    }
+}
+
+/// `mooncake_protocol` as configured, or, when it is unset, this build's
+/// [`default_protocol`], with one log line saying which and why.
+pub fn resolve_protocol(configured: Option<Protocol>) -> Protocol {
+    if let Some(protocol) = configured {
+        return protocol;
+    }
+    let protocol = default_protocol();
+    if protocol == Protocol::Rdma {
+        tracing::info!("mooncake_protocol is unset: using rdma (compiled in; the reference's default)");
+    } else {
+        tracing::info!(
+            "mooncake_protocol is unset: using tcp (the reference defaults to rdma, which this build does not \
+             compile in: enable kv-worker's \"rdma\" feature)"
+        );
+    }
+    protocol
 }
 
 /// The cargo feature of `kv-worker` that compiles a transport in.
@@ -60,5 +122,24 @@ pub fn compiled_in() -> Vec<Protocol> {
     if cfg!(feature = "quic") {
         protocols.push(Protocol::Quic);
     }
+    if cfg!(feature = "rdma") {
+        protocols.push(Protocol::Rdma);
+    }
     protocols
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unset_protocol_is_rdma_only_where_it_is_compiled_in() {
+        let expected = if cfg!(feature = "rdma") { Protocol::Rdma } else { Protocol::Tcp };
+        assert_eq!(resolve_protocol(None), expected);
+        assert_eq!(default_protocol(), expected);
+        assert!(compiled_in().contains(&expected) || expected == Protocol::Tcp);
+        for protocol in [Protocol::Tcp, Protocol::Quic, Protocol::Rdma] {
+            assert_eq!(resolve_protocol(Some(protocol)), protocol, "a configured protocol stands");
+        }
+    }
 }

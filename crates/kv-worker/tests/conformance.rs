@@ -3,7 +3,11 @@
 //!
 //! A backend is added by a `Backend` variant and an arm in
 //! `Harness::writer` (and one `#[case]` line per test). Everything else here
-//! speaks the trait only. Buffers are real allocations registered with the
+//! speaks the trait only.
+//!
+//! The RDMA cases run where an RDMA device is named by `KVLINK_RDMA_DEVICE`
+//! (`cargo xtask rdma-test` sets it in its Soft-RoCE guest) and kv-worker's
+//! `rdma` feature is on; elsewhere they pass vacuously. Buffers are real allocations registered with the
 //! writers; every byte that should land is checked against a per-op pattern,
 //! and every byte that must not land is checked untouched.
 //!
@@ -35,6 +39,7 @@ enum Backend {
     InMemory,
     Tcp,
     Quic,
+    Rdma,
 }
 
 /// Makes writers of one backend that reach each other.
@@ -51,6 +56,7 @@ impl Harness {
             Backend::InMemory => true,
             Backend::Tcp => cfg!(feature = "tcp"),
             Backend::Quic => cfg!(feature = "quic"),
+            Backend::Rdma => cfg!(feature = "rdma") && std::env::var_os("KVLINK_RDMA_DEVICE").is_some(),
         };
         compiled.then(|| Self { backend, network: InMemoryNetwork::new(), next: 0 })
     }
@@ -82,6 +88,19 @@ impl Harness {
             }
             #[cfg(not(feature = "quic"))]
             Backend::Quic => unreachable!("Harness::new refuses backends that are not compiled in"),
+            #[cfg(feature = "rdma")]
+            Backend::Rdma => {
+                let config = transport_rdma::RdmaConfig {
+                    connect_timeout: CONNECT_TIMEOUT,
+                    io_timeout: IO_TIMEOUT,
+                    ..transport_rdma::RdmaConfig::default()
+                }
+                .with_env(|name| std::env::var(name).ok())
+                .unwrap();
+                transport_rdma::RdmaTransport::bind(config).await.unwrap()
+            }
+            #[cfg(not(feature = "rdma"))]
+            Backend::Rdma => unreachable!("Harness::new refuses backends that are not compiled in"),
         }
     }
 
@@ -113,7 +132,7 @@ impl Harness {
     fn failure_bound(&self) -> Duration {
         match self.backend {
             Backend::InMemory => Duration::from_secs(5),
-            Backend::Tcp | Backend::Quic => 2 * (CONNECT_TIMEOUT + IO_TIMEOUT),
+            Backend::Tcp | Backend::Quic | Backend::Rdma => 2 * (CONNECT_TIMEOUT + IO_TIMEOUT),
         }
     }
 }
@@ -317,6 +336,7 @@ async fn write_and_check(a: &mut Node, b: &Node, ops: &[WriteOp]) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_names_the_writers_protocol(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -330,6 +350,7 @@ async fn endpoint_names_the_writers_protocol(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_op(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -344,6 +365,7 @@ async fn single_op(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_ops(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -360,6 +382,7 @@ async fn many_ops(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scattered_ops(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -384,6 +407,7 @@ async fn scattered_ops(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_length_ops_and_empty_batch(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -411,6 +435,7 @@ async fn zero_length_ops_and_empty_batch(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_batch_of_small_ops(#[case] backend: Backend) {
     const COUNT: usize = 200_000;
@@ -430,6 +455,7 @@ async fn huge_batch_of_small_ops(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_ops(#[case] backend: Backend) {
     const MIB: usize = 1 << 20;
@@ -466,6 +492,7 @@ enum BadDst {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn destination_out_of_range_is_refused_whole(
     #[case] backend: Backend,
@@ -507,6 +534,7 @@ async fn destination_out_of_range_is_refused_whole(
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_out_of_range_is_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -529,6 +557,7 @@ async fn source_out_of_range_is_refused(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_protocol_and_bad_address_are_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -553,6 +582,7 @@ async fn wrong_protocol_and_bad_address_are_refused(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_regions_are_refused(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -578,6 +608,7 @@ enum Gone {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writing_to_a_gone_peer_fails_within_the_bound(
     #[case] backend: Backend,
@@ -625,6 +656,7 @@ fn assert_dead_peer_error(result: Result<(), TransportError>) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shut_down_writer_refuses_work(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -649,6 +681,7 @@ async fn a_shut_down_writer_refuses_work(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_to_one_peer(#[case] backend: Backend) {
     const BATCHES: usize = 8;
@@ -681,6 +714,7 @@ async fn concurrent_batches_to_one_peer(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_peers_into_one_receiver(#[case] backend: Backend) {
     const SENDERS: usize = 4;
@@ -739,6 +773,7 @@ enum NoGrant {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_without_a_live_grant_is_refused_whole(
     #[case] backend: Backend,
@@ -784,6 +819,7 @@ enum OutsideGrant {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_op_outside_the_grant_is_refused_whole(
     #[case] backend: Backend,
@@ -830,6 +866,7 @@ async fn an_op_outside_the_grant_is_refused_whole(
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_only_writer_accepts_no_writes(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };
@@ -855,6 +892,7 @@ async fn a_sender_only_writer_accepts_no_writes(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_honest_peer_is_unaffected_by_a_hostile_one(#[case] backend: Backend) {
     const OPS: usize = 256;
@@ -900,6 +938,7 @@ async fn an_honest_peer_is_unaffected_by_a_hostile_one(#[case] backend: Backend)
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoke_is_a_fence(#[case] backend: Backend) {
     const SIZE: usize = 64 << 20;
@@ -931,6 +970,7 @@ async fn revoke_is_a_fence(#[case] backend: Backend) {
 #[case::in_memory(Backend::InMemory)]
 #[case::tcp(Backend::Tcp)]
 #[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_ends_every_grant(#[case] backend: Backend) {
     let Some(mut h) = Harness::new(backend) else { return };

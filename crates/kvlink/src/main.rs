@@ -26,12 +26,15 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run a prefill and a decode instance over loopback TCP with a
+    /// Run a prefill and a decode instance over loopback with a
     /// llama-3-8B-shaped cache, move a stream of requests and verify every byte.
     Demo {
         /// Requests to move.
         #[arg(long, default_value_t = 200)]
         requests: usize,
+        /// Data-plane transport (`rdma` needs the `rdma` feature and a device).
+        #[arg(long, value_enum, default_value = "tcp")]
+        protocol: ProtocolArg,
     },
     /// Measure transfers between a prefill and a decode instance: both in
     /// this process, or with --connect one here and one on a `kvlink serve` host.
@@ -246,11 +249,11 @@ fn print_report(title: &str, r: &RunReport) {
     }
 }
 
-async fn demo(requests: usize) -> anyhow::Result<bool> {
+async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
     // The runner sizes `num_blocks` for the requests in flight.
     let shape = CacheShape::llama3_8b(0)?;
     let opts = RunOptions {
-        protocol: Protocol::Tcp,
+        protocol,
         shape,
         blocks_per_request: 64,
         requests,
@@ -264,7 +267,7 @@ async fn demo(requests: usize) -> anyhow::Result<bool> {
         auth_secret: None,
     };
     println!(
-        "kvlink demo: prefill -> decode over loopback TCP, llama-3-8B-shaped cache \
+        "kvlink demo: prefill -> decode over loopback {protocol}, llama-3-8B-shaped cache \
          (32 layers, K/V split, 8 KV heads x 128 dims, bf16, 16-token blocks: {} KiB per block per region)",
         shape.block_len() / 1024
     );
@@ -407,7 +410,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Demo { requests } => demo(requests).await,
+            Command::Demo { requests, protocol } => demo(requests, protocol.into()).await,
             Command::Bench(args) => bench(args).await,
             Command::Serve(args) => serve(args).await,
         }

@@ -217,17 +217,41 @@ impl Planner {
     /// Plans `ops` into `plan` (cleared first). On error `plan` is left
     /// cleared: nothing of a refused batch may be posted.
     pub fn plan(&self, ops: &[WriteSpan], plan: &mut Plan) -> Result<(), PlanError> {
-        plan.clear();
-        let result = self.fill(ops, plan);
-        if result.is_err() {
-            plan.clear();
-        }
-        result
+        plan_batch(&self.local, &self.remote, &self.config, ops.iter().copied(), plan)
     }
+}
 
-    fn fill(&self, ops: &[WriteSpan], plan: &mut Plan) -> Result<(), PlanError> {
+/// Plans `ops` from `local` into `remote` within `config`, into `plan`
+/// (cleared first), as [`Planner::plan`] does, with borrowed tables (the
+/// transport keeps one per grant). On error `plan` is left cleared: nothing
+/// of a refused batch may be posted.
+pub fn plan_batch(
+    local: &RegionTable<LocalRegion>,
+    remote: &RegionTable<RemoteRegion>,
+    config: &SendQueueConfig,
+    ops: impl IntoIterator<Item = WriteSpan>,
+    plan: &mut Plan,
+) -> Result<(), PlanError> {
+    plan.clear();
+    let tables = Tables { local, remote, config };
+    let result = tables.fill(ops, plan);
+    if result.is_err() {
+        plan.clear();
+    }
+    result
+}
+
+/// The regions and limits one batch is planned against.
+struct Tables<'a> {
+    local: &'a RegionTable<LocalRegion>,
+    remote: &'a RegionTable<RemoteRegion>,
+    config: &'a SendQueueConfig,
+}
+
+impl Tables<'_> {
+    fn fill(&self, ops: impl IntoIterator<Item = WriteSpan>, plan: &mut Plan) -> Result<(), PlanError> {
         let mut open: Option<OpenWrite> = None;
-        for (index, op) in ops.iter().enumerate() {
+        for (index, op) in ops.into_iter().enumerate() {
             if op.len == 0 {
                 continue;
             }

@@ -79,9 +79,15 @@ pub enum RegionTableError {
 
 /// Non-overlapping regions sorted by address, for range lookups in
 /// `O(log n)`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegionTable<R> {
     sorted: Vec<R>,
+}
+
+impl<R> Default for RegionTable<R> {
+    fn default() -> Self {
+        Self { sorted: Vec::new() }
+    }
 }
 
 impl<R: Region> RegionTable<R> {

@@ -53,6 +53,11 @@ impl SendWindow {
         self.depth - self.outstanding()
     }
 
+    /// The sequence number the next posted request gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next
+    }
+
     /// Whether nothing is outstanding.
     pub fn is_idle(&self) -> bool {
         self.next == self.retired

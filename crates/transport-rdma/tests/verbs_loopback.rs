@@ -1,16 +1,20 @@
 //! The verbs layer on a real device: two queue pairs on the guest's one
 //! Soft-RoCE device, in one process, connected through the TCP handshake.
 //! Run with `cargo xtask rdma-test`.
+// Test helpers: a failure is a test failure.
+#![allow(clippy::unwrap_used)]
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use support::{connect_pair, device, handshake, run_plan, side};
 use transport_rdma::plan::{Plan, Planner, SendQueueConfig, WriteSpan};
-use transport_rdma::region::RegionTable;
+use transport_rdma::region::{LocalRegion, RegionTable, RemoteRegion};
 use transport_rdma::verbs::{
-    Access, ConnectOptions, ProtectionDomain, QpCapacity, QueuePairState, RegisteredBuffer, WcStatus,
+    Access, BindWindow, ConnectOptions, MemoryRegion, MemoryWindow, ProtectionDomain, QpCapacity, QueuePairState,
+    RegisteredBuffer, WcStatus,
 };
 use transport_rdma::window::SendWindow;
 
@@ -142,7 +146,7 @@ async fn the_error_state_flushes_every_outstanding_request() {
     // Only the sender connects: the receiver stays in RESET and drops every
     // packet, so no request can complete (one try lasts ~4 s with timeout 20,
     // retries would take half a minute) until the sender is moved to error.
-    let patient = ConnectOptions { ack_timeout: 20, retry_count: 7, rnr_retry: 7 };
+    let patient = ConnectOptions { ack_timeout: 20, retry_count: 7, rnr_retry: 7, ..ConnectOptions::default() };
     sender.qp.connect(&learnt.qp, &patient).unwrap();
     assert_eq!(receiver.qp.state().unwrap(), QueuePairState::Reset);
 
@@ -192,4 +196,131 @@ async fn the_error_state_flushes_every_outstanding_request() {
     assert!(window.is_idle());
     assert_eq!(sender.qp.state().unwrap(), QueuePairState::Error);
     assert!(destination.to_vec().iter().all(|&byte| byte == 0));
+}
+
+/// Binds `windows` (with their next keys) over `ranges` of `region` on
+/// `side`'s queue pair and waits for every bind; returns the keys.
+async fn bind_windows(
+    side: &mut support::Side,
+    windows: &mut [MemoryWindow],
+    region: &Arc<MemoryRegion>,
+    ranges: &[(u64, u64)],
+    first_seq: u64,
+) -> Vec<u32> {
+    let keys: Vec<u32> = windows.iter().map(MemoryWindow::next_rkey).collect();
+    let binds: Vec<BindWindow<'_>> = windows
+        .iter()
+        .zip(ranges)
+        .zip(&keys)
+        .map(|((window, &(addr, len)), &rkey)| BindWindow { window, region, addr, len, rkey })
+        .collect();
+    let last = binds.len() - 1;
+    side.qp.post_binds(&binds, first_seq, |index| index == last).unwrap();
+    let mut completions = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), side.cq.wait(&mut completions)).await.unwrap().unwrap();
+    assert_eq!(completions.iter().map(|c| c.status).collect::<Vec<_>>(), [WcStatus::Success]);
+    for ((window, &(addr, len)), &rkey) in windows.iter_mut().zip(ranges).zip(&keys) {
+        window.set_bound(Arc::clone(region), side.qp.hold(), addr, len, rkey);
+    }
+    keys
+}
+
+/// Invalidates `keys` on `side`'s queue pair; returns the completion statuses.
+async fn invalidate(side: &mut support::Side, keys: &[u32], first_seq: u64) -> Vec<WcStatus> {
+    let last = keys.len() - 1;
+    side.qp.post_invalidates(keys, first_seq, |index| index == last).unwrap();
+    let mut completions = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), side.cq.wait(&mut completions)).await.unwrap().unwrap();
+    completions.iter().map(|c| c.status).collect()
+}
+
+/// Writes `len` bytes from `src` to `dst` under `rkey` with a fresh plan;
+/// returns the completion statuses.
+async fn write_once(
+    sender: &mut support::Side,
+    local: LocalRegion,
+    src: u64,
+    dst: u64,
+    len: u64,
+    rkey: u32,
+) -> Vec<WcStatus> {
+    let config = SendQueueConfig::new(1, 1 << 20, 1, 4).unwrap();
+    let remote = RemoteRegion { addr: dst, len, rkey };
+    let planner = Planner::new(RegionTable::new(vec![local]).unwrap(), RegionTable::new(vec![remote]).unwrap(), config);
+    let mut plan = Plan::default();
+    planner.plan(&[WriteSpan { src, dst, len }], &mut plan).unwrap();
+    run_plan(sender, &plan, &config).await.completions.iter().map(|c| c.status).collect()
+}
+
+/// The grant fence at the verbs level: a region registered `Windowed` takes
+/// no write through its own key; a window bound on the receiver's queue pair
+/// takes writes through its key until a `LOCAL_INV` completes, after which
+/// the same write fails and lands nothing; the window binds again under its
+/// next key, and the old key stays dead.
+#[tokio::test]
+async fn a_window_opens_writes_until_it_is_invalidated() {
+    let device = device();
+    assert!(device.limits().max_mw > 0, "the device has no memory windows");
+    let pd = ProtectionDomain::new(&device).unwrap();
+    let capacity = QpCapacity { max_send_wr: 8, max_send_sge: 1 };
+    let source = RegisteredBuffer::new(&pd, 4 * BLOCK, Access::Source).unwrap();
+    source.write(0, &pattern(4 * BLOCK)).unwrap();
+    let target = RegisteredBuffer::new(&pd, 4 * BLOCK, Access::Windowed).unwrap();
+    let region = Arc::new(
+        // SAFETY: `target` is registered memory of this test, alive (and never
+        // referenced) until after `region` and every window bound on it drop.
+        unsafe { pd.register(target.region().addr(), target.region().len(), Access::Windowed) }.unwrap(),
+    );
+    let (src, dst) = (source.region().addr(), target.region().addr());
+    let local = source.region().local();
+
+    // Its own key opens nothing.
+    let (mut sender, mut receiver) = (side(&pd, capacity, 0x100), side(&pd, capacity, 0x200));
+    let (learnt, _) = handshake(&sender, &receiver, Vec::new()).await;
+    connect_pair(&mut sender, &mut receiver, &learnt);
+    let statuses = write_once(&mut sender, local, src, dst, BLOCK as u64, region.rkey()).await;
+    assert_eq!(statuses, [WcStatus::RemoteAccessError]);
+    assert!(target.to_vec().iter().all(|&b| b == 0));
+
+    // A fresh pair; a window over block 1 takes a write through its key.
+    let (mut sender, mut receiver) = (side(&pd, capacity, 0x300), side(&pd, capacity, 0x400));
+    let (learnt, _) = handshake(&sender, &receiver, Vec::new()).await;
+    connect_pair(&mut sender, &mut receiver, &learnt);
+    let mut windows = vec![MemoryWindow::alloc(&pd).unwrap()];
+    let block1 = (dst + BLOCK as u64, BLOCK as u64);
+    let keys = bind_windows(&mut receiver, &mut windows, &region, &[block1], 0).await;
+    assert_eq!(windows[0].bound_range(), Some(block1));
+    let statuses = write_once(&mut sender, local, src, block1.0, BLOCK as u64, keys[0]).await;
+    assert_eq!(statuses, [WcStatus::Success]);
+    let mut landed = vec![0u8; BLOCK];
+    target.read(BLOCK, &mut landed).unwrap();
+    assert_eq!(landed, pattern(BLOCK)[..BLOCK]);
+
+    // Invalidated: the same write fails and lands nothing.
+    assert_eq!(invalidate(&mut receiver, &keys, 1).await, [WcStatus::Success]);
+    windows[0].set_invalidated();
+    target.write(BLOCK, &vec![0u8; BLOCK]).unwrap();
+    let statuses = write_once(&mut sender, local, src, block1.0, BLOCK as u64, keys[0]).await;
+    assert_eq!(statuses, [WcStatus::RemoteAccessError]);
+    assert!(target.to_vec().iter().all(|&b| b == 0), "a write landed through an invalidated window");
+
+    // The window binds again (next key) on a fresh pair; the old key stays dead.
+    let (mut sender, mut receiver) = (side(&pd, capacity, 0x500), side(&pd, capacity, 0x600));
+    let (learnt, _) = handshake(&sender, &receiver, Vec::new()).await;
+    connect_pair(&mut sender, &mut receiver, &learnt);
+    let block2 = (dst + 2 * BLOCK as u64, BLOCK as u64);
+    let new_keys = bind_windows(&mut receiver, &mut windows, &region, &[block2], 0).await;
+    assert_ne!(new_keys[0], keys[0]);
+    assert_eq!(new_keys[0] >> 8, keys[0] >> 8, "same window index, new key");
+    let statuses = write_once(&mut sender, local, src, block2.0, BLOCK as u64, keys[0]).await;
+    assert_eq!(statuses, [WcStatus::RemoteAccessError], "the old key opened the rebound window");
+    let (mut sender, mut receiver2) = (side(&pd, capacity, 0x700), side(&pd, capacity, 0x800));
+    let (learnt, _) = handshake(&sender, &receiver2, Vec::new()).await;
+    connect_pair(&mut sender, &mut receiver2, &learnt);
+    // A window works only on the queue pair it is bound on.
+    let statuses = write_once(&mut sender, local, src, block2.0, BLOCK as u64, new_keys[0]).await;
+    assert_eq!(statuses, [WcStatus::RemoteAccessError], "a window opened writes on another queue pair");
+    assert!(target.to_vec().iter().all(|&b| b == 0));
+    drop(windows);
+    drop(receiver);
 }

@@ -59,8 +59,8 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Boots the guest from `host`'s tools (see [`host::check`]) under `scratch`,
 /// runs `job` in it, streams its output to our stdout and returns how it
-/// ended. Fails if the guest could not be started or set up.
-pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &Path) -> Result<Outcome> {
+/// ended, with the output. Fails if the guest could not be started or set up.
+pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &Path) -> Result<(Outcome, String)> {
     let run_dir = RunDir::create(scratch, options.keep)?;
     let run_path = run_dir.path_str()?;
     initramfs::build(host, &run_dir.path.join("initramfs.cpio"))?;
@@ -94,16 +94,17 @@ pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &P
     };
     log.forward()?;
     println!("rdma-vm: guest ran {:.1}s", started.elapsed().as_secs_f64());
+    let output = String::from_utf8_lossy(&log.seen).into_owned();
     if timed_out {
         run_dir.print_diagnostics();
-        return Ok(Outcome::TimedOut);
+        return Ok((Outcome::TimedOut, output));
     }
     match run_dir.guest_status() {
         Some(125) => {
             run_dir.print_diagnostics();
             bail!("the guest could not be set up (exit status 125; see the console tail above)")
         }
-        Some(status) => Ok(Outcome::Exited(status)),
+        Some(status) => Ok((Outcome::Exited(status), output)),
         None => {
             run_dir.print_diagnostics();
             bail!("the guest reported no exit status (qemu stopped early; see the logs above)")
@@ -208,15 +209,17 @@ impl Drop for RunDir {
     }
 }
 
-/// Copies what the guest appends to its output log to our stdout.
+/// Copies what the guest appends to its output log to our stdout, and keeps it.
 struct LogFollower {
     file: File,
     position: u64,
+    seen: Vec<u8>,
 }
 
 impl LogFollower {
     fn open(path: &Path) -> Result<Self> {
-        Ok(Self { file: File::open(path).with_context(|| format!("opening {}", path.display()))?, position: 0 })
+        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self { file, position: 0, seen: Vec::new() })
     }
 
     fn forward(&mut self) -> Result<()> {
@@ -227,6 +230,7 @@ impl LogFollower {
         let mut stdout = std::io::stdout().lock();
         stdout.write_all(&fresh)?;
         stdout.flush()?;
+        self.seen.extend_from_slice(&fresh);
         Ok(())
     }
 }

@@ -66,6 +66,8 @@ pub(crate) struct Program {
     pub(crate) path: String,
     /// Working directory (cargo runs test binaries from their package root).
     pub(crate) cwd: String,
+    /// Its own arguments, before the job's (e.g. a test-name filter).
+    pub(crate) args: Vec<String>,
 }
 
 /// What stage 2 runs, and with what.
@@ -127,6 +129,8 @@ rxe_up() {{
     done
     [ -n "$gid_index" ] || {{ echo "{device}: port not ACTIVE or no GID for {ip}"; return 1; }}
     export RXE_DEV={device} RXE_NETDEV={netdev} RXE_IP={ip} RXE_GID_INDEX="${{gid_index##*/}}"
+    # What kvlink's RDMA transport reads (transport_rdma::RdmaConfig::with_env).
+    export KVLINK_RDMA_DEVICE={device} KVLINK_RDMA_GID_INDEX="$RXE_GID_INDEX"
     # Registering memory pins it.
     ulimit -l unlimited
 }}
@@ -146,10 +150,11 @@ rxe_up >> "$LOG" 2>&1 || {{ echo "guest: Soft-RoCE setup failed" >> "$LOG"; powe
     let total = job.programs.len();
     script.push_str("first_failure=0\n{\n");
     for (index, program) in job.programs.iter().enumerate() {
+        let own: String = program.args.iter().map(|arg| format!(" {}", quote(arg))).collect();
         let _ = write!(
             script,
             r#"echo "==> [{n}/{total}] {label}"
-(cd {cwd} && exec {path}{args}) < /dev/null
+(cd {cwd} && exec {path}{own}{args}) < /dev/null
 status=$?
 echo "<== [{n}/{total}] {label}: exit status $status"
 [ "$status" -eq 0 ] || [ "$first_failure" -ne 0 ] || first_failure=$status
@@ -184,15 +189,21 @@ mod tests {
     fn stage2_runs_every_program_with_the_args() {
         let job = Job {
             programs: vec![
-                Program { label: "lib".into(), path: "/t/lib-1".into(), cwd: "/w/c".into() },
-                Program { label: "loopback".into(), path: "/t/loopback-2".into(), cwd: "/w/c".into() },
+                Program { label: "lib".into(), path: "/t/lib-1".into(), cwd: "/w/c".into(), args: vec![] },
+                Program {
+                    label: "loopback".into(),
+                    path: "/t/loopback-2".into(),
+                    cwd: "/w/c".into(),
+                    args: vec!["rdma".into()],
+                },
             ],
             args: vec!["--nocapture".into()],
             env: vec![("RUST_LOG".into(), "debug".into())],
         };
         let script = stage2("/r", &job);
         assert!(script.contains("(cd '/w/c' && exec '/t/lib-1' '--nocapture') < /dev/null"));
-        assert!(script.contains("(cd '/w/c' && exec '/t/loopback-2' '--nocapture') < /dev/null"));
+        assert!(script.contains("(cd '/w/c' && exec '/t/loopback-2' 'rdma' '--nocapture') < /dev/null"));
+        assert!(script.contains("export KVLINK_RDMA_DEVICE=rxe0"));
         assert!(script.contains("export RUST_LOG='debug'"));
         assert!(script.contains("RUN_DIR='/r'"));
     }

@@ -29,6 +29,9 @@ pub enum WcStatus {
     RemoteOperationError,
     /// No acknowledgement after all retries (peer unreachable or gone).
     RetryExceeded,
+    /// A memory-window bind was refused (window not free, range outside its
+    /// region, or missing access).
+    WindowBindError,
     /// Another status, by its `ibv_wc_status` number.
     Other(u32),
 }
@@ -43,6 +46,7 @@ impl WcStatus {
             IBV_WC_REM_ACCESS_ERR => Self::RemoteAccessError,
             IBV_WC_REM_OP_ERR => Self::RemoteOperationError,
             IBV_WC_RETRY_EXC_ERR => Self::RetryExceeded,
+            IBV_WC_MW_BIND_ERR => Self::WindowBindError,
             other => Self::Other(other),
         }
     }
@@ -57,6 +61,7 @@ impl std::fmt::Display for WcStatus {
             Self::RemoteAccessError => f.write_str("remote access error"),
             Self::RemoteOperationError => f.write_str("remote operation error"),
             Self::RetryExceeded => f.write_str("transport retry counter exceeded"),
+            Self::WindowBindError => f.write_str("memory window bind error"),
             Self::Other(code) => write!(f, "ibv_wc_status {code}"),
         }
     }

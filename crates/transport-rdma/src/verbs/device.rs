@@ -22,6 +22,16 @@ pub struct DeviceLimits {
     pub max_mw: u32,
 }
 
+/// Which of a port's GIDs (source addresses) the queue pairs use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GidChoice {
+    /// This index of the port's GID table.
+    Index(u8),
+    /// The IPv4-mapped GID of this address (RoCE v2 over that interface),
+    /// else the first IPv4-mapped GID of the port.
+    Ipv4(std::net::Ipv4Addr),
+}
+
 /// An opened device, bound to one port and one source GID.
 pub struct Device {
     context: Arc<DeviceContext>,
@@ -48,14 +58,45 @@ impl Device {
     /// Opens the device called `name` and reads `port`'s GID at `gid_index`
     /// (for RoCE, the index of the address the queue pairs will use).
     pub fn open(name: &str, port: u8, gid_index: u8) -> Result<Arc<Self>, VerbsError> {
+        Self::open_with(Some(name), port, GidChoice::Index(gid_index))
+    }
+
+    /// The names of the devices present (none without libibverbs or a device).
+    pub fn list() -> Vec<String> {
+        DeviceList::new().map(|list| list.iter().map(|device| device.name()).collect()).unwrap_or_default()
+    }
+
+    /// Opens the device called `name` (the first one present if `None`) on
+    /// `port`, with the source GID `gid` chooses.
+    pub fn open_with(name: Option<&str>, port: u8, gid: GidChoice) -> Result<Arc<Self>, VerbsError> {
         let list = DeviceList::new().map_err(|err| VerbsError::sideway("ibv_get_device_list", err))?;
-        let device = list.iter().find(|device| device.name() == name).ok_or_else(|| VerbsError::NoSuchDevice {
-            name: name.to_owned(),
-            present: list.iter().map(|device| device.name()).collect(),
+        let device = list.iter().find(|device| name.is_none_or(|name| device.name() == name)).ok_or_else(|| {
+            VerbsError::NoSuchDevice {
+                name: name.unwrap_or("(any)").to_owned(),
+                present: list.iter().map(|device| device.name()).collect(),
+            }
         })?;
+        let name = device.name();
+        let name = name.as_str();
         let context = device.open().map_err(|err| VerbsError::sideway("ibv_open_device", err))?;
         let attr = context.query_device().map_err(|err| VerbsError::sideway("ibv_query_device", err))?;
         let port_attr = context.query_port(port).map_err(|err| VerbsError::sideway("ibv_query_port", err))?;
+        let gid_index = match gid {
+            GidChoice::Index(index) => index,
+            GidChoice::Ipv4(ip) => {
+                let table = u32::try_from(port_attr.gid_tbl_len()).unwrap_or(0).min(256);
+                let mapped = |index: u32| {
+                    let raw = context.query_gid(port, index).ok()?.raw;
+                    (raw[..10].iter().all(|&b| b == 0) && raw[10..12] == [0xff, 0xff]).then_some(raw)
+                };
+                let exact = (0..table).find(|&index| mapped(index).is_some_and(|raw| raw[12..] == ip.octets()));
+                let any = || (0..table).find(|&index| mapped(index).is_some());
+                let index = exact.or_else(any).ok_or_else(|| {
+                    VerbsError::OutOfRange(format!("{name} port {port} has no IPv4-mapped GID (for {ip})"))
+                })?;
+                u8::try_from(index).unwrap_or(0)
+            }
+        };
         let gid =
             context.query_gid(port, u32::from(gid_index)).map_err(|err| VerbsError::sideway("ibv_query_gid", err))?;
         let count = |value: i32| u32::try_from(value).unwrap_or(0);

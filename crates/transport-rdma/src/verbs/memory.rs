@@ -6,6 +6,8 @@ use sideway::ibverbs::memory_region::MemoryRegion as SidewayMr;
 use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayPd;
 use sideway::ibverbs::AccessFlags;
 
+use kv_proto::{MemoryRegion as Range, RegionAccess, RegionError, RegionSet, RegisteredMemory};
+
 use super::{Device, VerbsError};
 use crate::region::{LocalRegion, RemoteRegion};
 
@@ -14,8 +16,16 @@ use crate::region::{LocalRegion, RemoteRegion};
 pub enum Access {
     /// Read locally (the source of our writes); a peer can never write it.
     Source,
-    /// Written by peers' RDMA WRITEs (`LOCAL_WRITE | REMOTE_WRITE`).
+    /// Written by peers' RDMA WRITEs through the region's own rkey
+    /// (`LOCAL_WRITE | REMOTE_WRITE`): any peer holding the rkey may write
+    /// any byte of it, for as long as it is registered. Tests only; the
+    /// transport uses [`Access::Windowed`].
     Destination,
+    /// Written by peers only through memory windows bound on it
+    /// (`LOCAL_WRITE | MW_BIND`, no `REMOTE_WRITE`): the region's own rkey
+    /// opens nothing, so a peer can write only while a window is bound, and
+    /// only on the queue pair it is bound on (see [`super::MemoryWindow`]).
+    Windowed,
 }
 
 impl Access {
@@ -24,6 +34,7 @@ impl Access {
             // Local read is always allowed; no flag grants anything more.
             Access::Source => AccessFlags::none(),
             Access::Destination => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+            Access::Windowed => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
         }
     }
 }
@@ -142,4 +153,69 @@ impl MemoryRegion {
     pub fn remote(&self) -> RemoteRegion {
         RemoteRegion { addr: self.addr, len: self.len, rkey: self.rkey() }
     }
+
+    /// Whether `[addr, addr + len)` lies inside the region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+
+    /// The raw `ibv_mr`, for a bind work request. Valid while `self` lives.
+    pub(super) fn raw(&self) -> *mut rdma_mummy_sys::ibv_mr {
+        // SAFETY: only the pointer is taken; it is dereferenced (by the
+        // provider) while the caller still holds `self`, which keeps the
+        // registration alive.
+        unsafe { self.mr.mr() }.as_ptr()
+    }
+}
+
+/// Why [`register_checked`] refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The bookkeeping refuses the regions (overlap, empty, wrapping).
+    #[error(transparent)]
+    Regions(#[from] RegionError),
+    /// The device refused one.
+    #[error(transparent)]
+    Device(#[from] VerbsError),
+}
+
+/// Registers `regions` with `access` in `memory` (the grant bookkeeping)
+/// and with the device: sources with local access only, destinations
+/// [`Access::Windowed`] (writable by peers only through memory windows).
+/// Regions `memory` already holds with that access are not registered again.
+/// The bookkeeping is checked first, so nothing reaches the device for
+/// regions it refuses. Returns the new device registrations.
+///
+/// # Safety
+///
+/// Each region must be valid for reads (and writes, for destinations) until
+/// `memory` is closed and every returned registration, every memory window
+/// bound on one, and every queue pair of `pd` are gone (the transport's
+/// `close` does all of that before it returns).
+pub unsafe fn register_checked(
+    pd: &Arc<ProtectionDomain>,
+    memory: &RegisteredMemory,
+    regions: &[Range],
+    access: RegionAccess,
+) -> Result<Vec<Arc<MemoryRegion>>, RegisterError> {
+    let existing = memory.regions(access);
+    let mut check = RegionSet::new();
+    check.insert(&existing)?;
+    check.insert(regions)?;
+    let device_access = match access {
+        RegionAccess::Source => Access::Source,
+        RegionAccess::Destination => Access::Windowed,
+    };
+    let mut fresh: Vec<Arc<MemoryRegion>> = Vec::new();
+    for region in regions {
+        if existing.contains(region) || fresh.iter().any(|r| r.addr() == region.addr && r.len() == region.len) {
+            continue;
+        }
+        // SAFETY: the caller's contract covers every region given, for as
+        // long as a registration of it lives.
+        fresh.push(Arc::new(unsafe { pd.register(region.addr, region.len, device_access) }?));
+    }
+    // SAFETY: as above; `memory` is closed before the registrations go.
+    unsafe { memory.register(regions, access) }?;
+    Ok(fresh)
 }

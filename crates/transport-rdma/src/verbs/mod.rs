@@ -14,22 +14,23 @@
 //! arms the queue's notification and sleeps on the completion channel's file
 //! descriptor in the tokio reactor until the device signals it.
 //!
-//! Memory windows (for per-grant revocation) are not wrapped here: sideway
-//! 0.4 has no safe API for them (its sys crate has `ibv_alloc_mw`,
-//! `ibv_bind_mw` and the `IBV_WR_BIND_MW` work request), which the next phase
-//! will use if it chooses windows over queue-pair error fencing.
+//! Memory windows (the per-grant fence, see the crate docs) are wrapped here
+//! from the raw calls: sideway 0.4 has no API for them ([`MemoryWindow`],
+//! [`QueuePair::post_binds`], [`QueuePair::post_invalidates`]).
 
 mod buffer;
 mod completion;
 mod device;
 mod memory;
 mod queue_pair;
+mod window;
 
 pub use buffer::RegisteredBuffer;
 pub use completion::{Completion, CompletionQueue, WcStatus};
-pub use device::{Device, DeviceLimits};
-pub use memory::{Access, MemoryRegion, ProtectionDomain};
-pub use queue_pair::{ConnectOptions, QpCapacity, QueuePair, QueuePairState};
+pub use device::{Device, DeviceLimits, GidChoice};
+pub use memory::{register_checked, Access, MemoryRegion, ProtectionDomain, RegisterError};
+pub use queue_pair::{BindWindow, ConnectOptions, QpCapacity, QpHold, QueuePair, QueuePairState};
+pub use window::MemoryWindow;
 
 /// A verbs call failed.
 #[derive(Debug, thiserror::Error)]

@@ -4,15 +4,18 @@
 
 use std::sync::Arc;
 
-use rdma_mummy_sys::{ibv_post_send, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode, rdma_t};
+use rdma_mummy_sys::{
+    bind_mw_t, ibv_access_flags, ibv_mw_bind_info, ibv_post_send, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
+    imm_data_invalidated_rkey_union_t, rdma_t,
+};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::GenericCompletionQueue;
+use sideway::ibverbs::completion::{BasicCompletionQueue, GenericCompletionQueue};
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, QueuePair as _, QueuePairAttribute, QueuePairAttributeMask, QueuePairState as SidewayState,
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::{CompletionQueue, ProtectionDomain, VerbsError};
+use super::{CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain, VerbsError};
 use crate::handshake::QpEndpoint;
 use crate::plan::Plan;
 
@@ -51,18 +54,71 @@ pub struct ConnectOptions {
     pub retry_count: u8,
     /// Retries on receiver-not-ready (7: forever); unused by one-sided writes.
     pub rnr_retry: u8,
+    /// Whether the queue pair accepts the peer's RDMA WRITEs (into memory
+    /// its rkeys open). A pure sender's queue pair refuses them.
+    pub remote_write: bool,
 }
 
 impl Default for ConnectOptions {
     fn default() -> Self {
         // 14: about 67 ms per try, 7 tries: a dead peer fails a request in ~0.5 s.
-        Self { ack_timeout: 14, retry_count: 7, rnr_retry: 7 }
+        Self { ack_timeout: 14, retry_count: 7, rnr_retry: 7, remote_write: true }
+    }
+}
+
+/// One `BIND_MW` work request: bind `window` over `[addr, addr + len)` of
+/// `region` for remote writes, under the key `rkey`.
+#[derive(Debug, Clone, Copy)]
+pub struct BindWindow<'a> {
+    /// The window (unbound).
+    pub window: &'a MemoryWindow,
+    /// The region it goes over (registered [`super::Access::Windowed`]).
+    pub region: &'a MemoryRegion,
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes (not zero).
+    pub len: u64,
+    /// The key it gets (see [`MemoryWindow::next_rkey`]).
+    pub rkey: u32,
+}
+
+/// The device's queue pair, shared by its [`QueuePair`] and the memory
+/// windows bound on it ([`QpHold`]): it is destroyed when the last of them
+/// lets go, so never while a window is still bound on it (destroying it
+/// then would wait, in the kernel, for the windows to let go of it).
+struct QpObject {
+    // Field order is drop order: the queue pair before its completion queue.
+    qp: std::sync::Mutex<BasicQueuePair>,
+    raw: std::ptr::NonNull<rdma_mummy_sys::ibv_qp>,
+    _cq: Arc<BasicCompletionQueue>,
+}
+
+// SAFETY: `raw` is the queue pair `qp` owns, valid while the object lives;
+// libibverbs queue pairs may be used from any thread (sideway's is Send and
+// Sync), and `qp` is only modified under its mutex.
+unsafe impl Send for QpObject {}
+// SAFETY: as above.
+unsafe impl Sync for QpObject {}
+
+impl QpObject {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BasicQueuePair> {
+        self.qp.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Keeps a queue pair alive: what a memory window bound on it holds.
+#[derive(Clone)]
+pub struct QpHold(Arc<QpObject>);
+
+impl std::fmt::Debug for QpHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("QpHold").field(&self.0.lock().qp_number()).finish()
     }
 }
 
 /// A reliable-connected queue pair.
 pub struct QueuePair {
-    qp: BasicQueuePair,
+    object: Arc<QpObject>,
     psn: u32,
     capacity: QpCapacity,
     pd: Arc<ProtectionDomain>,
@@ -111,14 +167,23 @@ impl QueuePair {
             .setup_recv_cq(send_cq)
             .build()
             .map_err(|err| VerbsError::sideway("ibv_create_qp", err))?;
-        let qp = Self { qp, psn, capacity, pd: Arc::clone(pd), wrs: Vec::new(), sges: Vec::new() };
+        // SAFETY: only the pointer is kept, next to the queue pair that owns it.
+        let raw = unsafe { qp.qp() };
+        let object = Arc::new(QpObject { qp: std::sync::Mutex::new(qp), raw, _cq: Arc::clone(cq.raw()) });
+        let qp = Self { object, psn, capacity, pd: Arc::clone(pd), wrs: Vec::new(), sges: Vec::new() };
         tracing::debug!(qpn = qp.qpn(), psn, ?capacity, "queue pair created");
         Ok(qp)
     }
 
     /// Queue pair number.
     pub fn qpn(&self) -> u32 {
-        self.qp.qp_number()
+        // SAFETY: the queue pair is alive while `self` is; the field is plain data.
+        unsafe { self.object.raw.as_ref().qp_num }
+    }
+
+    /// A hold on the device's queue pair, for a window bound on it.
+    pub fn hold(&self) -> QpHold {
+        QpHold(Arc::clone(&self.object))
     }
 
     /// What the peer needs to connect to this queue pair.
@@ -134,8 +199,11 @@ impl QueuePair {
     /// The current state, as the device has it (`ibv_query_qp`: an error
     /// completion moves the queue pair to error without telling this process).
     pub fn state(&self) -> Result<QueuePairState, VerbsError> {
-        let (attr, _) =
-            self.qp.query(QueuePairAttributeMask::State).map_err(|err| VerbsError::sideway("ibv_query_qp", err))?;
+        let (attr, _) = self
+            .object
+            .lock()
+            .query(QueuePairAttributeMask::State)
+            .map_err(|err| VerbsError::sideway("ibv_query_qp", err))?;
         Ok(match attr.state() {
             SidewayState::Reset => QueuePairState::Reset,
             SidewayState::Init => QueuePairState::Init,
@@ -146,17 +214,17 @@ impl QueuePair {
         })
     }
 
-    /// INIT → RTR → RTS towards `remote`. The queue pair accepts remote
-    /// writes into this side's destination regions (the regions' rkeys and
-    /// access flags decide where).
+    /// INIT → RTR → RTS towards `remote`. With `options.remote_write` the
+    /// queue pair accepts remote writes into this side's memory (the rkeys
+    /// of regions and windows decide where); without, it accepts none.
     pub fn connect(&mut self, remote: &QpEndpoint, options: &ConnectOptions) -> Result<(), VerbsError> {
         let device = Arc::clone(self.pd.device());
+        let access =
+            if options.remote_write { AccessFlags::LocalWrite | AccessFlags::RemoteWrite } else { AccessFlags::none() };
         let mut init = QueuePairAttribute::new();
-        init.setup_state(SidewayState::Init)
-            .setup_pkey_index(0)
-            .setup_port(device.port())
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
-        self.qp.modify(&init).map_err(|err| VerbsError::sideway("ibv_modify_qp(INIT)", err))?;
+        init.setup_state(SidewayState::Init).setup_pkey_index(0).setup_port(device.port()).setup_access_flags(access);
+        let mut qp = self.object.lock();
+        qp.modify(&init).map_err(|err| VerbsError::sideway("ibv_modify_qp(INIT)", err))?;
 
         let mut path = AddressHandleAttribute::new();
         path.setup_port(device.port()).setup_dest_lid(0).setup_service_level(0).setup_grh(
@@ -174,7 +242,7 @@ impl QueuePair {
             .setup_max_dest_read_atomic(1)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&path);
-        self.qp.modify(&rtr).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTR)", err))?;
+        qp.modify(&rtr).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTR)", err))?;
 
         let mut rts = QueuePairAttribute::new();
         rts.setup_state(SidewayState::ReadyToSend)
@@ -183,7 +251,8 @@ impl QueuePair {
             .setup_retry_cnt(options.retry_count)
             .setup_rnr_retry(options.rnr_retry)
             .setup_max_read_atomic(1);
-        self.qp.modify(&rts).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTS)", err))?;
+        qp.modify(&rts).map_err(|err| VerbsError::sideway("ibv_modify_qp(RTS)", err))?;
+        drop(qp);
         tracing::debug!(qpn = self.qpn(), remote_qpn = remote.qpn, "queue pair connected");
         Ok(())
     }
@@ -193,7 +262,7 @@ impl QueuePair {
     pub fn set_error(&mut self) -> Result<(), VerbsError> {
         let mut error = QueuePairAttribute::new();
         error.setup_state(SidewayState::Error);
-        self.qp.modify(&error).map_err(|err| VerbsError::sideway("ibv_modify_qp(ERR)", err))?;
+        self.object.lock().modify(&error).map_err(|err| VerbsError::sideway("ibv_modify_qp(ERR)", err))?;
         tracing::debug!(qpn = self.qpn(), "queue pair moved to the error state");
         Ok(())
     }
@@ -251,23 +320,104 @@ impl QueuePair {
             self.wrs.push(wr);
             first_sge += count;
         }
-        // `wrs` is complete too: chain it.
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = chosen.len(), "work requests posted");
+        Ok(())
+    }
+
+    /// Posts one `BIND_MW` work request per entry of `binds`, as one chain,
+    /// the `i`-th with `wr_id = first_seq + i`, signalled where `signaled(i)`.
+    /// Each window must be unbound and each range inside its region; when a
+    /// bind completes successfully the caller records it
+    /// ([`MemoryWindow::set_bound`]).
+    pub fn post_binds(
+        &mut self,
+        binds: &[BindWindow<'_>],
+        first_seq: u64,
+        signaled: impl Fn(usize) -> bool,
+    ) -> Result<(), VerbsError> {
+        if binds.is_empty() {
+            return Ok(());
+        }
+        self.wrs.clear();
+        for (index, bind) in binds.iter().enumerate() {
+            if bind.len == 0 || !bind.region.contains(bind.addr, bind.len) {
+                return Err(VerbsError::OutOfRange(format!(
+                    "window {:#x}+{} is empty or outside its region {:#x}+{}",
+                    bind.addr,
+                    bind.len,
+                    bind.region.addr(),
+                    bind.region.len()
+                )));
+            }
+            // SAFETY: an all-zero ibv_send_wr is valid (integers, null pointers, unions of those).
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = first_seq + index as u64;
+            wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+            wr.send_flags = if signaled(index) { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+                mw: bind.window.raw(),
+                rkey: bind.rkey,
+                bind_info: ibv_mw_bind_info {
+                    mr: bind.region.raw(),
+                    addr: bind.addr,
+                    length: bind.len,
+                    mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                },
+            };
+            self.wrs.push(wr);
+        }
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = binds.len(), "window binds posted");
+        Ok(())
+    }
+
+    /// Posts one `LOCAL_INV` work request per key of `rkeys` (windows bound
+    /// on this queue pair), as one chain, numbered and signalled as
+    /// [`post_binds`](Self::post_binds) does. Once one completes successfully
+    /// its window opens nothing any more.
+    pub fn post_invalidates(
+        &mut self,
+        rkeys: &[u32],
+        first_seq: u64,
+        signaled: impl Fn(usize) -> bool,
+    ) -> Result<(), VerbsError> {
+        if rkeys.is_empty() {
+            return Ok(());
+        }
+        self.wrs.clear();
+        for (index, &rkey) in rkeys.iter().enumerate() {
+            // SAFETY: an all-zero ibv_send_wr is valid (integers, null pointers, unions of those).
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = first_seq + index as u64;
+            wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+            wr.send_flags = if signaled(index) { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t { invalidated_rkey: rkey };
+            self.wrs.push(wr);
+        }
+        self.post_chain()?;
+        tracing::trace!(qpn = self.qpn(), first_seq, count = rkeys.len(), "window invalidations posted");
+        Ok(())
+    }
+
+    /// Chains `wrs` (non-empty, complete) and posts it.
+    fn post_chain(&mut self) -> Result<(), VerbsError> {
         let wr_base = self.wrs.as_mut_ptr();
-        let last = self.wrs.len() - 1;
+        let Some(last) = self.wrs.len().checked_sub(1) else { return Ok(()) };
         for (index, wr) in self.wrs.iter_mut().enumerate() {
             // SAFETY: `index + 1 <= last` is inside `wrs`.
             wr.next = if index < last { unsafe { wr_base.add(index + 1) } } else { std::ptr::null_mut() };
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; the chain and its entries live in `wrs` and
-        // `sges`, which are not touched until the call returns (the provider
-        // copies them into the send queue). The memory they name is covered by
-        // the registration contract of `ProtectionDomain::register`.
-        let code = unsafe { ibv_post_send(self.qp.qp().as_ptr(), wr_base, &mut bad) };
+        // SAFETY: the QP is alive; the chain, its entries (in `sges`) and the
+        // windows and regions a bind names are not touched or freed until the
+        // call returns (the provider copies what it needs into the send
+        // queue). The memory they name is covered by the registration
+        // contract of `ProtectionDomain::register`.
+        let code = unsafe { ibv_post_send(self.object.raw.as_ptr(), wr_base, &mut bad) };
         if code != 0 {
             return Err(VerbsError::errno("ibv_post_send", code));
         }
-        tracing::trace!(qpn = self.qpn(), first_seq, count = chosen.len(), "work requests posted");
         Ok(())
     }
 }
