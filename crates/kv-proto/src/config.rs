@@ -25,9 +25,10 @@ pub struct KvTransferConfig {
     pub kv_role: KvRole,
     /// `engine_id`.
     pub engine_id: EngineId,
-    /// `kv_connector_extra_config.mooncake_protocol`. Defaults to `tcp`
-    /// (the reference defaults to `rdma`, which kvlink builds only on request).
-    pub protocol: Protocol,
+    /// `kv_connector_extra_config.mooncake_protocol`, or `None` when unset:
+    /// the worker then uses `rdma` if compiled in (the reference's default)
+    /// and `tcp` otherwise (`kv_worker::transport::resolve_protocol`).
+    pub protocol: Option<Protocol>,
     /// `kv_connector_extra_config.num_workers`: concurrent transfers on P.
     pub num_workers: usize,
     /// Side-channel bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
@@ -113,12 +114,12 @@ impl KvTransferConfig {
             },
         };
         let protocol = match extra.get("mooncake_protocol") {
-            None | Some(Value::Null) => Protocol::Tcp,
-            Some(v) => v.as_str().and_then(|s| s.parse().ok()).ok_or_else(|| ConfigError::Invalid {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_str().and_then(|s| s.parse().ok()).ok_or_else(|| ConfigError::Invalid {
                 field: "kv_connector_extra_config.mooncake_protocol",
                 given: v.to_string(),
                 accepted: PROTOCOLS,
-            })?,
+            })?),
         };
         let num_workers = match extra.get("num_workers") {
             None | Some(Value::Null) => DEFAULT_NUM_WORKERS,
@@ -182,7 +183,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.kv_role, KvRole::Producer);
         assert_eq!(c.engine_id.as_str(), "p0");
-        assert_eq!(c.protocol, Protocol::Tcp);
+        assert_eq!(c.protocol, None, "unset: the worker picks this build's default");
         assert_eq!(c.num_workers, 10);
         assert_eq!(c.bootstrap_port, 8998);
         assert_eq!(c.abort_request_timeout, Duration::from_secs(480));
@@ -200,7 +201,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(c.protocol, Protocol::Quic);
+        assert_eq!(c.protocol, Some(Protocol::Quic));
         assert_eq!(c.num_workers, 3);
         assert_eq!(c.bootstrap_port, 9100);
         assert_eq!(c.abort_request_timeout, Duration::from_millis(2500));

@@ -138,7 +138,7 @@ impl WorkerConfig {
         Ok(Self {
             role: config.kv_role,
             engine_id: config.engine_id.clone(),
-            protocol: config.protocol,
+            protocol: crate::transport::resolve_protocol(config.protocol),
             num_workers: config.num_workers,
             queue_depth: 4 * config.num_workers,
             side_channel_bind: bind,

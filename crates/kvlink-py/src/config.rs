@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 
 /// The keys `kv_connector_extra_config` may hold, with what each accepts.
 pub(crate) const EXTRA_KEYS: &[(&str, &str)] = &[
-    ("mooncake_protocol", "\"tcp\", \"quic\" or \"rdma\" (default \"tcp\")"),
+    ("mooncake_protocol", "\"tcp\", \"quic\" or \"rdma\" (default: \"rdma\" if compiled in, else \"tcp\")"),
     ("num_workers", "transfers a prefill worker runs at once, 1..=4096 (default 10)"),
     ("queue_depth", "transfer requests a prefill worker admits at once, 1..=65536 (default 4 x num_workers)"),
     ("transfer_timeout", "seconds a decode worker waits for one pull (default 60)"),

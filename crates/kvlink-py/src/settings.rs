@@ -44,7 +44,7 @@ impl PySettings {
     /// `mooncake_protocol`.
     #[getter]
     fn protocol(&self) -> &'static str {
-        self.inner.transfer.protocol.as_str()
+        kv_worker::transport::resolve_protocol(self.inner.transfer.protocol).as_str()
     }
 
     /// `num_workers`.
