@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, rdma_test};
+use crate::{cmd, deps, fuzz, rdma_test};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's `verbs` feature needs cmake, libclang and, to run,
@@ -56,6 +56,8 @@ enum Action {
     DependencyRule,
     /// `cargo xtask rdma-test` (see [`rdma_test`]).
     RdmaTest,
+    /// `cargo xtask fuzz` with these options (see [`fuzz`]).
+    Fuzz(fuzz::FuzzArgs),
 }
 
 /// One CI step.
@@ -85,6 +87,13 @@ impl Step {
             Action::RdmaTest => {
                 "cargo xtask rdma-test (transport-rdma, feature verbs, in a Soft-RoCE guest)".to_owned()
             }
+            Action::Fuzz(args) if args.replay => {
+                "cargo xtask fuzz --replay (every fuzz corpus file through its target's checks, stable)".to_owned()
+            }
+            Action::Fuzz(_) => format!(
+                "cargo xtask fuzz --seconds {} (every target from the committed corpus, nightly + cargo-fuzz)",
+                fuzz::CI_SECONDS
+            ),
         }
     }
 
@@ -97,6 +106,7 @@ impl Step {
             }
             Action::DependencyRule => deps::check(root),
             Action::RdmaTest => rdma_test::run_step(),
+            Action::Fuzz(args) => fuzz::run(args),
         }
     }
 }
@@ -144,6 +154,10 @@ fn steps() -> Vec<Step> {
             env: vec![("RUSTDOCFLAGS", rustdocflags)],
         },
     });
+    // The fuzz crate is outside the workspace: its corpus replayed on stable,
+    // then a short fuzzing smoke from that corpus on nightly.
+    steps.push(Step { name: "fuzz-replay".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::replay()) });
+    steps.push(Step { name: "fuzz".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::smoke()) });
     steps
 }
 
@@ -155,7 +169,10 @@ fn select(all: Vec<Step>, wanted: &[String]) -> Result<Vec<Step>> {
     for name in wanted {
         if !all.iter().any(|step| step.name == *name || step.group == name) {
             let known: Vec<&str> = all.iter().map(|step| step.name.as_str()).collect();
-            bail!("unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`)", known.join(", "));
+            bail!(
+                "unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`, `fuzz`)",
+                known.join(", ")
+            );
         }
     }
     Ok(all.into_iter().filter(|step| wanted.iter().any(|name| step.name == *name || step.group == name)).collect())

@@ -13,16 +13,22 @@
 //!   `cargo xtask ci --list` lists them.
 //! * `cargo xtask rdma-test` builds transport-rdma's tests with its verbs
 //!   layer and runs them in a QEMU guest with a Soft-RoCE device.
+//! * `cargo xtask fuzz [--seconds N] [--target T]` fuzzes the decoders and
+//!   state machines (cargo-fuzz on nightly) from the committed corpus;
+//!   `cargo xtask fuzz --replay` runs that corpus through the same checks
+//!   on stable.
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
-//! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it.
+//! Soft-RoCE guest, [`rdma_test`] runs the RDMA tests in it and [`fuzz`]
+//! runs the fuzz targets.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod fuzz;
 mod rdma_test;
 mod vm;
 
@@ -49,6 +55,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Build transport-rdma's tests (feature `verbs`) and run them in a Soft-RoCE QEMU guest.
     RdmaTest(rdma_test::RdmaTestArgs),
+    /// Fuzz the decoders and state machines (nightly, cargo-fuzz), or replay their corpus on stable.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 fn main() -> ExitCode {
@@ -57,6 +65,7 @@ fn main() -> ExitCode {
         Command::Ci(args) => ci::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::RdmaTest(args) => rdma_test::run(&args),
+        Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
