@@ -24,8 +24,8 @@ pub(crate) fn text(u: &mut Unstructured<'_>) -> Result<String> {
     }
 }
 
-/// A vector: usually short, sometimes (once per message at most: `big` is
-/// the allowance) `len` within one of `max`, a repeated element, so the
+/// A vector: usually short; while the message's allowance `big` lasts (see
+/// [`big_allowance`]), `len` within one of `max`, a repeated element, so the
 /// decoder's element bound is met and exceeded.
 fn vec<T: Clone>(
     u: &mut Unstructured<'_>,
@@ -33,7 +33,7 @@ fn vec<T: Clone>(
     max: usize,
     mut element: impl FnMut(&mut Unstructured<'_>, &mut bool) -> Result<T>,
 ) -> Result<Vec<T>> {
-    if *big && !u.ratio(255, 256)? {
+    if *big && u.ratio(1, 2)? {
         *big = false;
         let len = max - 1 + u.int_in_range(0..=2)?;
         let one = element(u, big)?;
@@ -45,6 +45,12 @@ fn vec<T: Clone>(
         Ok(std::ops::ControlFlow::Continue(()))
     })?;
     Ok(out)
+}
+
+/// Whether one vector of a message may be huge: for one message in 32 (huge
+/// messages are slow to build, encode and decode).
+fn big_allowance(u: &mut Unstructured<'_>) -> Result<bool> {
+    Ok(!u.ratio(31, 32)?)
 }
 
 fn protocol(u: &mut Unstructured<'_>) -> Result<Protocol> {
@@ -83,7 +89,7 @@ fn grant(u: &mut Unstructured<'_>) -> Result<Grant> {
 
 /// A transfer request.
 pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
-    let big = &mut true;
+    let big = &mut big_allowance(u)?;
     Ok(XferRequest {
         xfer_id: u.arbitrary()?,
         endpoint: endpoint(u)?,
@@ -114,12 +120,15 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
             _ => HelloReply::Rejected { reason: text(u)? },
         }),
         2 => SideMessage::XferRequest(xfer_request(u)?),
-        3 => SideMessage::XferReply(XferReply {
-            xfer_id: u.arbitrary()?,
-            outcomes: vec(u, &mut true, MAX_REQUESTS_PER_TRANSFER, |u, _| {
-                Ok(RequestOutcome { req_id: req_id(u)?, outcome: outcome(u)? })
-            })?,
-        }),
+        3 => {
+            let big = &mut big_allowance(u)?;
+            SideMessage::XferReply(XferReply {
+                xfer_id: u.arbitrary()?,
+                outcomes: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, _| {
+                    Ok(RequestOutcome { req_id: req_id(u)?, outcome: outcome(u)? })
+                })?,
+            })
+        }
         4 => SideMessage::AuthProof(u.arbitrary()?),
         _ => SideMessage::XferRefused { xfer_id: u.arbitrary()?, reason: text(u)? },
     })
