@@ -31,7 +31,7 @@ const RSS_LIMIT_MB: u32 = 2048;
 const INPUT_TIMEOUT_SECS: u32 = 10;
 /// Seconds per target of the CI smoke.
 pub(crate) const CI_SECONDS: u64 = 10;
-/// Lines of a failed run's log shown (the panic, the artifact's path).
+/// Lines of a failed run's log shown when it names no panic or failing input.
 const FAILURE_TAIL_LINES: usize = 60;
 
 /// Options of `cargo xtask fuzz`.
@@ -156,10 +156,37 @@ fn start(root: &Path, target: &str, seconds: u64, logs: &Path) -> Result<Running
     Ok(Running { target: target.to_owned(), child, log, started: Instant::now() })
 }
 
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
+/// What a failed run's log says that matters: the panic and its message,
+/// libFuzzer's error and summary lines, and cargo-fuzz's "failing input" and
+/// "reproduce with" block; the last lines if none of these is there.
+fn failure_report(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    let mut keep = vec![false; lines.len()];
+    let mut in_block = false;
+    for (i, line) in lines.iter().enumerate() {
+        if line.contains("panicked at") {
+            keep[i..lines.len().min(i + 4)].iter_mut().for_each(|k| *k = true);
+        }
+        if line.contains("ERROR: libFuzzer") || line.starts_with("SUMMARY:") || line.contains("ERROR: AddressSanitizer")
+        {
+            keep[i] = true;
+        }
+        if line.starts_with("Failing input:") {
+            in_block = true;
+        }
+        if line.starts_with("Minimize test case with:") {
+            in_block = false;
+        }
+        if in_block && !line.starts_with("Output of") && !line.starts_with("\t[") {
+            keep[i] = !line.trim().is_empty();
+        }
+    }
+    let picked: Vec<&str> = lines.iter().zip(&keep).filter(|(_, k)| **k).map(|(l, _)| *l).collect();
+    if picked.is_empty() {
+        lines[lines.len().saturating_sub(FAILURE_TAIL_LINES)..].join("\n")
+    } else {
+        picked.join("\n")
+    }
 }
 
 /// What one finished run reports: its libFuzzer summary, or its failure.
@@ -174,11 +201,15 @@ fn finish(mut run: Running, root: &Path) -> Result<bool> {
         return Ok(true);
     }
     println!("fuzz: {:<22} FAILED ({status}) after {elapsed:.0}s; log {}", run.target, run.log.display());
-    println!("{}", tail(&log, FAILURE_TAIL_LINES));
+    println!("{}", failure_report(&log));
     let artifacts = fuzz_dir(root).join("artifacts").join(&run.target);
     if let Ok(entries) = std::fs::read_dir(&artifacts) {
+        // Only what this run saved (earlier runs' inputs stay there too).
+        let since = std::time::SystemTime::now().checked_sub(run.started.elapsed()).unwrap_or(std::time::UNIX_EPOCH);
         for entry in entries.flatten() {
-            println!("fuzz: {}: saved input {}", run.target, entry.path().display());
+            if entry.metadata().and_then(|m| m.modified()).is_ok_and(|t| t >= since) {
+                println!("fuzz: {}: saved input {}", run.target, entry.path().display());
+            }
         }
     }
     Ok(false)
@@ -245,4 +276,49 @@ pub(crate) fn run(args: &FuzzArgs) -> Result<()> {
         bail!("fuzz targets failed: {} (inputs saved under fuzz/artifacts/)", failed.join(", "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_report_keeps_the_panic_and_how_to_reproduce() {
+        let log = "\
+INFO: Running with entropic power schedule
+#1024\tpulse  cov: 10 ft: 20 corp: 3/30b
+thread '<unnamed>' (1) panicked at src/cores.rs:1:1:
+s2 reported twice
+stack backtrace:
+   0: __rustc::rust_begin_unwind
+   1: noise
+==1== ERROR: libFuzzer: deadly signal
+    #0 0x1 in noise
+SUMMARY: libFuzzer: deadly signal
+Failing input:
+
+\tfuzz/artifacts/cores/crash-1
+
+Output of `std::fmt::Debug`:
+
+\t[1, 2, 3]
+
+Reproduce with:
+
+\tcargo fuzz run cores fuzz/artifacts/cores/crash-1
+
+Minimize test case with:
+
+\tcargo fuzz tmin cores fuzz/artifacts/cores/crash-1
+";
+        let report = failure_report(log);
+        assert_eq!(
+            report,
+            "thread '<unnamed>' (1) panicked at src/cores.rs:1:1:\ns2 reported twice\nstack backtrace:\n   \
+             0: __rustc::rust_begin_unwind\n==1== ERROR: libFuzzer: deadly signal\nSUMMARY: libFuzzer: deadly signal\n\
+             Failing input:\n\tfuzz/artifacts/cores/crash-1\nReproduce with:\n\tcargo fuzz run cores \
+             fuzz/artifacts/cores/crash-1"
+        );
+        assert_eq!(failure_report("a\nb"), "a\nb", "no marker: the last lines");
+    }
 }
