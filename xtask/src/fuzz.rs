@@ -87,7 +87,9 @@ fn succeeds(mut command: Command) -> bool {
 /// Fails in one line unless the nightly toolchain and cargo-fuzz are there.
 fn check_tools(root: &Path) -> Result<()> {
     if !succeeds(nightly(root, &["--version"])) {
-        bail!("the nightly toolchain is not installed (cargo-fuzz needs it): rustup toolchain install nightly");
+        bail!(
+            "`cargo +nightly` does not run: cargo-fuzz needs the nightly toolchain (rustup toolchain install nightly)"
+        );
     }
     if !succeeds(nightly(root, &["fuzz", "--version"])) {
         bail!("cargo-fuzz is not installed: cargo install cargo-fuzz --version {CARGO_FUZZ_VERSION} --locked");
