@@ -273,12 +273,28 @@ impl Sched {
         }
     }
 
-    fn check_refusal(&self, err: &SchedError, id: &ReqId, before: &EngineRequest, after: &EngineRequest) {
-        assert_eq!(err.request_id(), id);
-        assert_eq!(before, after, "a refused call changed the request");
-        match err {
-            SchedError::RemotePrefillOnProducer { .. } => assert_eq!(self.role, KvRole::Producer),
-            SchedError::RemoteDecodeOnConsumer { .. } => assert_eq!(self.role, KvRole::Consumer),
+    /// Checks a call's result against the refusal the model expects
+    /// (`Some(true)`: a remote prefill on a producer, `Some(false)`: a remote
+    /// decode on a consumer); a refused call changes nothing. Returns whether
+    /// the call was refused.
+    fn check_refusal<T: std::fmt::Debug>(
+        &self,
+        result: &Result<T, SchedError>,
+        expected: Option<bool>,
+        before: &EngineRequest,
+        after: &EngineRequest,
+    ) -> bool {
+        let id = &before.request_id;
+        match (result, expected) {
+            (Ok(_), None) => false,
+            (Err(e @ SchedError::RemotePrefillOnProducer { role, .. }), Some(true))
+            | (Err(e @ SchedError::RemoteDecodeOnConsumer { role, .. }), Some(false)) => {
+                assert_eq!(e.request_id(), id);
+                assert_eq!(*role, self.role);
+                assert_eq!(before, after, "a refused call changed the request");
+                true
+            }
+            (got, expected) => panic!("{id} as {:?}: got {got:?}, expected refusal {expected:?}", self.role),
         }
     }
 
@@ -306,11 +322,15 @@ impl Sched {
             assert_eq!(before, after);
             return;
         };
-        if let Err(e) = &result {
+        let refusal = if params.do_remote_prefill {
+            (self.role == KvRole::Producer).then_some(true)
+        } else {
+            (params.do_remote_decode && self.role == KvRole::Consumer).then_some(false)
+        };
+        if self.check_refusal(&result, refusal, &before, &after) {
             // The engine learns the request cannot run here: it is not
             // awaited (it was counted external only on a producer, which
             // refuses every pull).
-            self.check_refusal(e, &id, &before, &after);
             return;
         }
         if params.do_remote_prefill {
@@ -348,12 +368,16 @@ impl Sched {
             assert_eq!(result, Ok((false, None)));
             return;
         };
+        let refusal = if params.do_remote_prefill {
+            (self.role == KvRole::Producer).then_some(true)
+        } else {
+            (params.do_remote_decode && how == RequestStatus::FinishedLengthCapped && self.role == KvRole::Consumer)
+                .then_some(false)
+        };
+        if self.check_refusal(&result, refusal, &before, &after) {
+            return;
+        }
         if params.do_remote_prefill {
-            if self.role == KvRole::Producer {
-                let Err(e) = &result else { panic!("{id}: a producer accepted a remote prefill") };
-                self.check_refusal(e, &id, &before, &after);
-                return;
-            }
             self.record_recv(&id, &params, Vec::new());
             self.forget_if_live(&id);
             assert_eq!(result, Ok((false, None)));
@@ -365,11 +389,6 @@ impl Sched {
         if !params.do_remote_decode || how != RequestStatus::FinishedLengthCapped {
             self.forget_if_live(&id);
             assert_eq!(result, Ok((false, None)));
-            return;
-        }
-        if self.role == KvRole::Consumer {
-            let Err(e) = &result else { panic!("{id}: a consumer accepted a remote decode") };
-            self.check_refusal(e, &id, &before, &after);
             return;
         }
         self.live.remove(&id);
