@@ -115,6 +115,7 @@ impl Step {
 fn steps() -> Vec<Step> {
     let mut steps = vec![
         Step::cargo("fmt", "fmt", vec!["fmt", "--all", "--", "--check"]),
+        Step::cargo("fmt:fuzz", "fmt", vec!["fmt", "--manifest-path", "fuzz/Cargo.toml", "--", "--check"]),
         Step { name: "deps".to_owned(), group: "deps", action: Action::DependencyRule },
     ];
     for (suffix, feature_args) in CLIPPY_FEATURE_SETS {
@@ -123,6 +124,22 @@ fn steps() -> Vec<Step> {
         args.extend_from_slice(&["--", "-D", "warnings"]);
         steps.push(Step::cargo(&format!("clippy:{suffix}"), "clippy", args));
     }
+    // The fuzz crate without its libFuzzer entry points (stable; they are one line each).
+    steps.push(Step::cargo(
+        "clippy:fuzz",
+        "clippy",
+        vec![
+            "clippy",
+            "--manifest-path",
+            "fuzz/Cargo.toml",
+            "--no-default-features",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    ));
     // All features, so every compiled-in transport runs the conformance suite.
     let mut test = vec!["test", "--workspace", "--all-features"];
     test.extend_from_slice(EXCLUDED);
