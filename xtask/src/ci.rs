@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, python, rdma_test};
+use crate::{cmd, deps, fuzz, python, rdma_test};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -61,6 +61,8 @@ enum Action {
     RdmaTest,
     /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
     Python,
+    /// `cargo xtask fuzz` with these options (see [`fuzz`]).
+    Fuzz(fuzz::FuzzArgs),
 }
 
 /// One CI step.
@@ -95,6 +97,13 @@ impl Step {
                 python::MATURIN,
                 python::PYTEST
             ),
+            Action::Fuzz(args) if args.replay => {
+                "cargo xtask fuzz --replay (every fuzz corpus file through its target's checks, stable)".to_owned()
+            }
+            Action::Fuzz(_) => format!(
+                "cargo xtask fuzz --seconds {} (every target from the committed corpus, nightly + cargo-fuzz)",
+                fuzz::CI_SECONDS
+            ),
         }
     }
 
@@ -108,6 +117,7 @@ impl Step {
             Action::DependencyRule => deps::check(root),
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
+            Action::Fuzz(args) => fuzz::run(args),
         }
     }
 }
@@ -116,6 +126,7 @@ impl Step {
 fn steps() -> Vec<Step> {
     let mut steps = vec![
         Step::cargo("fmt", "fmt", vec!["fmt", "--all", "--", "--check"]),
+        Step::cargo("fmt:fuzz", "fmt", vec!["fmt", "--manifest-path", "fuzz/Cargo.toml", "--", "--check"]),
         Step { name: "deps".to_owned(), group: "deps", action: Action::DependencyRule },
     ];
     for (suffix, feature_args) in CLIPPY_FEATURE_SETS {
@@ -124,6 +135,22 @@ fn steps() -> Vec<Step> {
         args.extend_from_slice(&["--", "-D", "warnings"]);
         steps.push(Step::cargo(&format!("clippy:{suffix}"), "clippy", args));
     }
+    // The fuzz crate without its libFuzzer entry points (stable; they are one line each).
+    steps.push(Step::cargo(
+        "clippy:fuzz",
+        "clippy",
+        vec![
+            "clippy",
+            "--manifest-path",
+            "fuzz/Cargo.toml",
+            "--no-default-features",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    ));
     // All features, so every compiled-in transport runs the conformance suite.
     let mut test = vec!["test", "--workspace", "--all-features"];
     test.extend_from_slice(EXCLUDED);
@@ -157,6 +184,10 @@ fn steps() -> Vec<Step> {
         },
     });
     steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
+    // The fuzz crate is outside the workspace: its corpus replayed on stable,
+    // then a short fuzzing smoke from that corpus on nightly.
+    steps.push(Step { name: "fuzz-replay".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::replay()) });
+    steps.push(Step { name: "fuzz".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::smoke()) });
     steps
 }
 
@@ -168,7 +199,10 @@ fn select(all: Vec<Step>, wanted: &[String]) -> Result<Vec<Step>> {
     for name in wanted {
         if !all.iter().any(|step| step.name == *name || step.group == name) {
             let known: Vec<&str> = all.iter().map(|step| step.name.as_str()).collect();
-            bail!("unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`)", known.join(", "));
+            bail!(
+                "unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`, `fuzz`)",
+                known.join(", ")
+            );
         }
     }
     Ok(all.into_iter().filter(|step| wanted.iter().any(|name| step.name == *name || step.group == name)).collect())

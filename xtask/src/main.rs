@@ -19,16 +19,22 @@
 //!   device; `--bench` runs `kvlink demo` and `kvlink bench` over RDMA and
 //!   perftest's `ib_write_bw` there instead, with the throughput ratio.
 //!
+//! * `cargo xtask fuzz [--seconds N] [--target T]` fuzzes the decoders and
+//!   state machines (cargo-fuzz on nightly) from the committed corpus;
+//!   `cargo xtask fuzz --replay` runs that corpus through the same checks
+//!   on stable.
+//!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
 //! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it, [`python`]
-//! builds and tests the `kvlink_vllm` package.
+//! builds and tests the `kvlink_vllm` package, [`fuzz`] runs the fuzz targets.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod fuzz;
 mod python;
 mod rdma_test;
 mod vm;
@@ -58,6 +64,8 @@ enum Command {
     RdmaTest(rdma_test::RdmaTestArgs),
     /// Install vLLM 0.14.0 in a scratch venv and run kvlink against vLLM's own scheduler (offline, CPU).
     VllmCheck(python::VllmCheckArgs),
+    /// Fuzz the decoders and state machines (nightly, cargo-fuzz), or replay their corpus on stable.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,6 +75,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::RdmaTest(args) => rdma_test::run(&args),
         Command::VllmCheck(args) => python::vllm_check(&args),
+        Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,951 @@
+//! `cores`: the sans-IO state machines driven by arbitrary event sequences
+//! with explicit, increasing time, each checked against a model of its
+//! documented behaviour and against the invariants the system relies on.
+//!
+//! One input drives three machines at once, coupled as in a worker: the
+//! scheduler's metadata feeds the sender's updates (prefill side) and the
+//! receiver's pulls (decode side); other events reach the cores directly.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use arbitrary::{Arbitrary, Unstructured};
+use kv_proto::{
+    BlockId, ConnectorMetadata, GrantId, KvRole, KvTransferParams, Outcome, RecvReqMeta, ReqId, RequestBlocks,
+    RequestOutcome, SendUpdate, XferReply,
+};
+use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
+use kv_worker::{Claim, PullBatch, ReceiverCore, RecvFinished, SenderCore, SideChannelAddr};
+
+/// Requests in each pool (scheduler `s*`, sender-only `p*`, receiver-only `d*`).
+const POOL: usize = 8;
+/// This instance's side channel, as the scheduler advertises it.
+const HERE: (&str, u16) = ("here", 7000);
+
+fn pool_id(prefix: char, i: u8) -> ReqId {
+    ReqId::new(format!("{prefix}{}", usize::from(i) % POOL))
+}
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+enum ArbRole {
+    Producer,
+    Consumer,
+    Both,
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+enum Host {
+    P1,
+    P2,
+    V6,
+    Other(String),
+}
+
+impl Host {
+    fn name(&self) -> String {
+        match self {
+            Host::P1 => "p1".to_owned(),
+            Host::P2 => "p2".to_owned(),
+            Host::V6 => "::1".to_owned(),
+            Host::Other(s) => s.clone(),
+        }
+    }
+}
+
+/// A port: usually ordinary, sometimes at the top so that adding the tp
+/// rank overflows.
+#[derive(Arbitrary, Clone, Copy, Debug)]
+enum Port {
+    Usual(u8),
+    High(u8),
+}
+
+impl Port {
+    fn get(self) -> u16 {
+        match self {
+            Port::Usual(p) => 8000 + u16::from(p % 4),
+            Port::High(p) => u16::MAX - u16::from(p % 4),
+        }
+    }
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+struct ArbParams {
+    do_remote_prefill: bool,
+    do_remote_decode: bool,
+    host: Option<Host>,
+    port: Option<Port>,
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+struct ArbRequest {
+    prompt_len: u8,
+    params: Option<ArbParams>,
+}
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+enum Finish {
+    Stopped,
+    LengthCapped,
+    Aborted,
+    Ignored,
+}
+
+impl From<Finish> for RequestStatus {
+    fn from(f: Finish) -> Self {
+        match f {
+            Finish::Stopped => RequestStatus::FinishedStopped,
+            Finish::LengthCapped => RequestStatus::FinishedLengthCapped,
+            Finish::Aborted => RequestStatus::FinishedAborted,
+            Finish::Ignored => RequestStatus::FinishedIgnored,
+        }
+    }
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+enum Update {
+    Expect,
+    Ready(Vec<BlockId>),
+    Forget,
+}
+
+impl From<&Update> for SendUpdate {
+    fn from(u: &Update) -> Self {
+        match u {
+            Update::Expect => SendUpdate::Expect,
+            Update::Ready(b) => SendUpdate::Ready { block_ids: b.clone() },
+            Update::Forget => SendUpdate::Forget,
+        }
+    }
+}
+
+/// Which transfer an event names: one started so far (by index), or an id
+/// never handed out.
+#[derive(Arbitrary, Clone, Copy, Debug)]
+enum Xfer {
+    Known(u8),
+    Unknown(u64),
+}
+
+/// Where [`Event::ToDeadline`] lands relative to the deadline.
+#[derive(Arbitrary, Clone, Copy, Debug)]
+enum Offset {
+    Before,
+    At,
+    After,
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+enum Event {
+    /// Time passes.
+    Advance {
+        ms: u16,
+    },
+    /// Time moves to just before, exactly at or just after the sender's
+    /// (`sender`) or the receiver's next deadline, if it is still ahead.
+    ToDeadline {
+        sender: bool,
+        offset: Offset,
+    },
+    /// Scheduler: request `i` gets blocks (scheduled or rescheduled).
+    Alloc {
+        i: u8,
+        num_computed: u8,
+        blocks: Vec<BlockId>,
+    },
+    /// Scheduler: request `i` finishes.
+    Finish {
+        i: u8,
+        how: Finish,
+        blocks: Vec<BlockId>,
+    },
+    /// Scheduler: end of step; the metadata goes to the worker.
+    Build,
+    /// Sender: an update not from this scheduler (`s*` or `p*`).
+    Update {
+        req: u8,
+        update: Update,
+    },
+    /// Sender: a pull for the request arrives.
+    Claim {
+        req: u8,
+    },
+    /// Sender: a transfer of the request ended.
+    Complete {
+        req: u8,
+    },
+    SenderTimeout,
+    SenderPoll,
+    /// Receiver: pulls not from this scheduler (`d*`).
+    Start {
+        reqs: Vec<(u8, Host, Port, Vec<BlockId>)>,
+    },
+    Granted {
+        xfer: Xfer,
+        grant: u8,
+    },
+    /// Receiver: P's reply; outcomes name the batch's `n`th request or
+    /// another id, done or failed.
+    Reply {
+        xfer: Xfer,
+        outcomes: Vec<(u8, bool, bool)>,
+    },
+    BatchFailed {
+        xfer: Xfer,
+    },
+    ReceiverTimeout,
+    Fenced {
+        xfer: Xfer,
+    },
+    ReceiverPoll,
+}
+
+#[derive(Arbitrary, Debug)]
+struct CoresInput {
+    role: ArbRole,
+    tp_rank: u16,
+    transfer_timeout_ms: u16,
+    lease_ms: u16,
+    requests: [ArbRequest; POOL],
+    events: Vec<Event>,
+}
+
+// ---------------------------------------------------------------- scheduler
+
+/// The scheduler under test with the engine's view of its requests.
+struct Sched {
+    role: KvRole,
+    s: ConnectorScheduler,
+    reqs: Vec<EngineRequest>,
+    finished: Vec<bool>,
+    /// Model: pending pulls and send updates of this step, live send entries.
+    recv: BTreeMap<ReqId, RecvReqMeta>,
+    send: BTreeMap<ReqId, SendUpdate>,
+    live: BTreeSet<ReqId>,
+    /// Counted as external since the last build: their pull must go out.
+    awaited: BTreeSet<ReqId>,
+    /// Every request a pull ever went out for.
+    pulled: BTreeSet<ReqId>,
+}
+
+impl Sched {
+    fn new(role: KvRole, requests: &[ArbRequest; POOL]) -> Self {
+        let reqs = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| EngineRequest {
+                request_id: ReqId::new(format!("s{i}")),
+                prompt_len: usize::from(r.prompt_len),
+                status: RequestStatus::Waiting,
+                kv_transfer_params: r.params.as_ref().map(|p| KvTransferParams {
+                    do_remote_prefill: p.do_remote_prefill,
+                    do_remote_decode: p.do_remote_decode,
+                    remote_host: p.host.as_ref().map(Host::name),
+                    remote_port: p.port.map(Port::get),
+                }),
+            })
+            .collect();
+        Self {
+            role,
+            s: ConnectorScheduler::new(role, HERE.0, HERE.1),
+            reqs,
+            finished: vec![false; POOL],
+            recv: BTreeMap::new(),
+            send: BTreeMap::new(),
+            live: BTreeSet::new(),
+            awaited: BTreeSet::new(),
+            pulled: BTreeSet::new(),
+        }
+    }
+
+    fn record_recv(&mut self, id: &ReqId, params: &KvTransferParams, blocks: Vec<BlockId>) {
+        if let Some((host, port)) = params.remote() {
+            self.recv.insert(
+                id.clone(),
+                RecvReqMeta { local_block_ids: blocks, remote_host: host.to_owned(), remote_port: port },
+            );
+        }
+    }
+
+    fn forget_if_live(&mut self, id: &ReqId) {
+        if self.live.remove(id) {
+            self.send.insert(id.clone(), SendUpdate::Forget);
+        }
+    }
+
+    /// Checks a call's result against the refusal the model expects
+    /// (`Some(true)`: a remote prefill on a producer, `Some(false)`: a remote
+    /// decode on a consumer); a refused call changes nothing. Returns whether
+    /// the call was refused.
+    fn check_refusal<T: std::fmt::Debug>(
+        &self,
+        result: &Result<T, SchedError>,
+        expected: Option<bool>,
+        before: &EngineRequest,
+        after: &EngineRequest,
+    ) -> bool {
+        let id = &before.request_id;
+        match (result, expected) {
+            (Ok(_), None) => false,
+            (Err(e @ SchedError::RemotePrefillOnProducer { role, .. }), Some(true))
+            | (Err(e @ SchedError::RemoteDecodeOnConsumer { role, .. }), Some(false)) => {
+                assert_eq!(e.request_id(), id);
+                assert_eq!(*role, self.role);
+                assert_eq!(before, after, "a refused call changed the request");
+                true
+            }
+            (got, expected) => panic!("{id} as {:?}: got {got:?}, expected refusal {expected:?}", self.role),
+        }
+    }
+
+    fn alloc(&mut self, i: usize, num_computed: usize, blocks: &[BlockId]) {
+        if self.finished[i] {
+            return;
+        }
+        let before = self.reqs[i].clone();
+        let id = before.request_id.clone();
+        let (external, load_async) = self.s.get_num_new_matched_tokens(&self.reqs[i], num_computed);
+        assert_eq!(load_async, external > 0, "load_async must say whether tokens are external");
+        let pull_params = before.kv_transfer_params.as_ref().filter(|p| p.do_remote_prefill);
+        let expected = match pull_params {
+            Some(p) if p.remote().is_some() => before.prompt_len.saturating_sub(num_computed),
+            _ => 0,
+        };
+        assert_eq!(external, expected, "{id}: external tokens with params {:?}", before.kv_transfer_params);
+
+        self.reqs[i].status = RequestStatus::Running;
+        let before = self.reqs[i].clone();
+        let result = self.s.update_state_after_alloc(&mut self.reqs[i], blocks, external);
+        let after = self.reqs[i].clone();
+        let Some(params) = before.kv_transfer_params.clone() else {
+            assert!(result.is_ok());
+            assert_eq!(before, after);
+            return;
+        };
+        let refusal = if params.do_remote_prefill {
+            (self.role == KvRole::Producer).then_some(true)
+        } else {
+            (params.do_remote_decode && self.role == KvRole::Consumer).then_some(false)
+        };
+        if self.check_refusal(&result, refusal, &before, &after) {
+            // The engine learns the request cannot run here: it is not
+            // awaited (it was counted external only on a producer, which
+            // refuses every pull).
+            return;
+        }
+        if params.do_remote_prefill {
+            assert_ne!(self.role, KvRole::Producer);
+            let blocks = if external > 0 { blocks.to_vec() } else { Vec::new() };
+            self.record_recv(&id, &params, blocks);
+            let mut cleared = params.clone();
+            cleared.do_remote_prefill = false;
+            assert_eq!(after.kv_transfer_params, Some(cleared), "do_remote_prefill must be cleared, nothing else");
+        } else if params.do_remote_decode {
+            assert_ne!(self.role, KvRole::Consumer);
+            self.live.insert(id.clone());
+            self.send.insert(id.clone(), SendUpdate::Expect);
+            assert_eq!(before, after);
+        } else {
+            assert_eq!(before, after);
+        }
+        if external > 0 {
+            self.awaited.insert(id);
+        }
+    }
+
+    fn finish(&mut self, i: usize, how: RequestStatus, blocks: &[BlockId]) {
+        if self.finished[i] {
+            return;
+        }
+        self.finished[i] = true;
+        self.reqs[i].status = how;
+        let before = self.reqs[i].clone();
+        let id = before.request_id.clone();
+        let result = self.s.request_finished(&mut self.reqs[i], blocks);
+        let after = self.reqs[i].clone();
+        let Some(params) = before.kv_transfer_params.clone() else {
+            self.forget_if_live(&id);
+            assert_eq!(result, Ok((false, None)));
+            return;
+        };
+        let refusal = if params.do_remote_prefill {
+            (self.role == KvRole::Producer).then_some(true)
+        } else {
+            (params.do_remote_decode && how == RequestStatus::FinishedLengthCapped && self.role == KvRole::Consumer)
+                .then_some(false)
+        };
+        if self.check_refusal(&result, refusal, &before, &after) {
+            return;
+        }
+        if params.do_remote_prefill {
+            self.record_recv(&id, &params, Vec::new());
+            self.forget_if_live(&id);
+            assert_eq!(result, Ok((false, None)));
+            let mut cleared = params.clone();
+            cleared.do_remote_prefill = false;
+            assert_eq!(after.kv_transfer_params, Some(cleared));
+            return;
+        }
+        if !params.do_remote_decode || how != RequestStatus::FinishedLengthCapped {
+            self.forget_if_live(&id);
+            assert_eq!(result, Ok((false, None)));
+            return;
+        }
+        self.live.remove(&id);
+        let delay = !blocks.is_empty();
+        let update = if delay { SendUpdate::Ready { block_ids: blocks.to_vec() } } else { SendUpdate::Forget };
+        self.send.insert(id.clone(), update);
+        let points_here = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_host: Some(HERE.0.to_owned()),
+            remote_port: Some(HERE.1),
+        };
+        assert_eq!(result, Ok((delay, Some(points_here))));
+    }
+
+    fn build(&mut self) -> ConnectorMetadata {
+        let meta = self.s.build_connector_meta();
+        let recv = std::mem::take(&mut self.recv);
+        let send = std::mem::take(&mut self.send);
+        let expected = ConnectorMetadata {
+            reqs_to_recv: if self.role.receives() { recv } else { BTreeMap::new() },
+            reqs_to_send: if self.role.sends() { send } else { BTreeMap::new() },
+        };
+        assert_eq!(meta, expected, "the step's metadata differs from the model's");
+        for id in std::mem::take(&mut self.awaited) {
+            assert!(meta.reqs_to_recv.contains_key(&id), "{id} was counted as external but no pull went out");
+        }
+        for id in meta.reqs_to_recv.keys() {
+            assert!(self.pulled.insert(id.clone()), "a second pull went out for {id}");
+        }
+        assert_eq!(self.s.live_send_entries(), self.live.len());
+        meta
+    }
+}
+
+// ------------------------------------------------------------------- sender
+
+#[derive(Debug, Clone, PartialEq)]
+enum Entry {
+    Expected,
+    Ready { blocks: Vec<BlockId>, lease_end: Instant },
+    InFlight,
+}
+
+/// The sender under test and its model.
+struct Sender {
+    core: SenderCore,
+    lease: Duration,
+    entries: HashMap<ReqId, Entry>,
+    finished: BTreeSet<ReqId>,
+    /// Per request: times its blocks were handed to P (Ready), and times it
+    /// was reported finished sending (its blocks freed).
+    held: HashMap<ReqId, usize>,
+    freed: HashMap<ReqId, usize>,
+    /// Requests that got a Ready or a Forget, and those that got any update
+    /// after that: no scheduler does that (it announces a request, then ends
+    /// it once), so the id-based accounting below is not asked of them; the
+    /// model still is.
+    ended: BTreeSet<ReqId>,
+    irregular: BTreeSet<ReqId>,
+}
+
+impl Sender {
+    fn new(lease: Duration) -> Self {
+        Self {
+            core: SenderCore::new(lease),
+            lease,
+            entries: HashMap::new(),
+            finished: BTreeSet::new(),
+            held: HashMap::new(),
+            freed: HashMap::new(),
+            ended: BTreeSet::new(),
+            irregular: BTreeSet::new(),
+        }
+    }
+
+    fn update(&mut self, id: &ReqId, update: &SendUpdate, now: Instant) {
+        self.core.handle_update(id, update, now);
+        if self.ended.contains(id) {
+            self.irregular.insert(id.clone());
+        }
+        if !matches!(update, SendUpdate::Expect) {
+            self.ended.insert(id.clone());
+        }
+        match update {
+            SendUpdate::Expect => {
+                self.entries.entry(id.clone()).or_insert(Entry::Expected);
+            }
+            SendUpdate::Ready { block_ids } => {
+                if self.entries.get(id) != Some(&Entry::InFlight) {
+                    // A second Ready replaces the first: one hold per request.
+                    if !matches!(self.entries.get(id), Some(Entry::Ready { .. })) {
+                        *self.held.entry(id.clone()).or_default() += 1;
+                    }
+                    self.entries
+                        .insert(id.clone(), Entry::Ready { blocks: block_ids.clone(), lease_end: now + self.lease });
+                }
+            }
+            SendUpdate::Forget => {
+                if matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. })) {
+                    if matches!(self.entries.get(id), Some(Entry::Ready { .. })) {
+                        // The engine frees the blocks itself (it is told
+                        // nothing): the hold ends without a report.
+                        *self.held.entry(id.clone()).or_default() -= 1;
+                    }
+                    self.entries.remove(id);
+                }
+            }
+        }
+        self.check();
+    }
+
+    fn expire(&mut self, id: &ReqId) {
+        self.entries.remove(id);
+        self.finished.insert(id.clone());
+    }
+
+    fn claim(&mut self, id: &ReqId, now: Instant) {
+        let got = self.core.claim(id, now);
+        let expected = match self.entries.get(id).cloned() {
+            None => Claim::Unknown,
+            Some(Entry::Expected) => Claim::NotReady,
+            Some(Entry::InFlight) => Claim::InFlight,
+            Some(Entry::Ready { lease_end, .. }) if lease_end <= now => {
+                self.expire(id);
+                Claim::Expired
+            }
+            Some(Entry::Ready { blocks, .. }) => {
+                self.entries.insert(id.clone(), Entry::InFlight);
+                Claim::Ready(blocks)
+            }
+        };
+        assert_eq!(got, expected, "claim of {id}");
+        self.check();
+    }
+
+    fn complete(&mut self, id: &ReqId) {
+        self.core.complete(id);
+        if self.entries.get(id) == Some(&Entry::InFlight) {
+            self.entries.remove(id);
+            self.finished.insert(id.clone());
+        }
+        self.check();
+    }
+
+    fn timeout(&mut self, now: Instant) {
+        let got: BTreeSet<ReqId> = self.core.handle_timeout(now).into_iter().collect();
+        let expired: BTreeSet<ReqId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e, Entry::Ready { lease_end, .. } if *lease_end <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert_eq!(got, expired, "expired leases at timeout");
+        for id in &expired {
+            self.expire(id);
+        }
+        self.check();
+    }
+
+    fn poll(&mut self) {
+        let got = self.core.poll_finished();
+        assert_eq!(got, std::mem::take(&mut self.finished), "finished sending");
+        for id in got {
+            if self.irregular.contains(&id) {
+                continue;
+            }
+            assert!(!self.entries.contains_key(&id), "{id} reported finished while P still holds an entry for it");
+            let freed = self.freed.entry(id.clone()).or_default();
+            *freed += 1;
+            let held = self.held.get(&id).copied().unwrap_or(0);
+            assert!(*freed <= held, "{id}: blocks freed {freed} times, held {held} times");
+        }
+        assert!(self.core.poll_finished().is_empty(), "finished requests reported twice");
+    }
+
+    fn check(&self) {
+        assert_eq!(self.core.len(), self.entries.len());
+        assert_eq!(self.core.is_empty(), self.entries.is_empty());
+        let deadline = self
+            .entries
+            .values()
+            .filter_map(|e| match e {
+                Entry::Ready { lease_end, .. } => Some(*lease_end),
+                _ => None,
+            })
+            .min();
+        assert_eq!(self.core.next_deadline(), deadline);
+        for id in self.entries.keys() {
+            assert_eq!(self.core.is_ready_or_gone(id), self.entries.get(id) != Some(&Entry::Expected));
+        }
+    }
+}
+
+// ----------------------------------------------------------------- receiver
+
+#[derive(Debug, Clone)]
+enum Decided {
+    Replied(XferReply),
+    Failed,
+}
+
+#[derive(Debug)]
+struct Pull {
+    reqs: Vec<(ReqId, Vec<BlockId>)>,
+    deadline: Instant,
+    grant: Option<GrantId>,
+    decided: Option<Decided>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ReqState {
+    InFlight,
+    /// Reported at the next poll.
+    Reportable,
+}
+
+/// The receiver under test and its model.
+struct Receiver {
+    core: ReceiverCore,
+    tp_rank: u16,
+    timeout: Duration,
+    next_xfer_id: u64,
+    /// Every transfer id handed out, in order (events pick from these).
+    xfer_ids: Vec<u64>,
+    pulls: HashMap<u64, Pull>,
+    state: HashMap<ReqId, ReqState>,
+    done: RecvFinished,
+    /// Per request: pulls started for it, and outcomes reported.
+    started: HashMap<ReqId, usize>,
+    reported: HashMap<ReqId, usize>,
+}
+
+impl Receiver {
+    fn new(tp_rank: u16, timeout: Duration) -> Self {
+        Self {
+            core: ReceiverCore::new(tp_rank, timeout),
+            tp_rank,
+            timeout,
+            next_xfer_id: 1,
+            xfer_ids: Vec::new(),
+            pulls: HashMap::new(),
+            state: HashMap::new(),
+            done: RecvFinished::default(),
+            started: HashMap::new(),
+            reported: HashMap::new(),
+        }
+    }
+
+    fn xfer(&self, x: Xfer) -> u64 {
+        match x {
+            Xfer::Known(i) if !self.xfer_ids.is_empty() => self.xfer_ids[usize::from(i) % self.xfer_ids.len()],
+            Xfer::Known(_) => 0,
+            Xfer::Unknown(id) => id.max(self.next_xfer_id),
+        }
+    }
+
+    /// Whether the engine may ask for `id` now: not while its last outcome
+    /// is decided but unreported (the engine pulls a request once; the
+    /// core's answer to a repeat while in flight is checked).
+    fn may_start(&self, id: &ReqId) -> bool {
+        self.state.get(id) != Some(&ReqState::Reportable)
+    }
+
+    fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) {
+        let got = self.core.start(reqs, now);
+        let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
+        for (id, meta) in reqs {
+            if self.state.get(id) == Some(&ReqState::InFlight) {
+                continue; // pulled twice while in flight: ignored
+            }
+            *self.started.entry(id.clone()).or_default() += 1;
+            match meta.remote_port.checked_add(self.tp_rank) {
+                None => {
+                    // No pull can be made: failed at once (no grant exists).
+                    self.done.failed.insert(id.clone(), meta.local_block_ids.clone());
+                    self.state.insert(id.clone(), ReqState::Reportable);
+                }
+                Some(port) => {
+                    self.state.insert(id.clone(), ReqState::InFlight);
+                    let peer = SideChannelAddr { host: meta.remote_host.clone(), port };
+                    groups.entry(peer).or_default().push((id.clone(), meta.local_block_ids.clone()));
+                }
+            }
+        }
+        let deadline = now + self.timeout;
+        let mut expected = Vec::new();
+        for (peer, reqs) in groups {
+            let xfer_id = self.next_xfer_id;
+            self.next_xfer_id += 1;
+            self.xfer_ids.push(xfer_id);
+            let requests =
+                reqs.iter().map(|(r, b)| RequestBlocks { req_id: r.clone(), block_ids: b.clone() }).collect();
+            expected.push(PullBatch { xfer_id, peer, requests, deadline });
+            self.pulls.insert(xfer_id, Pull { reqs, deadline, grant: None, decided: None });
+        }
+        assert_eq!(got, expected, "the pulls started");
+        self.check();
+    }
+
+    fn granted(&mut self, xfer_id: u64, grant: GrantId) {
+        self.core.handle_granted(xfer_id, grant);
+        if let Some(p) = self.pulls.get_mut(&xfer_id) {
+            p.grant = Some(grant);
+        }
+        self.check();
+    }
+
+    fn reply(&mut self, reply: XferReply) {
+        if let Some(p) = self.pulls.get_mut(&reply.xfer_id) {
+            if p.decided.is_none() {
+                p.decided = Some(Decided::Replied(reply.clone()));
+            }
+        }
+        self.core.handle_reply(reply);
+        self.check();
+    }
+
+    fn batch_failed(&mut self, xfer_id: u64) {
+        self.core.handle_batch_failed(xfer_id, "connection lost");
+        if let Some(p) = self.pulls.get_mut(&xfer_id) {
+            if p.decided.is_none() {
+                p.decided = Some(Decided::Failed);
+            }
+        }
+        self.check();
+    }
+
+    fn timeout(&mut self, now: Instant) {
+        let mut got = self.core.handle_timeout(now);
+        got.sort_unstable_by_key(|(id, _)| *id);
+        let mut expected = Vec::new();
+        for (id, p) in &mut self.pulls {
+            if p.decided.is_none() && p.deadline <= now {
+                p.decided = Some(Decided::Failed);
+                expected.push((*id, p.grant));
+            }
+        }
+        expected.sort_unstable_by_key(|(id, _)| *id);
+        assert_eq!(got, expected, "pulls to fence at timeout, with their grants");
+        self.check();
+    }
+
+    fn fenced(&mut self, xfer_id: u64) {
+        self.core.handle_fenced(xfer_id);
+        if let Some(p) = self.pulls.remove(&xfer_id) {
+            for (id, blocks) in p.reqs {
+                assert_eq!(self.state.insert(id.clone(), ReqState::Reportable), Some(ReqState::InFlight));
+                let done = match &p.decided {
+                    // The last outcome the reply gives for the request decides.
+                    Some(Decided::Replied(reply)) => {
+                        reply.outcomes.iter().rev().find(|o| o.req_id == id).is_some_and(|o| o.outcome == Outcome::Done)
+                    }
+                    Some(Decided::Failed) | None => false,
+                };
+                if done {
+                    self.done.received.insert(id);
+                } else {
+                    self.done.failed.insert(id, blocks);
+                }
+            }
+        }
+        self.check();
+    }
+
+    fn poll(&mut self) {
+        let got = self.core.poll_finished();
+        let expected = std::mem::take(&mut self.done);
+        assert_eq!(got, expected, "the outcomes reported");
+        for id in got.received.iter().chain(got.failed.keys()) {
+            assert!(
+                !(got.received.contains(id) && got.failed.contains_key(id)),
+                "{id} reported both received and failed"
+            );
+            assert_eq!(self.state.remove(id), Some(ReqState::Reportable), "{id} reported before its pull ended");
+            let reported = self.reported.entry(id.clone()).or_default();
+            *reported += 1;
+            assert!(*reported <= self.started.get(id).copied().unwrap_or(0), "{id} reported more often than pulled");
+        }
+        let again = self.core.poll_finished();
+        assert!(again.received.is_empty() && again.failed.is_empty(), "outcomes reported twice");
+    }
+
+    fn check(&self) {
+        let in_flight = self.state.values().filter(|s| **s == ReqState::InFlight).count();
+        assert_eq!(self.core.in_flight(), in_flight);
+        let deadline = self.pulls.values().filter(|p| p.decided.is_none()).map(|p| p.deadline).min();
+        assert_eq!(self.core.next_deadline(), deadline);
+        // Nothing decided is visible before its fence: the core holds it.
+        assert!(self
+            .pulls
+            .values()
+            .all(|p| p.reqs.iter().all(|(id, _)| self.state.get(id) == Some(&ReqState::InFlight))));
+    }
+}
+
+// ------------------------------------------------------------------- target
+
+/// Arbitrary event sequences through `ConnectorScheduler`, `SenderCore` and
+/// `ReceiverCore`, with explicit time that only moves forward.
+///
+/// Each machine must agree with its model at every step (results, the
+/// metadata of each step, claims, expiries, pulls started, grants to revoke,
+/// outcomes reported, counters and deadlines). The invariants behind them,
+/// checked on their own as well:
+/// - scheduler: a request counted as external has its pull in the next
+///   step's metadata; at most one pull per request; refused calls change
+///   nothing; no send entry is left once every request has finished;
+/// - sender: for a request updated as a scheduler does (announced, then
+///   ended once), it is reported finished sending (its blocks freed) only
+///   when P no longer holds an entry for it, never while a transfer is
+///   writing it, and exactly once per time its blocks were handed over;
+/// - receiver: nothing is reported before its pull was fenced (except a
+///   pull that could not be made at all), a request is never both received
+///   and failed, received only when P's reply said done, failed requests
+///   carry exactly their blocks, and, once every pull has ended and been
+///   fenced, every request pulled was reported exactly once.
+pub fn cores(data: &[u8]) {
+    let Ok(input) = CoresInput::arbitrary_take_rest(Unstructured::new(data)) else { return };
+    let role = match input.role {
+        ArbRole::Producer => KvRole::Producer,
+        ArbRole::Consumer => KvRole::Consumer,
+        ArbRole::Both => KvRole::Both,
+    };
+    let mut now = Instant::now();
+    let timeout = Duration::from_millis(u64::from(input.transfer_timeout_ms) + 1);
+    let lease = Duration::from_millis(u64::from(input.lease_ms) + 1);
+    let mut sched = Sched::new(role, &input.requests);
+    let mut sender = Sender::new(lease);
+    let mut receiver = Receiver::new(input.tp_rank, timeout);
+
+    let feed = |meta: ConnectorMetadata, now: Instant, sender: &mut Sender, receiver: &mut Receiver| {
+        for (id, update) in &meta.reqs_to_send {
+            sender.update(id, update, now);
+        }
+        if !meta.reqs_to_recv.is_empty() {
+            receiver.start(&meta.reqs_to_recv, now);
+        }
+    };
+
+    for event in &input.events {
+        match event {
+            Event::Advance { ms } => now += Duration::from_millis(u64::from(*ms)),
+            Event::ToDeadline { sender: which, offset } => {
+                let deadline = if *which { sender.core.next_deadline() } else { receiver.core.next_deadline() };
+                let tick = Duration::from_nanos(1);
+                let target = deadline.and_then(|d| match offset {
+                    Offset::Before => d.checked_sub(tick),
+                    Offset::At => Some(d),
+                    Offset::After => d.checked_add(tick),
+                });
+                if let Some(t) = target.filter(|t| *t > now) {
+                    now = t;
+                }
+            }
+            Event::Alloc { i, num_computed, blocks } => {
+                sched.alloc(usize::from(*i) % POOL, usize::from(*num_computed), blocks);
+            }
+            Event::Finish { i, how, blocks } => sched.finish(usize::from(*i) % POOL, (*how).into(), blocks),
+            Event::Build => {
+                let meta = sched.build();
+                feed(meta, now, &mut sender, &mut receiver);
+            }
+            Event::Update { req, update } => {
+                let id = pool_id(if *req >= 128 { 's' } else { 'p' }, *req);
+                sender.update(&id, &update.into(), now);
+            }
+            Event::Claim { req } => sender.claim(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req), now),
+            Event::Complete { req } => sender.complete(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
+            Event::SenderTimeout => sender.timeout(now),
+            Event::SenderPoll => sender.poll(),
+            Event::Start { reqs } => {
+                let reqs: BTreeMap<ReqId, RecvReqMeta> = reqs
+                    .iter()
+                    .map(|(i, host, port, blocks)| {
+                        let meta = RecvReqMeta {
+                            local_block_ids: blocks.clone(),
+                            remote_host: host.name(),
+                            remote_port: port.get(),
+                        };
+                        (pool_id('d', *i), meta)
+                    })
+                    .filter(|(id, _)| receiver.may_start(id))
+                    .collect();
+                receiver.start(&reqs, now);
+            }
+            Event::Granted { xfer, grant } => {
+                let id = receiver.xfer(*xfer);
+                receiver.granted(id, GrantId::from_bytes([*grant; 16]));
+            }
+            Event::Reply { xfer, outcomes } => {
+                let xfer_id = receiver.xfer(*xfer);
+                let batch: Vec<ReqId> = receiver
+                    .pulls
+                    .get(&xfer_id)
+                    .map(|p| p.reqs.iter().map(|(id, _)| id.clone()).collect())
+                    .unwrap_or_default();
+                let outcomes = outcomes
+                    .iter()
+                    .map(|&(n, stray, done)| RequestOutcome {
+                        req_id: if stray || batch.is_empty() {
+                            pool_id('x', n)
+                        } else {
+                            batch[usize::from(n) % batch.len()].clone()
+                        },
+                        outcome: if done { Outcome::Done } else { Outcome::Failed { reason: "no".to_owned() } },
+                    })
+                    .collect();
+                receiver.reply(XferReply { xfer_id, outcomes });
+            }
+            Event::BatchFailed { xfer } => {
+                let id = receiver.xfer(*xfer);
+                receiver.batch_failed(id);
+            }
+            Event::ReceiverTimeout => receiver.timeout(now),
+            Event::Fenced { xfer } => {
+                let id = receiver.xfer(*xfer);
+                receiver.fenced(id);
+            }
+            Event::ReceiverPoll => receiver.poll(),
+        }
+    }
+
+    // The end: every request finishes, the last step goes out, every pull
+    // times out and is fenced, every transfer ends, every lease runs out.
+    for i in 0..POOL {
+        sched.finish(i, RequestStatus::FinishedAborted, &[1]);
+    }
+    let meta = sched.build();
+    feed(meta, now, &mut sender, &mut receiver);
+    assert_eq!(sched.s.live_send_entries(), 0, "send entries left after every request finished");
+    assert!(sched.s.build_connector_meta().is_empty());
+
+    now += timeout + lease;
+    receiver.timeout(now);
+    let xfer_ids: Vec<u64> = receiver.pulls.keys().copied().collect();
+    for id in xfer_ids {
+        receiver.fenced(id);
+    }
+    receiver.poll();
+    assert_eq!(receiver.core.in_flight(), 0);
+    assert_eq!(receiver.core.next_deadline(), None);
+    for (id, started) in &receiver.started {
+        let reported = receiver.reported.get(id).copied().unwrap_or(0);
+        assert_eq!(reported, *started, "{id}: pulled {started} times, reported {reported} times");
+    }
+
+    let in_flight: Vec<ReqId> =
+        sender.entries.iter().filter(|(_, e)| **e == Entry::InFlight).map(|(id, _)| id.clone()).collect();
+    for id in in_flight {
+        sender.complete(&id);
+    }
+    sender.timeout(now);
+    sender.poll();
+    assert!(sender.entries.values().all(|e| *e == Entry::Expected), "only entries the scheduler owns remain");
+    for (id, held) in sender.held.iter().filter(|(id, _)| !sender.irregular.contains(*id)) {
+        let freed = sender.freed.get(id).copied().unwrap_or(0);
+        assert_eq!(freed, *held, "{id}: blocks held {held} times, freed {freed} times");
+    }
+}

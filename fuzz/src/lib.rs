@@ -1,0 +1,53 @@
+//! kvlink's fuzz targets, as plain functions of the input bytes.
+//!
+//! Each target checks what must hold for any input, not only that nothing
+//! panics: a failed check is a panic, which libFuzzer reports as a crash and
+//! saves. The thin binaries in `fuzz_targets/` (feature `libfuzzer`, built by
+//! `cargo +nightly fuzz`) only call these functions; `tests/replay.rs` calls
+//! them on stable for every file of the committed corpus
+//! (`cargo xtask fuzz --replay`), so the checks are compiled and exercised by
+//! the ordinary toolchain as well.
+//!
+//! | target | what it drives | what it checks |
+//! | --- | --- | --- |
+//! | [`side_channel_frame`] | `FrameCodec::decode` (split at chosen points), `decode_eof`, `decode_exact` | same result however the stream is split; heap bounded by the frame limit and the input; whatever decodes re-encodes no longer and decodes to the same message |
+//! | [`side_channel_message`] | built `SideMessage`s | encode/decode round trip; out-of-bound fields refused; `reply_bound` covers the worst reply |
+//! | [`auth`] | proofs over built transcripts and secrets | a proof verifies only for its own secret (up to HMAC key equivalence), role and transcript |
+//! | [`transfer_config_json`] | `KvTransferConfig::from_json` | accepted configs hold what the JSON says and re-serialize to the same config |
+//! | [`transfer_params_json`] | `KvTransferParams::from_json` | accepted params hold what the JSON says and round-trip through `to_json` |
+//! | [`registered_memory`] | `RegisteredMemory` operation sequences | agrees with a model; admitted ops lie in the grant and in destination memory, never in source-only memory; dead grants refuse |
+//! | [`dataplane`] | op entries, `Cursor`, verdicts, bounded texts | round trips; the cursor walks exactly the segments' bytes; reasons bounded on a character boundary |
+//! | [`cores`] | `ConnectorScheduler`, `SenderCore`, `ReceiverCore` event sequences | each agrees with a model; every pull reported exactly once and only once fenced; blocks freed once per hold; no external count without a pull |
+
+mod alloc_meter;
+mod arb;
+mod auth;
+mod cores;
+mod dataplane;
+mod frame;
+mod json;
+mod message;
+mod registered;
+
+pub use auth::auth;
+pub use cores::cores;
+pub use dataplane::dataplane;
+pub use frame::side_channel_frame;
+pub use json::{transfer_config_json, transfer_params_json};
+pub use message::side_channel_message;
+pub use registered::registered_memory;
+
+/// A fuzz target: checks one input, panics when a check fails.
+pub type Target = fn(&[u8]);
+
+/// Every target by name (the name of its binary and of its corpus folder).
+pub const TARGETS: &[(&str, Target)] = &[
+    ("side_channel_frame", side_channel_frame),
+    ("side_channel_message", side_channel_message),
+    ("auth", auth),
+    ("transfer_config_json", transfer_config_json),
+    ("transfer_params_json", transfer_params_json),
+    ("registered_memory", registered_memory),
+    ("dataplane", dataplane),
+    ("cores", cores),
+];
