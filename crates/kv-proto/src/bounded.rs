@@ -46,13 +46,42 @@ pub(crate) fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>, const MAX: usi
     d.deserialize_seq(BoundedVec::<T, MAX>(PhantomData))
 }
 
-/// Deserializes a `String` of at most [`MAX_TEXT_LEN`] bytes (`deserialize_with`).
-pub(crate) fn text<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    let s = String::deserialize(d)?;
-    if s.len() > MAX_TEXT_LEN {
-        return Err(de::Error::invalid_length(s.len(), &"at most 1024 bytes of text"));
+struct BoundedText;
+
+impl BoundedText {
+    fn check<E: de::Error>(s: &str) -> Result<(), E> {
+        if s.len() > MAX_TEXT_LEN {
+            return Err(E::invalid_length(s.len(), &BoundedText));
+        }
+        Ok(())
     }
-    Ok(s)
+}
+
+impl Visitor<'_> for BoundedText {
+    type Value = String;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "at most {MAX_TEXT_LEN} bytes of text")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<String, E> {
+        Self::check(s)?;
+        Ok(s.to_owned())
+    }
+
+    fn visit_string<E: de::Error>(self, s: String) -> Result<String, E> {
+        Self::check(&s)?;
+        Ok(s)
+    }
+}
+
+/// Deserializes a `String` of at most [`MAX_TEXT_LEN`] bytes
+/// (`deserialize_with`). It asks for a borrowed `str`, so a decoder reading
+/// from a slice (the side channel's, see `codec.rs`) checks the claimed
+/// length against the bytes actually there before anything is allocated,
+/// and this checks the bound before the text is copied.
+pub(crate) fn text<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    d.deserialize_str(BoundedText)
 }
 
 /// `text` cut to at most [`MAX_TEXT_LEN`] bytes on a character boundary (what

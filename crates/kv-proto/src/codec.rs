@@ -2,8 +2,7 @@
 //! through serde). Swap this module to change the encoding; nothing else in
 //! the workspace names bincode.
 
-use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Hard bound on what one decode may read, whatever the configured frame
 /// limit: a claimed length beyond it is refused before allocating.
@@ -33,9 +32,14 @@ pub(crate) fn encode_into<T: Serialize>(value: &T, out: &mut Vec<u8>) -> Result<
 }
 
 /// Decodes exactly one value from `bytes`; trailing bytes are an error.
-pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+///
+/// Decoding borrows from `bytes`: a claimed string length is checked against
+/// the bytes present before anything is allocated for it (the owned decoder
+/// allocates what the length prefix claims, up to [`MAX_DECODE_BYTES`],
+/// before it finds the bytes missing).
+pub(crate) fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
     let (value, used) =
-        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| CodecError::Decode(e.to_string()))?;
+        bincode::serde::borrow_decode_from_slice(bytes, config()).map_err(|e| CodecError::Decode(e.to_string()))?;
     match bytes.len() - used.min(bytes.len()) {
         0 => Ok(value),
         extra => Err(CodecError::TrailingBytes(extra)),

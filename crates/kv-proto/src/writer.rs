@@ -72,7 +72,9 @@ impl FromStr for Protocol {
 pub struct Endpoint {
     /// The transport that serves this endpoint.
     pub protocol: Protocol,
-    /// `host:port` of the data-plane listener.
+    /// `host:port` of the data-plane listener (at most
+    /// [`crate::MAX_TEXT_LEN`] bytes).
+    #[serde(deserialize_with = "crate::bounded::text")]
     pub address: String,
     /// Transport-specific data, at most [`MAX_ENDPOINT_DETAILS_LEN`] bytes.
     pub details: Vec<u8>,

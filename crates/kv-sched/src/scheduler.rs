@@ -92,6 +92,11 @@ impl ConnectorScheduler {
             "get_num_new_matched_tokens"
         );
         if let Some(params) = req.kv_transfer_params.as_ref().filter(|p| p.do_remote_prefill) {
+            if self.role == KvRole::Producer {
+                // update_state_after_alloc refuses it; nothing will load.
+                debug!(request_id = %req.request_id, "do_remote_prefill on a prefill-only instance: no external tokens");
+                return (0, false);
+            }
             if params.remote().is_none() {
                 // update_state_after_alloc warns once it sees the request.
                 debug!(

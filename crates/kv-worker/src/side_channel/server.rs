@@ -24,6 +24,9 @@ use crate::sender::Claim;
 use crate::side_channel::{SideChannelCodec, SideChannelError};
 use crate::worker::Shared;
 
+/// The longest wait budget taken from a transfer request (peer input).
+const MAX_WAIT_BUDGET: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// Pause after a failed `accept` (e.g. out of file descriptors), so the loop
 /// does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -392,6 +395,8 @@ async fn serve_transfer(
     connection: &CancellationToken,
 ) -> XferReply {
     let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
+    // Peer input: any duration decodes; one past a day means "no budget" here.
+    let wait_budget = wait_budget.min(MAX_WAIT_BUDGET);
     let budget_end = received_at + wait_budget;
     let ready_wait_end = budget_end.min(received_at + shared.config.abort_request_timeout);
     let mut outcomes: Vec<Option<Outcome>> = vec![None; requests.len()];
