@@ -174,15 +174,27 @@ enum Event {
     Complete {
         req: u8,
     },
+    /// Sender: the pull that waited for the request gave up (its side
+    /// channel closed, or its wait budget passed).
+    Abandon {
+        req: u8,
+    },
     SenderTimeout,
     SenderPoll,
     /// Receiver: pulls not from this scheduler (`d*`).
     Start {
         reqs: Vec<(u8, Host, Port, Vec<BlockId>)>,
     },
+    /// Receiver: the pull's grant was issued; if the core says the pull may
+    /// not go ahead, the driver fails it (and fences it later).
     Granted {
         xfer: Xfer,
         grant: u8,
+    },
+    /// Receiver: the engine gave up on these pulls (`d*`; the scheduler's
+    /// own cancellations come with its metadata).
+    Cancel {
+        reqs: Vec<u8>,
     },
     /// Receiver: P's reply; outcomes name the batch's `n`th request or
     /// another id, done or failed.
@@ -197,7 +209,12 @@ enum Event {
     Fenced {
         xfer: Xfer,
     },
-    ReceiverPoll,
+    /// Receiver: the engine collects the outcomes; with `tell_scheduler` it
+    /// reports the scheduler's requests among them (`pull_finished`, which
+    /// is optional).
+    ReceiverPoll {
+        tell_scheduler: bool,
+    },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -218,10 +235,14 @@ struct Sched {
     s: ConnectorScheduler,
     reqs: Vec<EngineRequest>,
     finished: Vec<bool>,
-    /// Model: pending pulls and send updates of this step, live send entries.
+    /// Model: pending pulls, send updates and cancellations of this step,
+    /// live send entries, and pulls into blocks that went to the worker and
+    /// were neither reported (`pull_finished`) nor ended by a finish.
     recv: BTreeMap<ReqId, RecvReqMeta>,
     send: BTreeMap<ReqId, SendUpdate>,
+    cancel: BTreeSet<ReqId>,
     live: BTreeSet<ReqId>,
+    live_pulls: BTreeSet<ReqId>,
     /// Counted as external since the last build: their pull must go out.
     awaited: BTreeSet<ReqId>,
     /// Every request a pull ever went out for.
@@ -252,7 +273,9 @@ impl Sched {
             finished: vec![false; POOL],
             recv: BTreeMap::new(),
             send: BTreeMap::new(),
+            cancel: BTreeSet::new(),
             live: BTreeSet::new(),
+            live_pulls: BTreeSet::new(),
             awaited: BTreeSet::new(),
             pulled: BTreeSet::new(),
         }
@@ -306,9 +329,14 @@ impl Sched {
         let id = before.request_id.clone();
         let (external, load_async) = self.s.get_num_new_matched_tokens(&self.reqs[i], num_computed);
         assert_eq!(load_async, external > 0, "load_async must say whether tokens are external");
+        // A pull counts its uncomputed prompt tokens, except where none can
+        // be made: no side channel named, or a prefill-only instance (which
+        // refuses the pull below).
         let pull_params = before.kv_transfer_params.as_ref().filter(|p| p.do_remote_prefill);
         let expected = match pull_params {
-            Some(p) if p.remote().is_some() => before.prompt_len.saturating_sub(num_computed),
+            Some(p) if p.remote().is_some() && self.role != KvRole::Producer => {
+                before.prompt_len.saturating_sub(num_computed)
+            }
             _ => 0,
         };
         assert_eq!(external, expected, "{id}: external tokens with params {:?}", before.kv_transfer_params);
@@ -328,9 +356,9 @@ impl Sched {
             (params.do_remote_decode && self.role == KvRole::Consumer).then_some(false)
         };
         if self.check_refusal(&result, refusal, &before, &after) {
-            // The engine learns the request cannot run here: it is not
-            // awaited (it was counted external only on a producer, which
-            // refuses every pull).
+            // The engine learns the request cannot run here: nothing may be
+            // awaited for it.
+            assert_eq!(external, 0, "{id}: external tokens counted for a refused request");
             return;
         }
         if params.do_remote_prefill {
@@ -363,6 +391,16 @@ impl Sched {
         let id = before.request_id.clone();
         let result = self.s.request_finished(&mut self.reqs[i], blocks);
         let after = self.reqs[i].clone();
+        // Decode side, first, whatever else the call decides (also when it
+        // refuses the rest): the engine frees the request's blocks, so a
+        // pull not built yet goes out with no block (P still frees), and a
+        // pull with the worker and not reported is cancelled.
+        if let Some(pending) = self.recv.get_mut(&id) {
+            pending.local_block_ids.clear();
+        }
+        if self.live_pulls.remove(&id) {
+            self.cancel.insert(id.clone());
+        }
         let Some(params) = before.kv_transfer_params.clone() else {
             self.forget_if_live(&id);
             assert_eq!(result, Ok((false, None)));
@@ -408,11 +446,25 @@ impl Sched {
         let meta = self.s.build_connector_meta();
         let recv = std::mem::take(&mut self.recv);
         let send = std::mem::take(&mut self.send);
+        let cancel = std::mem::take(&mut self.cancel);
+        if self.role.receives() {
+            // Only a pull into blocks can write anything: only those are
+            // cancelled if their request finishes first.
+            self.live_pulls
+                .extend(recv.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(id, _)| id.clone()));
+        }
         let expected = ConnectorMetadata {
             reqs_to_recv: if self.role.receives() { recv } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { send } else { BTreeMap::new() },
+            reqs_to_cancel: if self.role.receives() { cancel } else { BTreeSet::new() },
         };
         assert_eq!(meta, expected, "the step's metadata differs from the model's");
+        for id in &meta.reqs_to_cancel {
+            assert!(self.pulled.contains(id), "{id} cancelled but its pull never went out");
+            assert!(!meta.reqs_to_recv.contains_key(id), "{id} pulled and cancelled in one step");
+            let index = self.reqs.iter().position(|r| r.request_id == *id);
+            assert!(index.is_some_and(|i| self.finished[i]), "{id} cancelled before it finished");
+        }
         for id in std::mem::take(&mut self.awaited) {
             assert!(meta.reqs_to_recv.contains_key(&id), "{id} was counted as external but no pull went out");
         }
@@ -420,7 +472,15 @@ impl Sched {
             assert!(self.pulled.insert(id.clone()), "a second pull went out for {id}");
         }
         assert_eq!(self.s.live_send_entries(), self.live.len());
+        assert_eq!(self.s.live_pulls(), self.live_pulls.len());
         meta
+    }
+
+    /// The engine saw `id`'s pull reported (received or failed).
+    fn pull_finished(&mut self, id: &ReqId) {
+        self.s.pull_finished(id);
+        self.live_pulls.remove(id);
+        assert_eq!(self.s.live_pulls(), self.live_pulls.len());
     }
 }
 
@@ -429,8 +489,14 @@ impl Sched {
 #[derive(Debug, Clone, PartialEq)]
 enum Entry {
     Expected,
-    Ready { blocks: Vec<BlockId>, lease_end: Instant },
+    Ready {
+        blocks: Vec<BlockId>,
+        lease_end: Instant,
+    },
     InFlight,
+    /// Not ready, and the pull that waited for it gave up: freed the moment
+    /// it is ready, without a lease.
+    Abandoned,
 }
 
 /// The sender under test and its model.
@@ -477,26 +543,35 @@ impl Sender {
             SendUpdate::Expect => {
                 self.entries.entry(id.clone()).or_insert(Entry::Expected);
             }
-            SendUpdate::Ready { block_ids } => {
-                if self.entries.get(id) != Some(&Entry::InFlight) {
+            SendUpdate::Ready { block_ids } => match self.entries.get(id) {
+                Some(Entry::InFlight) => {}
+                Some(Entry::Abandoned) => {
+                    // Handed over and freed at once: no one will pull it.
+                    *self.held.entry(id.clone()).or_default() += 1;
+                    self.entries.remove(id);
+                    self.finished.insert(id.clone());
+                }
+                entry => {
                     // A second Ready replaces the first: one hold per request.
-                    if !matches!(self.entries.get(id), Some(Entry::Ready { .. })) {
+                    if !matches!(entry, Some(Entry::Ready { .. })) {
                         *self.held.entry(id.clone()).or_default() += 1;
                     }
                     self.entries
                         .insert(id.clone(), Entry::Ready { blocks: block_ids.clone(), lease_end: now + self.lease });
                 }
-            }
-            SendUpdate::Forget => {
-                if matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. })) {
-                    if matches!(self.entries.get(id), Some(Entry::Ready { .. })) {
-                        // The engine frees the blocks itself (it is told
-                        // nothing): the hold ends without a report.
-                        *self.held.entry(id.clone()).or_default() -= 1;
-                    }
+            },
+            SendUpdate::Forget => match self.entries.get(id) {
+                None | Some(Entry::InFlight) => {}
+                Some(Entry::Ready { .. }) => {
+                    // The engine frees the blocks itself (it is told
+                    // nothing): the hold ends without a report.
+                    *self.held.entry(id.clone()).or_default() -= 1;
                     self.entries.remove(id);
                 }
-            }
+                Some(Entry::Expected | Entry::Abandoned) => {
+                    self.entries.remove(id);
+                }
+            },
         }
         self.check();
     }
@@ -511,6 +586,11 @@ impl Sender {
         let expected = match self.entries.get(id).cloned() {
             None => Claim::Unknown,
             Some(Entry::Expected) => Claim::NotReady,
+            Some(Entry::Abandoned) => {
+                // A new pull waits for it again.
+                self.entries.insert(id.clone(), Entry::Expected);
+                Claim::NotReady
+            }
             Some(Entry::InFlight) => Claim::InFlight,
             Some(Entry::Ready { lease_end, .. }) if lease_end <= now => {
                 self.expire(id);
@@ -522,6 +602,16 @@ impl Sender {
             }
         };
         assert_eq!(got, expected, "claim of {id}");
+        self.check();
+    }
+
+    fn abandon(&mut self, id: &ReqId) {
+        self.core.abandon(id);
+        // Only a request not ready yet: a ready or in-flight one is left to
+        // its lease or its transfer.
+        if self.entries.get(id) == Some(&Entry::Expected) {
+            self.entries.insert(id.clone(), Entry::Abandoned);
+        }
         self.check();
     }
 
@@ -577,9 +667,6 @@ impl Sender {
             })
             .min();
         assert_eq!(self.core.next_deadline(), deadline);
-        for id in self.entries.keys() {
-            assert_eq!(self.core.is_ready_or_gone(id), self.entries.get(id) != Some(&Entry::Expected));
-        }
     }
 }
 
@@ -593,10 +680,15 @@ enum Decided {
 
 #[derive(Debug)]
 struct Pull {
+    /// The requests still pulled (cancelled ones leave).
     reqs: Vec<(ReqId, Vec<BlockId>)>,
+    /// Every request the transfer request names (P answers for these).
+    named: Vec<ReqId>,
     deadline: Instant,
     grant: Option<GrantId>,
     decided: Option<Decided>,
+    /// A request of it was cancelled: its grant covers freed blocks.
+    lost: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -617,9 +709,11 @@ struct Receiver {
     pulls: HashMap<u64, Pull>,
     state: HashMap<ReqId, ReqState>,
     done: RecvFinished,
-    /// Per request: pulls started for it, and outcomes reported.
+    /// Per request: pulls started for it, outcomes reported, and pulls
+    /// cancelled (never reported).
     started: HashMap<ReqId, usize>,
     reported: HashMap<ReqId, usize>,
+    cancelled: HashMap<ReqId, usize>,
 }
 
 impl Receiver {
@@ -635,6 +729,7 @@ impl Receiver {
             done: RecvFinished::default(),
             started: HashMap::new(),
             reported: HashMap::new(),
+            cancelled: HashMap::new(),
         }
     }
 
@@ -646,19 +741,12 @@ impl Receiver {
         }
     }
 
-    /// Whether the engine may ask for `id` now: not while its last outcome
-    /// is decided but unreported (the engine pulls a request once; the
-    /// core's answer to a repeat while in flight is checked).
-    fn may_start(&self, id: &ReqId) -> bool {
-        self.state.get(id) != Some(&ReqState::Reportable)
-    }
-
     fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) {
         let got = self.core.start(reqs, now);
         let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
         for (id, meta) in reqs {
-            if self.state.get(id) == Some(&ReqState::InFlight) {
-                continue; // pulled twice while in flight: ignored
+            if self.state.contains_key(id) {
+                continue; // pulled again before its first was reported: ignored
             }
             *self.started.entry(id.clone()).or_default() += 1;
             match meta.remote_port.checked_add(self.tp_rank) {
@@ -683,16 +771,65 @@ impl Receiver {
             let requests =
                 reqs.iter().map(|(r, b)| RequestBlocks { req_id: r.clone(), block_ids: b.clone() }).collect();
             expected.push(PullBatch { xfer_id, peer, requests, deadline });
-            self.pulls.insert(xfer_id, Pull { reqs, deadline, grant: None, decided: None });
+            let named = reqs.iter().map(|(r, _)| r.clone()).collect();
+            self.pulls.insert(xfer_id, Pull { reqs, named, deadline, grant: None, decided: None, lost: false });
         }
         assert_eq!(got, expected, "the pulls started");
         self.check();
     }
 
     fn granted(&mut self, xfer_id: u64, grant: GrantId) {
-        self.core.handle_granted(xfer_id, grant);
-        if let Some(p) = self.pulls.get_mut(&xfer_id) {
-            p.grant = Some(grant);
+        let go = self.core.handle_granted(xfer_id, grant);
+        let expected = match self.pulls.get_mut(&xfer_id) {
+            Some(p) => {
+                p.grant = Some(grant);
+                p.decided.is_none() && !p.lost
+            }
+            None => false,
+        };
+        assert_eq!(go, expected, "whether pull {xfer_id} may go ahead");
+        self.check();
+        if !go {
+            // The driver fails the pull (it is fenced later, like any other).
+            self.batch_failed(xfer_id);
+        }
+    }
+
+    /// The engine gave up on `reqs`: they are never reported, and every
+    /// grant that covers their blocks is revoked before this returns (or
+    /// is refused when it comes).
+    fn cancel(&mut self, reqs: &[ReqId]) {
+        let got = self.core.cancel(reqs);
+        let mut expected = Vec::new();
+        let mut hit = BTreeSet::new();
+        for id in reqs {
+            // Only a pull in flight: one already ended and fenced is reported
+            // (the engine drops that report itself).
+            if self.state.get(id) != Some(&ReqState::InFlight) {
+                continue;
+            }
+            self.state.remove(id);
+            *self.cancelled.entry(id.clone()).or_default() += 1;
+            for (xfer_id, p) in &mut self.pulls {
+                let before = p.reqs.len();
+                p.reqs.retain(|(r, _)| r != id);
+                if p.reqs.len() < before {
+                    hit.insert(*xfer_id);
+                    p.lost = true;
+                    if let Some(grant) = p.grant.filter(|g| !expected.contains(g)) {
+                        expected.push(grant);
+                    }
+                }
+            }
+        }
+        assert_eq!(got, expected, "the grants to revoke for cancelling {reqs:?}");
+        // A grant over the blocks just cancelled is revoked now if it is
+        // issued already; one issued later never goes out to P (the core
+        // says no when it comes).
+        for xfer_id in hit {
+            if let Some(p) = self.pulls.get(&xfer_id).filter(|p| p.grant.is_some()) {
+                assert!(p.grant.is_some_and(|g| got.contains(&g)), "pull {xfer_id}: its grant is not revoked");
+            }
         }
         self.check();
     }
@@ -754,7 +891,7 @@ impl Receiver {
         self.check();
     }
 
-    fn poll(&mut self) {
+    fn poll(&mut self) -> RecvFinished {
         let got = self.core.poll_finished();
         let expected = std::mem::take(&mut self.done);
         assert_eq!(got, expected, "the outcomes reported");
@@ -766,10 +903,15 @@ impl Receiver {
             assert_eq!(self.state.remove(id), Some(ReqState::Reportable), "{id} reported before its pull ended");
             let reported = self.reported.entry(id.clone()).or_default();
             *reported += 1;
-            assert!(*reported <= self.started.get(id).copied().unwrap_or(0), "{id} reported more often than pulled");
+            let ended = *reported + self.cancelled.get(id).copied().unwrap_or(0);
+            assert!(
+                ended <= self.started.get(id).copied().unwrap_or(0),
+                "{id} reported or cancelled more often than pulled"
+            );
         }
         let again = self.core.poll_finished();
         assert!(again.received.is_empty() && again.failed.is_empty(), "outcomes reported twice");
+        got
     }
 
     fn check(&self) {
@@ -795,17 +937,23 @@ impl Receiver {
 /// outcomes reported, counters and deadlines). The invariants behind them,
 /// checked on their own as well:
 /// - scheduler: a request counted as external has its pull in the next
-///   step's metadata; at most one pull per request; refused calls change
-///   nothing; no send entry is left once every request has finished;
+///   step's metadata (and a refused one counts none); at most one pull per
+///   request; a cancellation names only a finished request whose pull went
+///   out earlier; refused calls leave the request unchanged; no send entry
+///   and no tracked pull is left once every request has finished;
 /// - sender: for a request updated as a scheduler does (announced, then
 ///   ended once), it is reported finished sending (its blocks freed) only
 ///   when P no longer holds an entry for it, never while a transfer is
-///   writing it, and exactly once per time its blocks were handed over;
+///   writing it, and exactly once per time its blocks were handed over
+///   (at once, without a lease, when its puller gave up);
 /// - receiver: nothing is reported before its pull was fenced (except a
 ///   pull that could not be made at all), a request is never both received
 ///   and failed, received only when P's reply said done, failed requests
-///   carry exactly their blocks, and, once every pull has ended and been
-///   fenced, every request pulled was reported exactly once.
+///   carry exactly their blocks, a cancelled request is never reported and
+///   the grant over its blocks is revoked before the cancellation returns
+///   (or, issued later, never goes out), and, once every pull has ended
+///   and been fenced, every request pulled was reported or cancelled
+///   exactly once.
 pub fn cores(data: &[u8]) {
     let Ok(input) = CoresInput::arbitrary_take_rest(Unstructured::new(data)) else { return };
     let role = match input.role {
@@ -820,9 +968,22 @@ pub fn cores(data: &[u8]) {
     let mut sender = Sender::new(lease);
     let mut receiver = Receiver::new(input.tp_rank, timeout);
 
+    // As the worker applies a step: send updates, then cancellations, then
+    // new pulls.
     let feed = |meta: ConnectorMetadata, now: Instant, sender: &mut Sender, receiver: &mut Receiver| {
         for (id, update) in &meta.reqs_to_send {
             sender.update(id, update, now);
+        }
+        if !meta.reqs_to_cancel.is_empty() {
+            let cancel: Vec<ReqId> = meta.reqs_to_cancel.iter().cloned().collect();
+            receiver.cancel(&cancel);
+            for id in &cancel {
+                assert_ne!(
+                    receiver.state.get(id),
+                    Some(&ReqState::InFlight),
+                    "{id} still pulled after its cancellation"
+                );
+            }
         }
         if !meta.reqs_to_recv.is_empty() {
             receiver.start(&meta.reqs_to_recv, now);
@@ -858,6 +1019,7 @@ pub fn cores(data: &[u8]) {
             }
             Event::Claim { req } => sender.claim(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req), now),
             Event::Complete { req } => sender.complete(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
+            Event::Abandon { req } => sender.abandon(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
             Event::SenderTimeout => sender.timeout(now),
             Event::SenderPoll => sender.poll(),
             Event::Start { reqs } => {
@@ -871,7 +1033,6 @@ pub fn cores(data: &[u8]) {
                         };
                         (pool_id('d', *i), meta)
                     })
-                    .filter(|(id, _)| receiver.may_start(id))
                     .collect();
                 receiver.start(&reqs, now);
             }
@@ -879,13 +1040,15 @@ pub fn cores(data: &[u8]) {
                 let id = receiver.xfer(*xfer);
                 receiver.granted(id, GrantId::from_bytes([*grant; 16]));
             }
+            Event::Cancel { reqs } => {
+                let reqs: Vec<ReqId> = reqs.iter().map(|i| pool_id('d', *i)).collect();
+                receiver.cancel(&reqs);
+            }
             Event::Reply { xfer, outcomes } => {
                 let xfer_id = receiver.xfer(*xfer);
-                let batch: Vec<ReqId> = receiver
-                    .pulls
-                    .get(&xfer_id)
-                    .map(|p| p.reqs.iter().map(|(id, _)| id.clone()).collect())
-                    .unwrap_or_default();
+                // P answers for every request it was asked for, cancelled
+                // ones included (it knows nothing of the cancellation).
+                let batch: Vec<ReqId> = receiver.pulls.get(&xfer_id).map(|p| p.named.clone()).unwrap_or_default();
                 let outcomes = outcomes
                     .iter()
                     .map(|&(n, stray, done)| RequestOutcome {
@@ -908,7 +1071,16 @@ pub fn cores(data: &[u8]) {
                 let id = receiver.xfer(*xfer);
                 receiver.fenced(id);
             }
-            Event::ReceiverPoll => receiver.poll(),
+            Event::ReceiverPoll { tell_scheduler } => {
+                let done = receiver.poll();
+                if *tell_scheduler {
+                    for id in done.received.iter().chain(done.failed.keys()) {
+                        if id.as_str().starts_with('s') {
+                            sched.pull_finished(id);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -920,6 +1092,7 @@ pub fn cores(data: &[u8]) {
     let meta = sched.build();
     feed(meta, now, &mut sender, &mut receiver);
     assert_eq!(sched.s.live_send_entries(), 0, "send entries left after every request finished");
+    assert_eq!(sched.s.live_pulls(), 0, "pulls tracked after every request finished");
     assert!(sched.s.build_connector_meta().is_empty());
 
     now += timeout + lease;
@@ -933,7 +1106,12 @@ pub fn cores(data: &[u8]) {
     assert_eq!(receiver.core.next_deadline(), None);
     for (id, started) in &receiver.started {
         let reported = receiver.reported.get(id).copied().unwrap_or(0);
-        assert_eq!(reported, *started, "{id}: pulled {started} times, reported {reported} times");
+        let cancelled = receiver.cancelled.get(id).copied().unwrap_or(0);
+        assert_eq!(
+            reported + cancelled,
+            *started,
+            "{id}: pulled {started} times, reported {reported} times, cancelled {cancelled} times"
+        );
     }
 
     let in_flight: Vec<ReqId> =
@@ -943,7 +1121,10 @@ pub fn cores(data: &[u8]) {
     }
     sender.timeout(now);
     sender.poll();
-    assert!(sender.entries.values().all(|e| *e == Entry::Expected), "only entries the scheduler owns remain");
+    assert!(
+        sender.entries.values().all(|e| matches!(e, Entry::Expected | Entry::Abandoned)),
+        "only entries the scheduler owns remain"
+    );
     for (id, held) in sender.held.iter().filter(|(id, _)| !sender.irregular.contains(*id)) {
         let freed = sender.freed.get(id).copied().unwrap_or(0);
         assert_eq!(freed, *held, "{id}: blocks held {held} times, freed {freed} times");

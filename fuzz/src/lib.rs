@@ -17,7 +17,7 @@
 //! | [`transfer_params_json`] | `KvTransferParams::from_json` | accepted params hold what the JSON says and round-trip through `to_json` |
 //! | [`registered_memory`] | `RegisteredMemory` operation sequences | agrees with a model; admitted ops lie in the grant and in destination memory, never in source-only memory; dead grants refuse |
 //! | [`dataplane`] | op entries, `Cursor`, verdicts, bounded texts | round trips; the cursor walks exactly the segments' bytes; reasons bounded on a character boundary |
-//! | [`cores`] | `ConnectorScheduler`, `SenderCore`, `ReceiverCore` event sequences | each agrees with a model; every pull reported exactly once and only once fenced; blocks freed once per hold; no external count without a pull |
+//! | [`cores`] | `ConnectorScheduler`, `SenderCore`, `ReceiverCore` event sequences | each agrees with a model; every pull reported (or cancelled) exactly once and only once fenced; a cancelled pull never reported, its grant revoked or refused; blocks freed once per hold; no external count without a pull |
 
 mod alloc_meter;
 mod arb;
