@@ -19,9 +19,9 @@ fn field<'a>(obj: Option<&'a serde_json::Map<String, Value>>, name: &str) -> Opt
 /// Input: UTF-8 text of three parts split at the first two newlines: the
 /// bootstrap-port variable, the abort-timeout variable (`-` for unset) and
 /// the JSON. Checks: no panic, errors display; an accepted config holds
-/// exactly what the JSON and the environment say (role, engine id, protocol,
-/// workers in 1..=4096, non-zero port, positive finite timeout, defaults for
-/// what is absent); it re-serializes (to the JSON vLLM would pass) and parses
+/// exactly what the JSON and the environment say (role, engine id, protocol
+/// or none when unset, workers in 1..=4096, non-zero port, positive finite
+/// timeout, defaults for what is absent); it re-serializes (to the JSON vLLM would pass) and parses
 /// back to the same config; parsing is deterministic.
 pub fn transfer_config_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
@@ -52,9 +52,11 @@ pub fn transfer_config_json(data: &[u8]) {
     assert_eq!(field(top, "kv_role").and_then(Value::as_str), Some(config.kv_role.as_str()));
     assert_eq!(field(top, "engine_id").and_then(Value::as_str), Some(config.engine_id.as_str()));
     assert!(!config.engine_id.as_str().is_empty(), "accepted an empty engine id");
+    // Unset (absent or null) stays unset: the worker, not the parser, picks
+    // this build's default.
     match field(extra, "mooncake_protocol") {
-        None => assert_eq!(config.protocol, Protocol::Tcp),
-        Some(p) => assert_eq!(p.as_str(), Some(config.protocol.as_str())),
+        None => assert_eq!(config.protocol, None),
+        Some(p) => assert_eq!(p.as_str(), config.protocol.map(Protocol::as_str)),
     }
     match field(extra, "num_workers") {
         None => assert_eq!(config.num_workers, DEFAULT_NUM_WORKERS),
@@ -71,15 +73,18 @@ pub fn transfer_config_json(data: &[u8]) {
         Some(_) => assert!(config.abort_request_timeout > Duration::ZERO, "accepted a zero abort timeout"),
     }
 
-    // What vLLM would pass for this config, with the same environment.
+    // What vLLM would pass for this config, with the same environment (an
+    // unset protocol left out).
+    let mut extra_again = serde_json::Map::new();
+    extra_again.insert("num_workers".to_owned(), Value::from(config.num_workers));
+    if let Some(protocol) = config.protocol {
+        extra_again.insert("mooncake_protocol".to_owned(), Value::from(protocol.as_str()));
+    }
     let again = serde_json::json!({
         "kv_connector": "MooncakeConnector",
         "kv_role": config.kv_role.as_str(),
         "engine_id": config.engine_id.as_str(),
-        "kv_connector_extra_config": {
-            "mooncake_protocol": config.protocol.as_str(),
-            "num_workers": config.num_workers,
-        },
+        "kv_connector_extra_config": extra_again,
     });
     match KvTransferConfig::from_json(&again.to_string(), env) {
         Ok(back) => assert_eq!(back, config, "a re-serialized config parses differently"),

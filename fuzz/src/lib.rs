@@ -13,7 +13,7 @@
 //! | [`side_channel_frame`] | `FrameCodec::decode` (split at chosen points), `decode_eof`, `decode_exact` | same result however the stream is split; heap bounded by the frame limit and the input; whatever decodes re-encodes no longer and decodes to the same message |
 //! | [`side_channel_message`] | built `SideMessage`s | encode/decode round trip; out-of-bound fields refused; `reply_bound` covers the worst reply |
 //! | [`auth`] | proofs over built transcripts and secrets | a proof verifies only for its own secret (up to HMAC key equivalence), role and transcript |
-//! | [`transfer_config_json`] | `KvTransferConfig::from_json` | accepted configs hold what the JSON says and re-serialize to the same config |
+//! | [`transfer_config_json`] | `KvTransferConfig::from_json` | accepted configs hold what the JSON says (no protocol when unset) and re-serialize to the same config |
 //! | [`transfer_params_json`] | `KvTransferParams::from_json` | accepted params hold what the JSON says and round-trip through `to_json` |
 //! | [`registered_memory`] | `RegisteredMemory` operation sequences | agrees with a model; admitted ops lie in the grant and in destination memory, never in source-only memory; dead grants refuse |
 //! | [`dataplane`] | op entries, `Cursor`, verdicts, bounded texts | round trips; the cursor walks exactly the segments' bytes; reasons bounded on a character boundary |
