@@ -81,7 +81,7 @@ fn outcome(u: &mut Unstructured<'_>) -> Result<Outcome> {
 }
 
 fn endpoint(u: &mut Unstructured<'_>) -> Result<Endpoint> {
-    Ok(Endpoint { protocol: protocol(u)?, address: u.arbitrary()?, details: u.arbitrary()? })
+    Ok(Endpoint { protocol: protocol(u)?, address: text(u)?, details: u.arbitrary()? })
 }
 
 fn grant(u: &mut Unstructured<'_>) -> Result<Grant> {
@@ -146,7 +146,8 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
             text(reason)
         }
         SideMessage::XferRequest(r) => {
-            r.region_base_addrs.len() <= MAX_REGIONS
+            text(&r.endpoint.address)
+                && r.region_base_addrs.len() <= MAX_REGIONS
                 && r.requests.len() <= MAX_REQUESTS_PER_TRANSFER
                 && r.requests.iter().all(|b| text(b.req_id.as_str()) && b.block_ids.len() <= MAX_BLOCKS_PER_REQUEST)
         }
