@@ -1,36 +1,22 @@
 //! `side_channel_frame`: arbitrary bytes as a side-channel stream.
 
 use bytes::BytesMut;
-use kv_proto::{
-    CodecError, FrameCodec, FrameError, SideMessage, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, MAX_DECODE_BYTES,
-};
+use kv_proto::{FrameCodec, FrameError, SideMessage, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN};
 
 use crate::alloc_meter;
 
 /// Heap one decode may take beyond the frame buffer and the decoded
 /// messages: the largest preallocation a lying element count can cause
 /// before the decode fails (bounded vectors preallocate at most 4,096
-/// elements, serde's own at most 1 MiB).
+/// elements, serde's own at most 1 MiB). A lying string length takes
+/// nothing: strings are borrowed from the frame, and copied only once their
+/// bytes are there and within their bound.
 const DECODE_SLACK: usize = 2 << 20;
 
 /// Heap bytes per input byte the decoded messages may take (the densest
 /// encoding is two bytes for a 48-byte `RequestBlocks`, and vectors grow by
 /// doubling).
 const BYTES_PER_INPUT_BYTE: usize = 64;
-
-/// What a refused body may have allocated because of a known bug, not yet
-/// fixed (`artifacts-found/side_channel_frame/README.md`): the body codec
-/// allocates a string's claimed length (up to `MAX_DECODE_BYTES`) before it
-/// finds the bytes missing, so a 50-byte frame takes 240 MiB of heap for a
-/// moment. The allowance is exactly the length the failed read claimed; it
-/// goes once strings are bounded by the bytes present (then decodes fail
-/// without the allocation and this allows nothing extra in practice).
-fn known_preallocation(end: &End) -> usize {
-    let End::Refused(FrameError::Codec(CodecError::Decode(message))) = end else { return 0 };
-    let Some(rest) = message.strip_prefix("UnexpectedEnd { additional: ") else { return 0 };
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse::<usize>().map_or(0, |n| n.min(MAX_DECODE_BYTES))
-}
 
 /// How a stream ended.
 #[derive(Debug, PartialEq)]
@@ -129,8 +115,9 @@ fn codec_for(choice: u8) -> FrameCodec {
 ///   messages and ends the same way; `decode` consumes nothing when it needs
 ///   more bytes; `decode_eof` reports exactly the leftover bytes;
 /// - decoding the whole stream holds at most two frame buffers plus
-///   [`BYTES_PER_INPUT_BYTE`] per input byte plus [`DECODE_SLACK`] of heap
-///   (plus, until a known bug is fixed, what [`known_preallocation`] allows);
+///   [`BYTES_PER_INPUT_BYTE`] per input byte plus [`DECODE_SLACK`] of heap,
+///   whatever lengths the frame claims (a string's claimed length allocates
+///   nothing before its bytes are there);
 /// - `decode_exact` accepts the stream exactly when it is one whole frame,
 ///   and then yields that frame's message;
 /// - every decoded message re-encodes with the same limit into a frame no
@@ -144,10 +131,7 @@ pub fn side_channel_frame(data: &[u8]) {
     let codec = codec_for(choice);
 
     let ((whole, whole_end), heap) = alloc_meter::measure(|| decode_stream(&codec, [stream]));
-    let bound = 2 * (FRAME_HEADER_LEN + codec.max_frame_len())
-        + BYTES_PER_INPUT_BYTE * stream.len()
-        + DECODE_SLACK
-        + known_preallocation(&whole_end);
+    let bound = 2 * (FRAME_HEADER_LEN + codec.max_frame_len()) + BYTES_PER_INPUT_BYTE * stream.len() + DECODE_SLACK;
     assert!(heap <= bound, "decoding {} bytes took {heap} bytes of heap (bound {bound})", stream.len());
 
     let cuts = split_points(seed, stream.len());

@@ -10,7 +10,7 @@
 //!
 //! | target | what it drives | what it checks |
 //! | --- | --- | --- |
-//! | [`side_channel_frame`] | `FrameCodec::decode` (split at chosen points), `decode_eof`, `decode_exact` | same result however the stream is split; heap bounded by the frame limit and the input; whatever decodes re-encodes no longer and decodes to the same message |
+//! | [`side_channel_frame`] | `FrameCodec::decode` (split at chosen points), `decode_eof`, `decode_exact` | same result however the stream is split; heap bounded by the frame limit and the input, whatever lengths the frame claims; whatever decodes re-encodes no longer and decodes to the same message |
 //! | [`side_channel_message`] | built `SideMessage`s | encode/decode round trip; out-of-bound fields refused; `reply_bound` covers the worst reply |
 //! | [`auth`] | proofs over built transcripts and secrets | a proof verifies only for its own secret (up to HMAC key equivalence), role and transcript |
 //! | [`transfer_config_json`] | `KvTransferConfig::from_json` | accepted configs hold what the JSON says (no protocol when unset) and re-serialize to the same config |
