@@ -371,6 +371,13 @@ pub fn registered_memory(data: &[u8]) {
                 }
             }
             Op::Revoke { id } => {
+                // `revoke` fences the grant before it forgets it, and `admit`
+                // refuses a grant whose fence has started (as unknown): both
+                // matter only to a revocation racing another or an admission
+                // on another thread. Driven from one thread, as here, a
+                // revoked grant is gone when `revoke` returns: unknown to
+                // `admit`, dead to every earlier admission, and a second
+                // revocation finds nothing.
                 let was_live = model.grants.remove(&id).is_some();
                 assert_eq!(mem.revoke(&grant_id(id)), was_live, "revoke {id}");
             }
