@@ -1,8 +1,11 @@
 //! Writes the hand-made seeds of the text and frame targets into `corpus/`:
 //! real side-channel frames (each message kind, back to back, cut short,
 //! corrupted) and real `--kv-transfer-config` and `kv_transfer_params`
-//! texts. The other targets' corpora were grown by the fuzzer from these
-//! and minimised (`cargo fuzz cmin`); see `README.md`.
+//! texts. The rest of the corpora was grown by the fuzzer from these and
+//! reduced to a set cover of the edges reached; see `README.md`. The seeds
+//! match the current message layouts (protocol version 2, `idle_timeout`,
+//! `block_tokens` and `dtype_bytes`, `XferRefused`): rerun this when a
+//! layout changes, so that they still decode as intended.
 //!
 //! `cargo run --manifest-path fuzz/Cargo.toml --no-default-features --example seeds`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
