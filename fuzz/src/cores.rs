@@ -803,8 +803,15 @@ impl Receiver {
         let mut expected = Vec::new();
         let mut hit = BTreeSet::new();
         for id in reqs {
-            // Only a pull in flight: one already ended and fenced is reported
-            // (the engine drops that report itself).
+            // A pull already ended and fenced needs no revocation; if its
+            // outcome is not polled yet, it is never reported either.
+            if self.state.get(id) == Some(&ReqState::Reportable) {
+                self.state.remove(id);
+                self.done.received.remove(id);
+                self.done.failed.remove(id);
+                *self.cancelled.entry(id.clone()).or_default() += 1;
+                continue;
+            }
             if self.state.get(id) != Some(&ReqState::InFlight) {
                 continue;
             }

@@ -235,8 +235,9 @@ impl ConnectorScheduler {
     /// [`SchedError::RemotePrefillOnProducer`] when `do_remote_prefill` is
     /// still set on a [`KvRole::Producer`];
     /// [`SchedError::RemoteDecodeOnConsumer`] for a length-capped
-    /// `do_remote_decode` request on a [`KvRole::Consumer`]. Nothing is
-    /// changed on error.
+    /// `do_remote_decode` request on a [`KvRole::Consumer`]. On error
+    /// nothing is changed but the cancellation of the request's pull, if one
+    /// is out (the engine frees the request's blocks either way).
     pub fn request_finished(
         &mut self,
         req: &mut EngineRequest,

@@ -169,6 +169,10 @@ impl ReceiverCore {
         let mut grants = Vec::new();
         for req in reqs {
             if !self.in_flight.remove(req) {
+                // Ended and fenced already, maybe not polled yet: never
+                // report it now either.
+                self.done.received.remove(req);
+                self.done.failed.remove(req);
                 continue;
             }
             for batch in self.batches.values_mut() {

@@ -300,3 +300,14 @@ fn a_request_pulled_again_before_its_first_pull_was_polled_is_pulled_once() {
     assert_eq!(done.failed, BTreeMap::from([(r("a"), vec![1])]));
     assert!(done.received.is_empty(), "never both ways");
 }
+
+#[test]
+fn a_pull_cancelled_after_it_ended_but_before_it_was_polled_is_never_reported() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let pulls = core.start(&reqs(&[("a", recv("p", 1, &[1])), ("b", recv("p", 1, &[2]))]), Instant::now());
+    core.handle_reply(reply(pulls[0].xfer_id, &[("a", Outcome::Done), ("b", Outcome::Done)]));
+    core.handle_fenced(pulls[0].xfer_id);
+    assert!(core.cancel(&BTreeSet::from([r("a")])).is_empty(), "fenced already: nothing to revoke");
+    let done = core.poll_finished();
+    assert_eq!(done.received, BTreeSet::from([r("b")]), "a is never reported once cancelled");
+}
