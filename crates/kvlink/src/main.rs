@@ -146,9 +146,10 @@ struct ServeArgs {
     /// The side this host serves.
     #[arg(long, value_enum, default_value = "producer")]
     role: RoleArg,
-    /// Address the listeners bind; clients are told the address they
-    /// connected to, so the wildcard works across hosts.
-    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+    /// Address the listeners bind (default: loopback, this host only).
+    /// Between two hosts pass `0.0.0.0` (clients are told the address they
+    /// connected to, so the wildcard works) or one of this host's addresses.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     listen: IpAddr,
     /// Control port clients connect to (0: any free port).
     #[arg(long, default_value_t = DEFAULT_CONTROL_PORT)]

@@ -242,8 +242,9 @@ fn producer_in_one_namespace_decode_in_another() {
 #[test]
 fn consumer_on_a_wildcard_address_in_one_namespace_prefill_in_another() {
     let Some(ns) = Namespaces::create("c") else { return };
-    // Listening on 0.0.0.0: D advertises the address the client reached.
-    let (serve, ready, _) = serve(Some(ns.a()), &["--role", "consumer", "--sessions", "1"]);
+    // Listening on 0.0.0.0 (between hosts; the default is loopback): D
+    // advertises the address the client reached.
+    let (serve, ready, _) = serve(Some(ns.a()), &["--role", "consumer", "--listen", "0.0.0.0", "--sessions", "1"]);
     assert_eq!(ready, "listening control=0.0.0.0:18998 role=consumer");
     let target = format!("{}:18998", ns.host(1));
     let mut args = vec!["--connect", &target, "--requests", "20", "--pattern", "scattered", "--json"];
