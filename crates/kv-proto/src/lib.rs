@@ -24,6 +24,7 @@
 
 pub mod auth;
 mod bounded;
+mod budget;
 mod codec;
 mod config;
 pub mod dataplane;
@@ -40,6 +41,7 @@ mod wire;
 mod writer;
 
 pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
+pub use budget::{Charge, MemoryBudget};
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
     ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,
