@@ -463,3 +463,41 @@ impl Resources {
         }
     }
 }
+
+impl Resources {
+    /// [`Resources::back`], outside a runtime.
+    pub fn back_blocking(&self, what: &str) {
+        let deadline = std::time::Instant::now() + BOUND;
+        loop {
+            let now = Self::now();
+            if now.fds <= self.fds && now.rss <= self.rss + RSS_SLACK {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what}: {} descriptors and {} MiB resident, {} and {} MiB before",
+                now.fds,
+                now.rss >> 20,
+                self.fds,
+                self.rss >> 20
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Runs `test` on a runtime of its own while no other isolated test of this
+/// binary runs, then checks that the process has no more descriptors open
+/// and (within [`RSS_SLACK`]) no more anonymous memory than before: all the
+/// test opened, hostile peers' connections included, is closed again. In a
+/// binary that counts descriptors every test runs this way, so no other
+/// test's sockets or runtime disturb the count.
+pub fn isolated(test: impl std::future::Future<Output = ()>) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let before = Resources::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(test);
+    runtime.shutdown_timeout(BOUND);
+    before.back_blocking("after the test and its runtime");
+}
