@@ -17,7 +17,8 @@
 //!
 //! It is also where the checks that keep peers out of memory live, once:
 //! [`RegisteredMemory`] (sources, destinations, write grants and their fence)
-//! and [`dataplane`] (the op list and verdict every data-plane wire shares).
+//! and [`dataplane`] (the op list and verdict every data-plane wire shares),
+//! and the bound on memory peers make a transport hold, [`MemoryBudget`].
 //!
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
