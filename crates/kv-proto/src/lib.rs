@@ -17,13 +17,15 @@
 //!
 //! It is also where the checks that keep peers out of memory live, once:
 //! [`RegisteredMemory`] (sources, destinations, write grants and their fence)
-//! and [`dataplane`] (the op list and verdict every data-plane wire shares).
+//! and [`dataplane`] (the op list and verdict every data-plane wire shares),
+//! and the bound on memory peers make a transport hold, [`MemoryBudget`].
 //!
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
 
 pub mod auth;
 mod bounded;
+mod budget;
 mod codec;
 mod config;
 pub mod dataplane;
@@ -40,6 +42,7 @@ mod wire;
 mod writer;
 
 pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
+pub use budget::{Charge, MemoryBudget};
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
     ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,

@@ -14,7 +14,10 @@ use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
 use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
-use kvlink::serve::{ServeOptions, Server, ShapePins};
+use kvlink::serve::{
+    ServeOptions, Server, ShapePins, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_HANDSHAKES,
+    DEFAULT_MAX_HANDSHAKES_PER_HOST,
+};
 use kvlink::BlockPattern;
 
 #[derive(Parser, Debug)]
@@ -138,10 +141,32 @@ struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// File holding the shared secret of the side channel and the TCP data
-    /// plane (the `serve` side must use the same).
+    /// File holding the shared secret of the control connection, the side
+    /// channel and the data plane (the `serve` side must use the same).
     #[arg(long, value_name = "PATH")]
     auth_secret_file: Option<std::path::PathBuf>,
+}
+
+/// A positive number of seconds on the command line (fractions allowed).
+#[derive(Clone, Copy, Debug)]
+struct Secs(Duration);
+
+impl std::str::FromStr for Secs {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let secs: f64 = text.parse().map_err(|_| format!("{text:?} is not a number of seconds"))?;
+        match Duration::try_from_secs_f64(secs) {
+            Ok(d) if !d.is_zero() => Ok(Self(d)),
+            _ => Err(format!("{text} is not a positive number of seconds")),
+        }
+    }
+}
+
+impl std::fmt::Display for Secs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0.as_secs_f64())
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -149,9 +174,10 @@ struct ServeArgs {
     /// The side this host serves.
     #[arg(long, value_enum, default_value = "producer")]
     role: RoleArg,
-    /// Address the listeners bind; clients are told the address they
-    /// connected to, so the wildcard works across hosts.
-    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+    /// Address the listeners bind (default: loopback, this host only).
+    /// Between two hosts pass `0.0.0.0` (clients are told the address they
+    /// connected to, so the wildcard works) or one of this host's addresses.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     listen: IpAddr,
     /// Control port clients connect to (0: any free port).
     #[arg(long, default_value_t = DEFAULT_CONTROL_PORT)]
@@ -186,10 +212,23 @@ struct ServeArgs {
     /// Refuse clients with another element size.
     #[arg(long)]
     dtype_bytes: Option<u32>,
-    /// File holding the shared secret of the side channel and the TCP data
-    /// plane; clients must use the same.
+    /// File holding the shared secret of the control connection, the side
+    /// channel and the data plane; clients must use the same.
     #[arg(long, value_name = "PATH")]
     auth_secret_file: Option<std::path::PathBuf>,
+    /// End a session with no call for this long, seconds (clients ping
+    /// while they wait on their own side).
+    #[arg(long, value_name = "SECS", default_value_t = Secs(DEFAULT_IDLE_TIMEOUT))]
+    idle_timeout: Secs,
+    /// One bound on a connection's hello and authentication, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(DEFAULT_HANDSHAKE_TIMEOUT))]
+    handshake_timeout: Secs,
+    /// Connections in their handshake at once; more are closed at once.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES)]
+    max_handshakes: usize,
+    /// Connections in their handshake at once from one host.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES_PER_HOST)]
+    max_handshakes_per_host: usize,
 }
 
 /// Reads a shared secret from a file (surrounding whitespace is not part of it).
@@ -376,17 +415,26 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
             head_dim: args.head_dim,
             dtype_bytes: args.dtype_bytes,
         },
-        idle_timeout: Duration::from_secs(300),
+        idle_timeout: args.idle_timeout.0,
+        handshake_timeout: args.handshake_timeout.0,
+        max_handshakes: args.max_handshakes.max(1),
+        max_handshakes_per_host: args.max_handshakes_per_host.max(1),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,
     };
     let stop = shutdown_signal()?;
     let server = Server::bind(opts).await?;
     println!("{}", server.ready_line());
+    // Any peer can provoke refusals: at most one line a second about them.
+    let mut refusals = kv_proto::LogThrottle::new(Duration::from_secs(1));
     let summary = server
         .run(stop, |s| match (&s.outcome, s.admitted) {
             (Ok(()), _) => println!("session from {}: {} requests, done", s.peer, s.requests),
             (Err(reason), true) => println!("session from {}: {} requests, ended: {reason}", s.peer, s.requests),
-            (Err(reason), false) => println!("refused {}: {reason}", s.peer),
+            (Err(reason), false) => match refusals.allow(std::time::Instant::now()) {
+                Some(0) => println!("refused {}: {reason}", s.peer),
+                Some(more) => println!("refused {}: {reason} ({more} more refused before)", s.peer),
+                None => {}
+            },
         })
         .await;
     if summary.interrupted {

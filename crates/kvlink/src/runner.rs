@@ -243,6 +243,25 @@ struct Sides {
 }
 
 impl Sides {
+    /// Waits up to `timeout` for pulls to finish. While decode waits here
+    /// for a remote prefill, the control connection is silent: it is kept
+    /// alive with pings, or the server would end the session as idle.
+    async fn complete(&mut self, timeout: Duration) -> Result<Vec<Completion>, RunError> {
+        let (DecodeSide::Local(d), PrefillSide::Remote(r)) = (&mut self.decode, &mut self.prefill) else {
+            return self.decode.complete(timeout).await;
+        };
+        let every = r.client().keepalive_interval();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let done = d.complete(left.min(every)).await;
+            if !done.is_empty() || left <= every {
+                return Ok(done);
+            }
+            r.client().ping().await?;
+        }
+    }
+
     /// The server's CPU time and peak RSS, on a remote run.
     async fn peer_stats(&mut self) -> Result<Option<(Duration, u64)>, RunError> {
         let client = match self.prefill.remote() {
@@ -283,7 +302,7 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
     };
     let call_timeout = opts.stall_timeout + Duration::from_secs(10);
     let mut client = ControlClient::connect(target, CONNECT_TIMEOUT, call_timeout).await?;
-    let server_role = client.hello(shape, opts.pattern, opts.protocol, opts.verify).await?;
+    let server_role = client.hello(shape, opts.pattern, opts.protocol, opts.verify, opts.auth_secret.as_ref()).await?;
     // Listen where the server reached us: the address it can reach back.
     let here = Some(client.local_addr().ip());
     report.peer = Some(client.peer_addr().to_string());
@@ -370,7 +389,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             }
             next += 1;
         }
-        let completions = sides.decode.complete(opts.stall_timeout).await?;
+        let completions = sides.complete(opts.stall_timeout).await?;
         if completions.is_empty() {
             return Err(EngineError::Stalled { waited: opts.stall_timeout, in_flight: sides.decode.pulling() }.into());
         }

@@ -4,20 +4,32 @@
 //! or pulls (consumer) what the client asks, and shuts the instance down when
 //! the session ends. One session runs at a time; others are refused as busy.
 //!
+//! Bounds: a connection first needs a handshake place (at most
+//! [`ServeOptions::max_handshakes`], [`ServeOptions::max_handshakes_per_host`]
+//! of them from one host; past either it is closed at once), and must finish
+//! its hello, the shared-secret exchange and the checks within one deadline
+//! ([`ServeOptions::handshake_timeout`], from accept, not per read); frames
+//! before that are bounded by [`crate::control::MAX_HANDSHAKE_FRAME_LEN`]. An
+//! established session with no call for [`ServeOptions::idle_timeout`] is
+//! ended, so an idle client holds the one session slot no longer than that.
+//! A failed `accept` (out of descriptors) backs off instead of spinning, and
+//! every log line a peer can provoke is rate-limited.
+//!
 //! Addresses: the instance's listeners bind the `listen` address; what the
 //! peer must reach (the side channel named in the params, or the data
 //! endpoint) is advertised as the address the client connected to, so a
 //! wildcard `listen` works across hosts without further flags.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use kv_proto::{KvRole, KvTransferParams, LayoutKind, Protocol};
+use kv_proto::auth::{self, Channel, Transcript};
+use kv_proto::{KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
 use kv_worker::{AuthSecret, CacheShape, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -26,19 +38,34 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::control::{check_shape, codec, ClientMsg, PrefilledItem, ServerMsg, CONTROL_VERSION, MAX_REQUESTS_PER_CALL};
+use crate::blocks::BlockPattern;
+use crate::control::{
+    check_shape, handshake_codec, ClientMsg, PrefilledItem, ServerMsg, CONTROL_VERSION, MAX_FRAME_LEN,
+    MAX_REQUESTS_PER_CALL,
+};
 use crate::engine::{DecodeInstance, PrefillInstance, PromptSpec, PullSpec};
 use crate::stats::{peak_rss_bytes, process_cpu_time};
 
-/// Bound on waiting for a connection's hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on sending one reply.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on any wait a client asks for (`drain`, `complete`), and on
 /// waiting for prefill blocks to be freed before a `prefill`.
 const MAX_WAIT: Duration = Duration::from_secs(120);
-/// Bound on connections that have not said hello yet.
-const MAX_CONNECTIONS: usize = 64;
+/// Pause after a failed `accept` (e.g. out of file descriptors), so the
+/// loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// At most one line per this interval for each kind of log line a peer can
+/// provoke at will.
+const LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Default [`ServeOptions::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default [`ServeOptions::handshake_timeout`].
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`ServeOptions::max_handshakes`].
+pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+/// Default [`ServeOptions::max_handshakes_per_host`].
+pub const DEFAULT_MAX_HANDSHAKES_PER_HOST: usize = 8;
 
 /// Shape figures a server insists on (unset: adopt the client's).
 #[derive(Clone, Debug, Default)]
@@ -101,10 +128,22 @@ pub struct ServeOptions {
     pub max_cache_bytes: u64,
     /// Shape figures the server insists on.
     pub pins: ShapePins,
-    /// Bound on a session's silence between calls.
+    /// Bound on an established session's silence between calls: the
+    /// session is then ended and its slot freed. The client learns it in
+    /// the welcome and pings while it waits on its own side.
     pub idle_timeout: Duration,
-    /// Shared secret of the worker's side channel and TCP data plane (the
-    /// bench control channel itself is a test harness and carries no KV).
+    /// One bound on a connection's whole handshake (hello, shared-secret
+    /// exchange, checks and the refusal if any), from accept.
+    pub handshake_timeout: Duration,
+    /// Bound on connections in their handshake at once; past it a new
+    /// connection is closed at once.
+    pub max_handshakes: usize,
+    /// Bound on connections in their handshake at once from one host (IP
+    /// address), so one host cannot take every place.
+    pub max_handshakes_per_host: usize,
+    /// Shared secret of the control channel (clients must prove it before
+    /// the server does anything for them) and of the worker's side channel
+    /// and data plane.
     pub auth_secret: Option<AuthSecret>,
 }
 
@@ -223,40 +262,68 @@ impl Server {
     {
         let Self { listener, opts, .. } = self;
         let limit = opts.sessions;
+        let handshakes = Arc::new(Semaphore::new(opts.max_handshakes.clamp(1, Semaphore::MAX_PERMITS)));
+        let per_host = PerHost::new(opts.max_handshakes_per_host.max(1));
         let opts = Arc::new(opts);
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
         let slot = Arc::new(Semaphore::new(1));
-        let pending = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let refusals = Arc::new(Mutex::new(LogThrottle::new(LOG_INTERVAL)));
+        let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
+        let mut over_limit = LogThrottle::new(LOG_INTERVAL);
+        let over_limit_reply = error_frame(&format!(
+            "too many connections in their handshake (at most {} at once, {} from one host); try again",
+            opts.max_handshakes, opts.max_handshakes_per_host
+        ));
         let (reports_tx, mut reports) = mpsc::unbounded_channel::<SessionReport>();
         let mut summary = ServeSummary { sessions: 0, interrupted: false };
         tokio::pin!(shutdown);
         while limit.is_none_or(|n| summary.sessions < n) {
-            tokio::select! {
+            let accepted = tokio::select! {
                 () = &mut shutdown => {
                     summary.interrupted = true;
                     break;
                 }
-                Some(report) = reports.recv() => ended(&report, &mut summary, &mut on_session),
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        // Bounds the connections that have not said hello yet.
-                        let Ok(connection) = pending.clone().try_acquire_owned() else {
-                            tracing::warn!(%peer, "too many control connections at once; dropped");
-                            continue;
-                        };
-                        let (opts, cancel, slot, tx) = (opts.clone(), cancel.child_token(), slot.clone(), reports_tx.clone());
-                        tasks.spawn(async move {
-                            let report = session(stream, peer, opts, cancel, slot, connection).await;
-                            let _ = tx.send(report);
-                        });
+                Some(report) = reports.recv() => {
+                    ended(&report, &mut summary, &mut on_session);
+                    continue;
+                }
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let place = per_host.enter(peer.ip()).zip(handshakes.clone().try_acquire_owned().ok());
+                    let Some(place) = place else {
+                        // Tell the client why with one write that never
+                        // waits (best effort), then close.
+                        let _ = stream.try_write(&over_limit_reply);
+                        if let Some(suppressed) = over_limit.allow(std::time::Instant::now()) {
+                            tracing::warn!(%peer, limit = opts.max_handshakes, per_host = opts.max_handshakes_per_host,
+                                suppressed, "control handshake limit reached, closing new connections");
+                        }
+                        continue;
+                    };
+                    let (opts, cancel, slot, tx) =
+                        (opts.clone(), cancel.child_token(), slot.clone(), reports_tx.clone());
+                    let refusals = refusals.clone();
+                    tasks.spawn(async move {
+                        let report = session(stream, peer, opts, cancel, slot, place, &refusals).await;
+                        let _ = tx.send(report);
+                    });
+                }
+                Err(error) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    if let Some(suppressed) = accept_errors.allow(std::time::Instant::now()) {
+                        tracing::warn!(%error, suppressed, "cannot accept a control connection");
                     }
-                    Err(e) => {
-                        // Out of descriptors and the like: back off instead of spinning.
-                        tracing::warn!(error = %e, "cannot accept a control connection");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    tokio::select! {
+                        () = &mut shutdown => {
+                            summary.interrupted = true;
+                            break;
+                        }
+                        () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
                     }
-                },
+                }
             }
         }
         drop(listener);
@@ -272,6 +339,52 @@ impl Server {
     }
 }
 
+/// Handshakes in progress per source host.
+struct PerHost {
+    limit: usize,
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// A connection's handshake place: one of its host's and one of the
+/// server's; both given back on drop.
+type HandshakePlace = (HostPlace, OwnedSemaphorePermit);
+
+/// One host's handshake place; given back on drop.
+struct HostPlace {
+    host: IpAddr,
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerHost {
+    fn new(limit: usize) -> Self {
+        Self { limit, counts: Arc::default() }
+    }
+
+    /// A place for `host`, unless it holds `limit` already.
+    fn enter(&self, host: IpAddr) -> Option<HostPlace> {
+        let host = canonical(host);
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = counts.entry(host).or_insert(0);
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(HostPlace { host, counts: Arc::clone(&self.counts) })
+    }
+}
+
+impl Drop for HostPlace {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = counts.get_mut(&self.host) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.host);
+            }
+        }
+    }
+}
+
 fn ended(report: &SessionReport, summary: &mut ServeSummary, on_session: &mut impl FnMut(&SessionReport)) {
     if report.admitted {
         summary.sessions += 1;
@@ -280,6 +393,14 @@ fn ended(report: &SessionReport, summary: &mut ServeSummary, on_session: &mut im
 }
 
 type Conn = Framed<TcpStream, LengthDelimitedCodec>;
+
+/// An `error` reply as a whole frame, to write without a codec.
+fn error_frame(message: &str) -> Vec<u8> {
+    let body = serde_json::to_vec(&ServerMsg::Error { message: message.to_owned() }).unwrap_or_default();
+    let mut frame = u32::try_from(body.len()).unwrap_or(0).to_be_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    frame
+}
 
 async fn send(conn: &mut Conn, msg: &ServerMsg) -> Result<(), String> {
     let frame = serde_json::to_vec(msg).map_err(|e| format!("cannot encode a reply: {e}"))?;
@@ -317,17 +438,44 @@ fn canonical(ip: IpAddr) -> IpAddr {
     ip.to_canonical()
 }
 
-async fn start(
-    opts: &ServeOptions,
-    hello: ClientMsg,
-    local_ip: IpAddr,
-    slot: &Arc<Semaphore>,
-) -> Result<Served, String> {
-    let ClientMsg::Hello { version, shape, pattern, protocol, verify } = hello else {
+/// What an admitted hello asks for, and the session slot it holds.
+struct Admitted {
+    shape: CacheShape,
+    pattern: BlockPattern,
+    protocol: Protocol,
+    verify: bool,
+    slot: OwnedSemaphorePermit,
+}
+
+/// The hello, the shared-secret exchange (with a secret), the checks and the
+/// session slot: everything before the server starts an instance. The
+/// caller bounds all of it by one deadline.
+async fn handshake(conn: &mut Conn, opts: &ServeOptions, slot: &Arc<Semaphore>) -> Result<Admitted, String> {
+    let frame = match conn.next().await {
+        None => return Err("closed before hello".to_owned()),
+        Some(Err(e)) => return Err(format!("bad frame: {e}")),
+        Some(Ok(frame)) => frame.freeze(),
+    };
+    let hello = serde_json::from_slice::<ClientMsg>(&frame).map_err(|e| format!("bad message: {e}"))?;
+    let ClientMsg::Hello { version, shape, pattern, protocol, verify, client_nonce } = hello else {
         return Err("the first message must be hello".to_owned());
     };
     if version != CONTROL_VERSION {
         return Err(format!("control protocol version mismatch: client {version}, server {CONTROL_VERSION}"));
+    }
+    match (&opts.auth_secret, client_nonce) {
+        (None, None) => {}
+        (Some(_), None) => {
+            return Err("this server requires the shared secret: run the bench with --auth-secret-file \
+                        naming the server's secret"
+                .to_owned())
+        }
+        (None, Some(_)) => {
+            return Err("this server has no shared secret but the client has one: \
+                        give both the same --auth-secret-file, or neither"
+                .to_owned())
+        }
+        (Some(secret), Some(client_nonce)) => authenticate(conn, secret, &client_nonce, &frame).await?,
     }
     let shape = check_shape(shape.into(), opts.max_cache_bytes).map_err(|e| match e {
         crate::control::ShapeError::OverLimit { what: "bytes", .. } => format!("{e} (the server's --max-cache-gib)"),
@@ -335,6 +483,36 @@ async fn start(
     })?;
     opts.pins.check(protocol, &shape)?;
     let slot = slot.clone().try_acquire_owned().map_err(|_| "busy: serving another session; try again when it ends")?;
+    Ok(Admitted { shape, pattern, protocol, verify, slot })
+}
+
+/// Proves the shared secret to the client and checks its proof, both bound
+/// to this channel, both nonces and the hello frame as received.
+async fn authenticate(
+    conn: &mut Conn,
+    secret: &AuthSecret,
+    client_nonce: &auth::Nonce,
+    hello: &[u8],
+) -> Result<(), String> {
+    let server_nonce = auth::fresh_nonce().ok_or("no OS randomness for a nonce")?;
+    let transcript =
+        Transcript { channel: Channel::Control, client_nonce, server_nonce: &server_nonce, context: hello };
+    let challenge = ServerMsg::Challenge { server_nonce, server_proof: auth::server_proof(secret, &transcript) };
+    send(conn, &challenge).await?;
+    let proof = match read(conn).await? {
+        None => return Err("closed during authentication".to_owned()),
+        Some(ClientMsg::Proof { proof }) => proof,
+        Some(_) => return Err("expected the authentication proof".to_owned()),
+    };
+    if auth::verify_client_proof(secret, &transcript, &proof) {
+        Ok(())
+    } else {
+        Err("control authentication failed: the client's proof does not match this server's secret".to_owned())
+    }
+}
+
+async fn start(opts: &ServeOptions, admitted: Admitted, local_ip: IpAddr) -> Result<Served, String> {
+    let Admitted { shape, pattern, protocol, verify, slot } = admitted;
     let instance = match opts.role {
         KvRole::Producer => {
             let mut config = WorkerConfig::loopback(KvRole::Producer, "kvlink-serve-prefill");
@@ -409,7 +587,9 @@ impl Served {
             (ClientMsg::Stats, _) => {
                 Ok(ServerMsg::Stats { cpu_seconds: process_cpu_time().as_secs_f64(), peak_rss_bytes: peak_rss_bytes() })
             }
+            (ClientMsg::Ping, _) => Ok(ServerMsg::Pong),
             (ClientMsg::Hello { .. }, _) => Err("hello sent twice".to_owned()),
+            (ClientMsg::Proof { .. }, _) => Err("an authentication proof outside the handshake".to_owned()),
             (ClientMsg::Bye, _) => Ok(ServerMsg::Bye),
             (ClientMsg::Prefill { .. } | ClientMsg::Drain { .. }, _) => {
                 Err(format!("this server is a {role}: it does not prefill (run the bench's prefill side here)"))
@@ -528,15 +708,16 @@ enum End {
     Gone(String),
 }
 
-/// Serves one control connection. `_connection` bounds the connections
-/// that have not said hello; it is released once the hello is in.
+/// Serves one control connection. `place` bounds the connections in their
+/// handshake; it is given back once the handshake is over.
 async fn session(
     stream: TcpStream,
     peer: SocketAddr,
     opts: Arc<ServeOptions>,
     cancel: CancellationToken,
     slot: Arc<Semaphore>,
-    connection: OwnedSemaphorePermit,
+    place: HandshakePlace,
+    refusals: &Mutex<LogThrottle>,
 ) -> SessionReport {
     let mut report = SessionReport { peer, admitted: false, requests: 0, outcome: Ok(()) };
     let local_ip = match stream.local_addr() {
@@ -548,25 +729,36 @@ async fn session(
     };
     let peer_ip = canonical(peer.ip());
     let _ = stream.set_nodelay(true);
-    let mut conn = Framed::new(stream, codec());
-    let hello = tokio::select! {
+    let mut conn = Framed::new(stream, handshake_codec());
+    let deadline = Instant::now() + opts.handshake_timeout;
+    let admitted = tokio::select! {
         () = cancel.cancelled() => Err("server shutting down".to_owned()),
-        r = tokio::time::timeout(HELLO_TIMEOUT, read(&mut conn)) => match r {
-            Err(_) => Err(format!("no hello within {HELLO_TIMEOUT:?}")),
-            Ok(Ok(None)) => Err("closed before hello".to_owned()),
-            Ok(Ok(Some(msg))) => Ok(msg),
-            Ok(Err(reason)) => Err(reason),
+        r = tokio::time::timeout_at(deadline, handshake(&mut conn, &opts, &slot)) => match r {
+            Err(_) => Err(format!("handshake not completed within {:?}", opts.handshake_timeout)),
+            Ok(r) => r,
         },
     };
-    drop(connection);
-    let started = match hello {
-        Ok(hello) => start(&opts, hello, local_ip, &slot).await,
-        Err(reason) => Err(reason),
+    let admitted = match admitted {
+        Ok(admitted) => admitted,
+        Err(reason) => {
+            let allowed = refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(std::time::Instant::now());
+            if let Some(suppressed) = allowed {
+                tracing::warn!(%peer, %reason, suppressed, "control connection refused");
+            }
+            // Within the same deadline: a client that does not read its
+            // refusal holds its place no longer.
+            let refusal = ServerMsg::Error { message: reason.clone() };
+            let _ = tokio::time::timeout_at(deadline, send(&mut conn, &refusal)).await;
+            report.outcome = Err(reason);
+            return report;
+        }
     };
-    let mut served = match started {
+    drop(place);
+    conn.codec_mut().set_max_frame_length(MAX_FRAME_LEN);
+    let mut served = match start(&opts, admitted, local_ip).await {
         Ok(served) => served,
         Err(reason) => {
-            tracing::warn!(%peer, %reason, "control connection refused");
+            tracing::warn!(%peer, %reason, "cannot start a session");
             let _ = send(&mut conn, &ServerMsg::Error { message: reason.clone() }).await;
             report.outcome = Err(reason);
             return report;
@@ -574,7 +766,8 @@ async fn session(
     };
     report.admitted = true;
     tracing::info!(%peer, role = served.role(), shape = ?served.shape, "session started");
-    let welcome = ServerMsg::Welcome { version: CONTROL_VERSION, role: opts.role };
+    let idle_timeout_ms = u64::try_from(opts.idle_timeout.as_millis()).unwrap_or(u64::MAX);
+    let welcome = ServerMsg::Welcome { version: CONTROL_VERSION, role: opts.role, idle_timeout_ms };
     let end = match send(&mut conn, &welcome).await {
         Err(reason) => End::Gone(reason),
         Ok(()) => serve_calls(&mut served, &mut conn, peer_ip, &opts, &cancel).await,
@@ -617,7 +810,7 @@ async fn serve_calls(
             r = tokio::time::timeout(opts.idle_timeout, read(conn)) => r,
         };
         let msg = match msg {
-            Err(_) => return End::Gone(format!("no call within {:?}", opts.idle_timeout)),
+            Err(_) => return End::Refused(format!("idle: no call within {:?}; session ended", opts.idle_timeout)),
             Ok(Ok(None)) => return End::Gone("the client closed the connection without bye".to_owned()),
             Ok(Ok(Some(ClientMsg::Bye))) => return End::Bye,
             Ok(Ok(Some(msg))) => msg,

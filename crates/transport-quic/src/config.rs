@@ -8,6 +8,13 @@ use kv_proto::auth::AuthSecret;
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
 
+/// Default [`QuicConfig::op_list_budget`]: 256 MiB.
+pub const DEFAULT_OP_LIST_BUDGET: u64 = 256 << 20;
+
+/// Default [`QuicConfig::unauthenticated_op_list_budget`]: 32 MiB, room for
+/// 20 batches of 100,000 ops at once.
+pub const DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET: u64 = 32 << 20;
+
 /// Configuration of a [`crate::QuicTransport`]. Every wait the transport
 /// makes is bounded by one of these durations.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,15 +51,35 @@ pub struct QuicConfig {
     /// [`DEFAULT_MAX_OPS_PER_BATCH`]). A larger batch gets a protocol error
     /// on its stream. Advertised in the endpoint details, so a sender fails
     /// such a batch before sending it. Outgoing batches have no cap of
-    /// their own.
-    ///
-    /// A stream buffers its batch's op list (16 bytes per op) as it arrives,
-    /// and only once the grant its header names is live (a batch for an
-    /// unknown grant is refused after its header), so the receiver's op-list
-    /// memory is bounded by `max_connections × max_concurrent_streams ×
-    /// max_ops_per_batch × 16` bytes, reached only by peers that name a live
-    /// grant and actually send that much; lower any bound to lower it.
+    /// their own. The bound in force is the smaller of this and what the
+    /// op-list budget holds ([`QuicConfig::op_list_budget`] / 16).
     pub max_ops_per_batch: u64,
+    /// Bytes of op lists (16 per op) that all incoming streams together may
+    /// hold at once, when peers must prove the shared secret (default
+    /// [`DEFAULT_OP_LIST_BUDGET`]). A stream buffers its batch's op list as
+    /// it arrives, and only once the grant its header names is live; its
+    /// memory is charged to this budget as the list grows (never more than
+    /// the count announced) and given back when the batch is done. A batch
+    /// whose list does not fit waits for room (within
+    /// [`QuicConfig::op_list_timeout`]) or, if it holds an equal share of
+    /// the budget or more already, gives way at once; either way it is
+    /// refused with the reason. (The
+    /// bytes quinn itself buffers for a stream are bounded by the receive
+    /// windows below, not by this budget.)
+    pub op_list_budget: u64,
+    /// The same budget when peers need not prove a secret (no
+    /// [`QuicConfig::auth_secret`]): every connection then counts as
+    /// unauthenticated, and gets this smaller budget (default
+    /// [`DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET`]). With a secret, no stream
+    /// is served before its connection's hello proved it.
+    pub unauthenticated_op_list_budget: u64,
+    /// One bound on receiving a batch's op list, from its header, waits for
+    /// room in the budget included (default 10 s; keep it below the
+    /// senders' `io_timeout`). A list still waiting for room then is
+    /// refused; one its peer has not sent by then is a protocol error. So a
+    /// peer dribbling its list holds its share of the budget no longer than
+    /// this.
+    pub op_list_timeout: Duration,
     /// Batches one peer may have in flight on one connection (QUIC
     /// bidirectional stream limit; default 64). A sender past it waits for a
     /// stream to finish, within [`QuicConfig::io_timeout`].
@@ -80,6 +107,26 @@ pub struct QuicConfig {
     pub auth_secret: Option<AuthSecret>,
 }
 
+impl QuicConfig {
+    /// The op-list budget in force: [`QuicConfig::op_list_budget`] when
+    /// peers must prove a secret, else
+    /// [`QuicConfig::unauthenticated_op_list_budget`].
+    pub fn op_list_budget_in_force(&self) -> u64 {
+        if self.auth_secret.is_some() {
+            self.op_list_budget
+        } else {
+            self.unauthenticated_op_list_budget
+        }
+    }
+
+    /// The op bound in force for one incoming batch (and advertised): the
+    /// smaller of [`QuicConfig::max_ops_per_batch`] and what the budget in
+    /// force holds.
+    pub fn max_ops_in_force(&self) -> u64 {
+        self.max_ops_per_batch.min(self.op_list_budget_in_force() / kv_proto::dataplane::OP_LEN as u64)
+    }
+}
+
 impl Default for QuicConfig {
     fn default() -> Self {
         Self {
@@ -89,6 +136,9 @@ impl Default for QuicConfig {
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(120),
             max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
+            op_list_budget: DEFAULT_OP_LIST_BUDGET,
+            unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+            op_list_timeout: Duration::from_secs(10),
             max_concurrent_streams: 64,
             max_connections: 1024,
             stream_receive_window: 16 << 20,

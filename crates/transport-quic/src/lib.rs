@@ -30,7 +30,8 @@
 //!   shared secret configured, carry or serve a batch on a connection whose
 //!   peer has not proven it;
 //! - let a peer's input panic the process, grow memory beyond the configured
-//!   bounds, or affect more than its own stream (or, for a QUIC protocol
+//!   bounds (op lists: one budget for all streams), or affect more than its
+//!   own stream (or, for a QUIC protocol
 //!   violation or a failed hello, its own connection);
 //! - wait without a bound ([`QuicConfig`] holds every timeout).
 //!
@@ -144,7 +145,17 @@
 //! breaks QUIC's limits and loses its connection). The op list is buffered
 //! as it arrives (so an announced count costs memory only once its bytes
 //! are sent, and only under a live grant), because every op must be checked
-//! before the first payload byte is written.
+//! before the first payload byte is written. All streams share one budget
+//! for those buffers ([`QuicConfig::op_list_budget`], smaller when peers
+//! need not prove a secret: [`QuicConfig::unauthenticated_op_list_budget`]):
+//! a list is charged as it grows; when the budget is full a batch waits for
+//! room, or gives way at once if it already holds an equal share of the
+//! budget or more (so batches waiting for each other cannot lock it up). A
+//! batch refused for want of room has its stream stopped and a `Refused`
+//! verdict naming the reason. The whole op list, waits included, must
+//! arrive within [`QuicConfig::op_list_timeout`] of its header. The
+//! advertised `max_ops_per_batch` is the smaller of the configured bound and
+//! what the budget holds.
 //!
 //! # Endpoint details
 //!
@@ -181,6 +192,7 @@
 //! acknowledging but never answers cannot hold a batch, and the sender's
 //! blocks, any longer. Dropping a `batch_write` future resets its stream.
 
+mod budget;
 mod client;
 mod config;
 pub mod details;
@@ -192,7 +204,9 @@ pub mod tls;
 mod transport;
 pub mod wire;
 
-pub use config::{QuicConfig, DEFAULT_MAX_OPS_PER_BATCH};
+pub use config::{
+    QuicConfig, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+};
 pub use details::{EndpointDetails, Fingerprint};
 pub use transport::QuicTransport;
 

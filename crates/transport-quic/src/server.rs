@@ -18,7 +18,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -27,6 +27,7 @@ use kv_proto::{DestinationError, GrantId};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tracing::{debug, trace, warn};
 
+use crate::budget::NoRoom;
 use crate::hello;
 use crate::io::{read_full, WireError};
 use crate::memory::Destinations;
@@ -50,6 +51,8 @@ enum StreamError {
     #[error("op lengths add up to {}, the header says {declared}",
         .sum.map_or_else(|| "more than u64::MAX".to_owned(), |s| s.to_string()))]
     LengthMismatch { declared: u64, sum: Option<u64> },
+    #[error("op list not received within {after:?}")]
+    OpListTimeout { after: std::time::Duration },
     #[error("more payload than the {total} bytes the header announces")]
     ExtraPayload { total: u64 },
     #[error("writing the reply: {0}")]
@@ -69,6 +72,7 @@ impl StreamError {
             StreamError::Wire(WireError::Eof { .. } | WireError::Timeout { .. })
                 | StreamError::TooManyOps { .. }
                 | StreamError::LengthMismatch { .. }
+                | StreamError::OpListTimeout { .. }
                 | StreamError::ExtraPayload { .. }
         )
     }
@@ -89,7 +93,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
         };
         let peer = incoming.remote_address();
         let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-            warn!(%peer, limit = shared.config.max_connections, "connection limit reached, refusing");
+            let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+            if let Some(suppressed) = allowed {
+                warn!(%peer, limit = shared.config.max_connections, suppressed, "connection limit reached, refusing");
+            }
             incoming.refuse();
             continue;
         };
@@ -249,7 +256,7 @@ impl Batch<'_> {
         let mut header = [0u8; BATCH_HEADER_LEN];
         read_full(&mut self.recv, &mut header, io_timeout, "batch header").await?;
         let header = BatchHeader::decode(&header);
-        let max = config.max_ops_per_batch;
+        let max = config.max_ops_in_force();
         let count = match usize::try_from(header.op_count) {
             Ok(count) if header.op_count <= max => count,
             _ => return Err(StreamError::TooManyOps { count: header.op_count, max }),
@@ -263,12 +270,33 @@ impl Batch<'_> {
             Err(error) => return self.refuse(&header.grant, &error.to_string()).await,
         }
 
+        // The op list, charged to the transport's budget as it grows, all
+        // of it within one deadline.
+        let shared = self.shared;
+        let deadline = tokio::time::Instant::now() + config.op_list_timeout;
+        let mut share = shared.op_lists.share();
         let mut list: Vec<OpEntry> = Vec::new();
         while list.len() < count {
             let start = list.len();
-            list.resize(start + (count - start).min(OPS_PER_READ), [0; OP_LEN]);
+            let end = start + (count - start).min(OPS_PER_READ);
+            if end > list.capacity() {
+                // Geometric growth, never past the announced count.
+                let capacity = end.max(list.capacity().saturating_mul(2)).min(count);
+                let more = ((capacity - list.capacity()) * OP_LEN) as u64;
+                if let Err(no_room) = share.grow(more, deadline).await {
+                    drop(list);
+                    share.release();
+                    return self.refuse_for_room(&header, no_room).await;
+                }
+                list.reserve_exact(capacity - list.len());
+            }
+            list.resize(end, [0; OP_LEN]);
             let fresh = list.get_mut(start..).unwrap_or_default();
-            read_full(&mut self.recv, fresh.as_flattened_mut(), io_timeout, "op list").await?;
+            let read = read_full(&mut self.recv, fresh.as_flattened_mut(), io_timeout, "op list");
+            match tokio::time::timeout_at(deadline, read).await {
+                Ok(read) => read?,
+                Err(_) => return Err(StreamError::OpListTimeout { after: config.op_list_timeout }),
+            }
         }
 
         let destinations =
@@ -278,20 +306,37 @@ impl Batch<'_> {
                     return Err(StreamError::LengthMismatch { declared, sum })
                 }
                 Err((_, DestinationError::Closed)) => return Err(StreamError::Closed),
-                Err((_, error)) => return self.refuse(&header.grant, &error.to_string()).await,
+                Err((list, error)) => {
+                    drop(list);
+                    share.release();
+                    return self.refuse(&header.grant, &error.to_string()).await;
+                }
             };
-        match self.receive_payload(&destinations).await? {
-            Received::Complete => {
-                drop(destinations);
-                self.reply(ReplyStatus::Ok, "").await
-            }
+        let received = self.receive_payload(&destinations).await?;
+        // The op list is done with: its memory goes back before the verdict.
+        let grant = destinations.grant();
+        drop(destinations);
+        share.release();
+        match received {
+            Received::Complete => self.reply(ReplyStatus::Ok, "").await,
             Received::Revoked if self.shared.memory.is_closed() => Err(StreamError::Closed),
-            Received::Revoked => {
-                let grant = destinations.grant();
-                drop(destinations);
-                self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await
-            }
+            Received::Revoked => self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await,
         }
+    }
+
+    /// Refuses a batch whose op list found no room in the budget (log line
+    /// rate-limited): its stream stopped, a `Refused` verdict with the
+    /// reason sent.
+    async fn refuse_for_room(&mut self, header: &BatchHeader, no_room: NoRoom) -> Result<(), StreamError> {
+        let shared = self.shared;
+        let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
+        let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+        if let Some(suppressed) = allowed {
+            warn!(peer = %self.peer, grant = %header.grant, stream = %self.recv.id(), ops = header.op_count,
+                budget = shared.op_lists.limit(), ?no_room, suppressed, "refusing batch: no room for its op list");
+        }
+        let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
+        self.reply(ReplyStatus::Refused, &reason).await
     }
 
     /// Refuses the batch: logged, its stream stopped (the rest of its

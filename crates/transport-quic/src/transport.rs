@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+use crate::budget::OpListBudget;
 use crate::client::{self, Connections};
 use crate::config::QuicConfig;
 use crate::details::{EndpointDetails, Fingerprint};
@@ -45,6 +46,12 @@ pub(crate) struct Shared {
     pub(crate) client_transport_config: Arc<TransportConfig>,
     pub(crate) connections: Connections,
     pub(crate) conn_limit: Arc<Semaphore>,
+    /// Op lists all incoming streams hold at once.
+    pub(crate) op_lists: OpListBudget,
+    /// Log lines a peer can provoke (connections over the limit, batches
+    /// refused for want of op-list room), one per kind per second.
+    pub(crate) over_limit: std::sync::Mutex<kv_proto::LogThrottle>,
+    pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     /// Payload bytes peers wrote into this transport's memory.
@@ -143,6 +150,9 @@ impl QuicTransport {
             client_transport_config,
             connections: Connections::default(),
             conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            op_lists: OpListBudget::new(config.op_list_budget_in_force()),
+            over_limit: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
@@ -186,6 +196,17 @@ impl QuicTransport {
         self.shared.bytes_received.load(Ordering::Relaxed)
     }
 
+    /// Bytes of op lists incoming batches hold now (charged to the op-list
+    /// budget in force, [`QuicConfig::op_list_budget_in_force`]).
+    pub fn op_list_bytes(&self) -> u64 {
+        self.shared.op_lists.used()
+    }
+
+    /// The most bytes of op lists incoming batches ever held at once.
+    pub fn op_list_bytes_peak(&self) -> u64 {
+        self.shared.op_lists.peak()
+    }
+
     /// Grants issued and neither revoked nor expired and purged.
     pub fn live_grants(&self) -> usize {
         self.shared.memory.live_grants()
@@ -223,7 +244,7 @@ impl BatchWriter for QuicTransport {
 
     fn endpoint(&self) -> Endpoint {
         let details =
-            EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: self.shared.config.max_ops_per_batch };
+            EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: self.shared.config.max_ops_in_force() };
         Endpoint { protocol: Protocol::Quic, address: self.address.clone(), details: details.encode() }
     }
 

@@ -8,6 +8,13 @@ use kv_proto::auth::AuthSecret;
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
 
+/// Default [`TcpConfig::op_list_budget`]: 256 MiB.
+pub const DEFAULT_OP_LIST_BUDGET: u64 = 256 << 20;
+
+/// Default [`TcpConfig::unauthenticated_op_list_budget`]: 32 MiB, room for
+/// 20 batches of 100,000 ops at once.
+pub const DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET: u64 = 32 << 20;
+
 /// Configuration of a [`crate::TcpTransport`]. Every wait the transport makes
 /// is bounded by one of these durations.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,13 +46,34 @@ pub struct TcpConfig {
     /// Bound on the ops of one incoming batch (peer input; default
     /// [`DEFAULT_MAX_OPS_PER_BATCH`]). A larger batch closes the connection;
     /// a sender learns the bound at connection set-up and fails such a batch
-    /// before sending it. Outgoing batches have no cap of their own.
-    ///
-    /// A connection buffers a batch's op list (16 bytes per op) as it
-    /// arrives, so the receiver's op-list memory is bounded by
-    /// `max_connections × max_ops_per_batch × 16` bytes, reached only by peers
-    /// that actually send that much; lower either bound to lower it.
+    /// before sending it. Outgoing batches have no cap of their own. The
+    /// bound in force is the smaller of this and what the op-list budget
+    /// holds ([`TcpConfig::op_list_budget`] / 16).
     pub max_ops_per_batch: u64,
+    /// Bytes of op lists (16 per op) that all incoming connections together
+    /// may hold at once, when peers must prove the shared secret (default
+    /// [`DEFAULT_OP_LIST_BUDGET`]). A connection buffers a batch's op list
+    /// as it arrives, because every op is admitted before the first payload
+    /// byte is written; its memory is charged to this budget as the list
+    /// grows (never more than the count announced), and given back when the
+    /// batch is done. A batch whose list does not fit waits for room (within
+    /// [`TcpConfig::op_list_timeout`]) or, if it holds an equal share of the
+    /// budget or more already, gives way at once; either way it is refused
+    /// with the reason.
+    pub op_list_budget: u64,
+    /// The same budget when peers need not prove a secret (no
+    /// [`TcpConfig::auth_secret`]): every connection then counts as
+    /// unauthenticated, and gets this smaller budget (default
+    /// [`DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET`]). With a secret, no
+    /// connection reads an op list before its peer proved it.
+    pub unauthenticated_op_list_budget: u64,
+    /// One bound on receiving a batch's op list, from its header, waits for
+    /// room in the budget included (default 10 s; keep it below the
+    /// senders' `io_timeout`, which bounds their stall meanwhile). A list
+    /// still waiting for room then is refused; one its peer has not sent
+    /// by then is a protocol error. So a peer dribbling its list holds its
+    /// share of the budget no longer than this.
+    pub op_list_timeout: Duration,
     /// Idle outgoing connections kept per peer for reuse (default 4).
     pub max_idle_conns_per_peer: usize,
     /// Connections one large batch is spread over (default 2). A batch of at
@@ -70,6 +98,24 @@ pub struct TcpConfig {
     pub max_connections: usize,
 }
 
+impl TcpConfig {
+    /// The op-list budget in force: [`TcpConfig::op_list_budget`] when peers
+    /// must prove a secret, else [`TcpConfig::unauthenticated_op_list_budget`].
+    pub fn op_list_budget_in_force(&self) -> u64 {
+        if self.auth_secret.is_some() {
+            self.op_list_budget
+        } else {
+            self.unauthenticated_op_list_budget
+        }
+    }
+
+    /// The op bound in force for one incoming batch: the smaller of
+    /// [`TcpConfig::max_ops_per_batch`] and what the budget in force holds.
+    pub fn max_ops_in_force(&self) -> u64 {
+        self.max_ops_per_batch.min(self.op_list_budget_in_force() / crate::wire::OP_LEN as u64)
+    }
+}
+
 impl Default for TcpConfig {
     fn default() -> Self {
         Self {
@@ -80,6 +126,9 @@ impl Default for TcpConfig {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
             max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
+            op_list_budget: DEFAULT_OP_LIST_BUDGET,
+            unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+            op_list_timeout: Duration::from_secs(10),
             max_idle_conns_per_peer: 4,
             max_connections: 1024,
             auth_secret: None,

@@ -32,7 +32,8 @@
 //!   connections is pre-checked part by part before any payload is sent;
 //! - acknowledge a batch before every byte of it is in memory;
 //! - let a peer's input panic the process, grow memory beyond the configured
-//!   bounds, or affect more than its own connection;
+//!   bounds (op lists: one budget for all connections), or affect more than
+//!   its own connection;
 //! - let a peer hold a connection slot through a slow handshake: the whole
 //!   handshake has one deadline ([`TcpConfig::handshake_timeout`]);
 //! - wait without a bound ([`TcpConfig`] holds every timeout);
@@ -96,9 +97,10 @@
 //!  | batch_id | status | reason_len | reason (UTF-8, at most 1024 bytes) |
 //!    u64        u32      u32
 //!  status: 0 ok        every byte is in memory
-//!          1 refused   unknown, expired or revoked grant, or an op outside
-//!                      it; nothing was written (a revocation mid-batch:
-//!                      nothing after it); the payload was read and
+//!          1 refused   unknown, expired or revoked grant, an op outside
+//!                      it, or no room for the op list in the receiver's
+//!                      budget; nothing was written (a revocation mid-batch:
+//!                      nothing after it); the rest was read and
 //!                      discarded; the connection stays usable
 //!          2 protocol  bad flags, op_count above the limit, or lengths that
 //!                      do not add up to total_bytes; the receiver closes
@@ -116,8 +118,21 @@
 //! a protocol error above, a truncated frame, any stalled read past
 //! [`TcpConfig::io_timeout`], or no batch within [`TcpConfig::idle_timeout`].
 //! The op list is buffered as it arrives (so an announced count costs memory
-//! only once its bytes are sent), because every op must be admitted before
-//! the first payload byte is written.
+//! only once its bytes are sent, and only under a live grant: a batch whose
+//! grant is not live is refused from its header, its list discarded unread),
+//! because every op must be admitted before the first payload byte is
+//! written. All connections share one budget for those buffers
+//! ([`TcpConfig::op_list_budget`], smaller when peers need not prove a
+//! secret: [`TcpConfig::unauthenticated_op_list_budget`]): a list is charged
+//! as it grows; when the budget is full a batch waits for room, or gives way
+//! at once if it already holds an equal share of the budget or more (so
+//! batches waiting for each other cannot lock it up). A batch refused for
+//! want of room gets status 1 (the rest of it discarded, the connection
+//! usable). The whole op list, waits included, must arrive within
+//! [`TcpConfig::op_list_timeout`] of its header, so a peer dribbling its
+//! list holds its share no longer. The accept reply's `max_ops_per_batch`
+//! is the smaller of the configured bound and what the budget holds, so a
+//! sender fails a batch that could never fit before sending it.
 //!
 //! # Connections
 //!
@@ -147,6 +162,7 @@
 //! Endpoint details are empty for TCP: the grant, not the endpoint, says
 //! where a peer may write.
 
+mod budget;
 mod client;
 mod config;
 mod io;
@@ -156,7 +172,9 @@ mod split;
 mod transport;
 pub mod wire;
 
-pub use config::{TcpConfig, DEFAULT_MAX_OPS_PER_BATCH};
+pub use config::{
+    TcpConfig, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+};
 pub use transport::TcpTransport;
 
 #[cfg(doc)]

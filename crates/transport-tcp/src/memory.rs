@@ -205,11 +205,6 @@ impl Destinations {
         self.total
     }
 
-    /// The op list, for reuse by the next batch.
-    pub(crate) fn into_list(self) -> Vec<OpEntry> {
-        self.list
-    }
-
     /// One non-blocking `readv` from the socket straight into the
     /// destinations from `progress` on, advancing `progress`, while the
     /// grant is live. `Err(Revoked)`: the grant was revoked (or the memory

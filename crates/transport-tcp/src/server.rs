@@ -13,7 +13,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::BufMut;
@@ -24,6 +24,7 @@ use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
+use crate::budget::{NoRoom, Share};
 use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
@@ -41,9 +42,6 @@ const LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// Op-list entries read (and grown into) per step: memory follows the bytes
 /// that actually arrive, not the count a peer announces.
 const OPS_PER_READ: usize = 64 * 1024;
-/// Op-list entries kept allocated between batches (1 MiB); a larger list is
-/// freed once its batch is done.
-const KEEP_OPS_CAPACITY: usize = 64 * 1024;
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
 
@@ -67,6 +65,8 @@ enum ConnError {
     #[error("batch {batch_id}: op lengths add up to {}, the header says {declared}",
         .sum.map_or_else(|| "more than u64::MAX".to_owned(), |s| s.to_string()))]
     LengthMismatch { batch_id: u64, declared: u64, sum: Option<u64> },
+    #[error("batch {batch_id}: op list not received within {after:?}")]
+    OpListTimeout { batch_id: u64, after: Duration },
     #[error("data-plane authentication failed: {0}")]
     AuthFailed(&'static str),
     #[error("the sender abandoned admitted batch {0} before its payload (another part of it was refused)")]
@@ -140,7 +140,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     if let Err(error) = stream.set_nodelay(true) {
         debug!(%peer, %error, "cannot set TCP_NODELAY");
     }
-    let conn = Connection { shared, peer, ops: Vec::new() };
+    let conn = Connection { shared, peer };
     let outcome = tokio::select! {
         biased;
         () = shared.token.cancelled() => Ok(End::Shutdown),
@@ -156,8 +156,6 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
 struct Connection<'s> {
     shared: &'s Shared,
     peer: SocketAddr,
-    /// The op list, reused from batch to batch.
-    ops: Vec<OpEntry>,
 }
 
 impl Connection<'_> {
@@ -209,7 +207,7 @@ impl Connection<'_> {
         let accept = Accept {
             version: VERSION,
             status,
-            max_ops_per_batch: config.max_ops_per_batch,
+            max_ops_per_batch: config.max_ops_in_force(),
             idle_timeout_ms: u64::try_from(config.idle_timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .encode();
@@ -225,8 +223,9 @@ impl Connection<'_> {
     }
 
     async fn batch(&mut self, stream: &mut TcpStream, header: BatchHeader) -> Result<(), ConnError> {
-        let io_timeout = self.shared.config.io_timeout;
-        let max = self.shared.config.max_ops_per_batch;
+        let shared = self.shared;
+        let io_timeout = shared.config.io_timeout;
+        let max = shared.config.max_ops_in_force();
         let batch_id = header.batch_id;
         if header.flags & !SUPPORTED_BATCH_FLAGS != 0 || header.reserved != 0 {
             let error = ConnError::BadBatchHeader { batch_id, flags: header.flags, reserved: header.reserved };
@@ -240,46 +239,109 @@ impl Connection<'_> {
             }
         };
 
-        self.ops.clear();
-        while self.ops.len() < count {
-            let start = self.ops.len();
-            self.ops.resize(start + (count - start).min(OPS_PER_READ), [0; OP_LEN]);
-            let fresh = self.ops.get_mut(start..).unwrap_or_default();
-            read_exact(stream, fresh.as_flattened_mut(), io_timeout, "op list").await?;
+        // A batch for a grant that is not live is refused before its op list
+        // is buffered (the list and the payload are read and discarded).
+        match shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
+            Ok(_) => {}
+            Err(DestinationError::Closed) => return Err(ConnError::Closed),
+            Err(refusal) => return self.refuse(stream, &header, count, &refusal.to_string()).await,
+        }
+
+        // The op list, charged to the transport's budget as it grows, all
+        // of it within one deadline.
+        let deadline = tokio::time::Instant::now() + shared.config.op_list_timeout;
+        let mut share = shared.op_lists.share();
+        let mut list: Vec<OpEntry> = Vec::new();
+        while list.len() < count {
+            let start = list.len();
+            let end = start + (count - start).min(OPS_PER_READ);
+            if end > list.capacity() {
+                // Geometric growth, never past the announced count.
+                let capacity = end.max(list.capacity().saturating_mul(2)).min(count);
+                let more = ((capacity - list.capacity()) * OP_LEN) as u64;
+                if let Err(no_room) = share.grow(more, deadline).await {
+                    drop(list);
+                    share.release();
+                    return self.refuse_for_room(stream, &header, count - start, no_room).await;
+                }
+                list.reserve_exact(capacity - list.len());
+            }
+            list.resize(end, [0; OP_LEN]);
+            let fresh = list.get_mut(start..).unwrap_or_default();
+            let read = read_exact(stream, fresh.as_flattened_mut(), io_timeout, "op list");
+            match tokio::time::timeout_at(deadline, read).await {
+                Ok(read) => read?,
+                Err(_) => {
+                    let error = ConnError::OpListTimeout { batch_id, after: shared.config.op_list_timeout };
+                    return Err(self.protocol_error(stream, batch_id, error).await);
+                }
+            }
         }
 
         // The grant check: every op inside the named, live grant, before a
         // payload byte is read.
-        let list = std::mem::take(&mut self.ops);
-        let admitted =
-            Destinations::admit(&self.shared.memory, &header.grant, list, header.total_bytes, Instant::now());
-        let result = match admitted {
-            Ok(destinations) => {
-                let written = self.write_admitted(stream, &header, &destinations).await;
-                self.ops = destinations.into_list();
-                written
-            }
-            Err((list, DestinationError::LengthMismatch { declared, sum })) => {
-                self.ops = list;
+        let admitted = Destinations::admit(&shared.memory, &header.grant, list, header.total_bytes, Instant::now());
+        match admitted {
+            Ok(destinations) => self.write_admitted(stream, &header, destinations, &mut share).await,
+            Err((_, DestinationError::LengthMismatch { declared, sum })) => {
                 let error = ConnError::LengthMismatch { batch_id, declared, sum };
                 Err(self.protocol_error(stream, batch_id, error).await)
             }
             Err((_, DestinationError::Closed)) => Err(ConnError::Closed),
             Err((list, refusal)) => {
-                self.ops = list;
-                let reason = refusal.to_string();
-                warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, "refusing batch, nothing written");
-                // A pre-checked batch sends no payload after a refusal.
-                if !header.wants_precheck() {
-                    drain(stream, header.total_bytes, io_timeout).await?;
-                }
-                self.reply(stream, batch_id, ReplyStatus::Refused, &reason).await
+                drop(list);
+                share.release();
+                self.refuse(stream, &header, 0, &refusal.to_string()).await
             }
-        };
-        if self.ops.capacity() > KEEP_OPS_CAPACITY {
-            self.ops = Vec::new();
         }
-        result
+    }
+
+    /// Refuses a batch (logged), discarding the `unread` op-list entries
+    /// not read yet and, unless it was pre-checked, its payload, so the
+    /// connection stays usable.
+    async fn refuse(
+        &self,
+        stream: &mut TcpStream,
+        header: &BatchHeader,
+        unread: usize,
+        reason: &str,
+    ) -> Result<(), ConnError> {
+        let batch_id = header.batch_id;
+        warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, "refusing batch, nothing written");
+        self.discard(stream, header, unread).await?;
+        self.reply(stream, batch_id, ReplyStatus::Refused, reason).await
+    }
+
+    /// Reads and discards the `unread` op-list entries of a refused batch
+    /// and, unless it was pre-checked (no payload follows a refusal then),
+    /// its payload.
+    async fn discard(&self, stream: &mut TcpStream, header: &BatchHeader, unread: usize) -> Result<(), ConnError> {
+        let io_timeout = self.shared.config.io_timeout;
+        drain(stream, unread as u64 * OP_LEN as u64, io_timeout).await?;
+        if !header.wants_precheck() {
+            drain(stream, header.total_bytes, io_timeout).await?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a batch whose op list found no room in the budget (log line
+    /// rate-limited); the rest of it is discarded.
+    async fn refuse_for_room(
+        &self,
+        stream: &mut TcpStream,
+        header: &BatchHeader,
+        unread: usize,
+        no_room: NoRoom,
+    ) -> Result<(), ConnError> {
+        let shared = self.shared;
+        let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
+        let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+        if let Some(suppressed) = allowed {
+            warn!(peer = %self.peer, grant = %header.grant, batch_id = header.batch_id, ops = header.op_count,
+                budget = shared.op_lists.limit(), ?no_room, suppressed, "refusing batch: no room for its op list");
+        }
+        self.discard(stream, header, unread).await?;
+        self.reply(stream, header.batch_id, ReplyStatus::Refused, &reason).await
     }
 
     /// Receives an admitted batch's payload under its grant and replies.
@@ -287,21 +349,27 @@ impl Connection<'_> {
         &self,
         stream: &mut TcpStream,
         header: &BatchHeader,
-        destinations: &Destinations,
+        destinations: Destinations,
+        share: &mut Share<'_>,
     ) -> Result<(), ConnError> {
         let io_timeout = self.shared.config.io_timeout;
         let batch_id = header.batch_id;
         if header.wants_precheck() {
             self.reply(stream, batch_id, ReplyStatus::Ok, "").await?;
         }
-        match receive_payload(stream, destinations, io_timeout).await {
+        let received = receive_payload(stream, &destinations, io_timeout).await;
+        // The op list is done with: its memory goes back before the reply.
+        let total = destinations.total();
+        drop(destinations);
+        share.release();
+        match received {
             Ok(Received::All) => self.reply(stream, batch_id, ReplyStatus::Ok, "").await,
             Ok(Received::Revoked { remaining }) => {
                 if self.shared.memory.is_closed() {
                     return Err(ConnError::Closed);
                 }
                 let reason = format!("grant {} was revoked during the batch", header.grant);
-                let written = destinations.total() - remaining;
+                let written = total - remaining;
                 warn!(peer = %self.peer, grant = %header.grant, batch_id, written, remaining,
                     "grant revoked mid-batch: discarding the rest of the payload");
                 drain(stream, remaining, io_timeout).await?;

@@ -17,6 +17,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+use crate::budget::OpListBudget;
 use crate::client::{self, Pool};
 use crate::config::TcpConfig;
 use crate::memory::{LocalMemory, SourceError, Sources};
@@ -34,6 +35,10 @@ pub(crate) struct Shared {
     pub(crate) tracker: TaskTracker,
     pub(crate) pool: Pool,
     pub(crate) conn_limit: Arc<Semaphore>,
+    /// Op lists all incoming connections hold at once.
+    pub(crate) op_lists: OpListBudget,
+    /// Log lines about batches refused for want of op-list room.
+    pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     pub(crate) next_batch_id: AtomicU64,
@@ -83,6 +88,8 @@ impl TcpTransport {
             tracker: TaskTracker::new(),
             pool: Pool::new(config.max_idle_conns_per_peer),
             conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            op_lists: OpListBudget::new(config.op_list_budget_in_force()),
+            budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             next_batch_id: AtomicU64::new(0),
@@ -117,6 +124,17 @@ impl TcpTransport {
     /// Idle outgoing connections currently pooled, over all peers.
     pub fn idle_connections(&self) -> usize {
         self.shared.pool.len()
+    }
+
+    /// Bytes of op lists incoming batches hold now (charged to the op-list
+    /// budget in force, [`TcpConfig::op_list_budget_in_force`]).
+    pub fn op_list_bytes(&self) -> u64 {
+        self.shared.op_lists.used()
+    }
+
+    /// The most bytes of op lists incoming batches ever held at once.
+    pub fn op_list_bytes_peak(&self) -> u64 {
+        self.shared.op_lists.peak()
     }
 
     /// Grants issued and neither revoked nor expired and purged.

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{check, dst_ranges, fill, ops, Node, RawClient, BOUND};
+use common::{check, dst_ranges, fill, isolated, ops, Node, RawClient, BOUND};
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, GrantId, TransportError};
@@ -31,30 +31,31 @@ fn config(secret: Option<&str>) -> TcpConfig {
 #[case::receiver_requires_it(None, Some(SECRET), Some("requires the data-plane shared secret"))]
 #[case::sender_requires_it(Some(SECRET), None, Some("has no data-plane shared secret"))]
 #[case::different_secrets(Some("guess"), Some(SECRET), Some("failed to prove"))]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batches_flow_only_between_peers_proving_the_same_secret(
+fn batches_flow_only_between_peers_proving_the_same_secret(
     #[case] sender: Option<&str>,
     #[case] receiver: Option<&str>,
     #[case] refusal: Option<&str>,
 ) {
-    let mut a = Node::new(config(sender), 1 << 16).await;
-    let b = Node::new(config(receiver), 1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 8, 1024);
-    fill(&mut a.buf, &batch);
-    let grant = b.grant(&dst_ranges(&batch)).await;
-    let result = a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await;
-    match refusal {
-        None => {
-            result.unwrap();
-            check(&b.buf, &batch);
+    isolated(async move {
+        let mut a = Node::new(config(sender), 1 << 16).await;
+        let b = Node::new(config(receiver), 1 << 16).await;
+        let batch = ops(&a.buf, &b.buf, 8, 1024);
+        fill(&mut a.buf, &batch);
+        let grant = b.grant(&dst_ranges(&batch)).await;
+        let result = a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await;
+        match refusal {
+            None => {
+                result.unwrap();
+                check(&b.buf, &batch);
+            }
+            Some(expected) => {
+                let err = result.unwrap_err();
+                assert!(matches!(err, TransportError::Connect { .. }), "{err:?}");
+                assert!(err.to_string().contains(expected), "{err}");
+                assert!(b.buf.is_zero(), "nothing lands without authentication");
+            }
         }
-        Some(expected) => {
-            let err = result.unwrap_err();
-            assert!(matches!(err, TransportError::Connect { .. }), "{err:?}");
-            assert!(err.to_string().contains(expected), "{err}");
-            assert!(b.buf.is_zero(), "nothing lands without authentication");
-        }
-    }
+    });
 }
 
 /// A raw client's authentication exchange up to its proof.
@@ -148,8 +149,7 @@ enum ForgedProof {
 }
 
 #[rstest]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_proof_not_made_for_this_connection_is_refused(
+fn a_proof_not_made_for_this_connection_is_refused(
     #[values(
         ForgedProof::SideChannel,
         ForgedProof::DataQuic,
@@ -162,69 +162,75 @@ async fn a_proof_not_made_for_this_connection_is_refused(
     )]
     forged: ForgedProof,
 ) {
-    let b = Node::new(config(Some(SECRET)), 1 << 16).await;
-    let secret = AuthSecret::new(SECRET);
-    let mut exchange = Exchange::start(&b).await;
-    let context = exchange.context();
-    let proof = match forged {
-        ForgedProof::SideChannel => auth::client_proof(&secret, &exchange.transcript(Channel::SideChannel, &context)),
-        ForgedProof::DataQuic => auth::client_proof(&secret, &exchange.transcript(Channel::DataQuic, &context)),
-        ForgedProof::NoncesSwapped => auth::client_proof(
-            &secret,
-            &Transcript {
-                channel: Channel::DataTcp,
-                client_nonce: &exchange.server_nonce,
-                server_nonce: &exchange.client_nonce,
-                context: &context,
-            },
-        ),
-        ForgedProof::Reflected => exchange.server_proof,
-        ForgedProof::ServerRole => auth::server_proof(&secret, &exchange.transcript(Channel::DataTcp, &context)),
-        ForgedProof::ShortContext => {
-            auth::client_proof(&secret, &exchange.transcript(Channel::DataTcp, &exchange.preamble))
-        }
-        ForgedProof::OtherSecret => {
-            auth::client_proof(&AuthSecret::new("guess"), &exchange.transcript(Channel::DataTcp, &context))
-        }
-        ForgedProof::Zeros => [0u8; AUTH_TAG_LEN],
-    };
-    assert_eq!(exchange.prove(&proof).await, AUTH_FAILED, "{forged:?} was accepted");
-    assert!(exchange.client.until_closed().await.is_empty(), "the receiver closes after a failed proof");
+    isolated(async move {
+        let b = Node::new(config(Some(SECRET)), 1 << 16).await;
+        let secret = AuthSecret::new(SECRET);
+        let mut exchange = Exchange::start(&b).await;
+        let context = exchange.context();
+        let proof = match forged {
+            ForgedProof::SideChannel => {
+                auth::client_proof(&secret, &exchange.transcript(Channel::SideChannel, &context))
+            }
+            ForgedProof::DataQuic => auth::client_proof(&secret, &exchange.transcript(Channel::DataQuic, &context)),
+            ForgedProof::NoncesSwapped => auth::client_proof(
+                &secret,
+                &Transcript {
+                    channel: Channel::DataTcp,
+                    client_nonce: &exchange.server_nonce,
+                    server_nonce: &exchange.client_nonce,
+                    context: &context,
+                },
+            ),
+            ForgedProof::Reflected => exchange.server_proof,
+            ForgedProof::ServerRole => auth::server_proof(&secret, &exchange.transcript(Channel::DataTcp, &context)),
+            ForgedProof::ShortContext => {
+                auth::client_proof(&secret, &exchange.transcript(Channel::DataTcp, &exchange.preamble))
+            }
+            ForgedProof::OtherSecret => {
+                auth::client_proof(&AuthSecret::new("guess"), &exchange.transcript(Channel::DataTcp, &context))
+            }
+            ForgedProof::Zeros => [0u8; AUTH_TAG_LEN],
+        };
+        assert_eq!(exchange.prove(&proof).await, AUTH_FAILED, "{forged:?} was accepted");
+        assert!(exchange.client.until_closed().await.is_empty(), "the receiver closes after a failed proof");
 
-    // The right proof on a new connection is accepted, and a batch flows.
-    let mut honest = Exchange::start(&b).await;
-    let context = honest.context();
-    let proof = auth::client_proof(&secret, &honest.transcript(Channel::DataTcp, &context));
-    assert_eq!(honest.prove(&proof).await, AUTH_OK);
-    let grant = b.grant_all().await;
-    let base = b.buf.addr();
-    honest.client.batch(1, grant.id, &[(base, 4)], 4, &[1, 2, 3, 4]).await;
-    assert_eq!(honest.client.reply().await.0.status, ReplyStatus::Ok);
-    b.transport.revoke(&grant.id).await;
-    assert_eq!(&b.buf.bytes()[..5], &[1, 2, 3, 4, 0]);
+        // The right proof on a new connection is accepted, and a batch flows.
+        let mut honest = Exchange::start(&b).await;
+        let context = honest.context();
+        let proof = auth::client_proof(&secret, &honest.transcript(Channel::DataTcp, &context));
+        assert_eq!(honest.prove(&proof).await, AUTH_OK);
+        let grant = b.grant_all().await;
+        let base = b.buf.addr();
+        honest.client.batch(1, grant.id, &[(base, 4)], 4, &[1, 2, 3, 4]).await;
+        assert_eq!(honest.client.reply().await.0.status, ReplyStatus::Ok);
+        b.transport.revoke(&grant.id).await;
+        assert_eq!(&b.buf.bytes()[..5], &[1, 2, 3, 4, 0]);
+    });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_proof_writes_nothing_and_the_receiver_keeps_serving() {
-    let b = Node::new(config(Some(SECRET)), 1 << 16).await;
-    let grant = b.grant_all().await;
-    let mut exchange = Exchange::start(&b).await;
-    assert_eq!(exchange.prove(&[0u8; AUTH_TAG_LEN]).await, AUTH_FAILED);
-    // A batch sent after the refused proof is never read.
-    exchange.client.batch(1, grant.id, &[(b.buf.addr(), 4)], 4, &[9; 4]).await;
-    exchange.client.until_closed().await;
-    assert!(b.buf.is_zero());
+#[test]
+fn a_failed_proof_writes_nothing_and_the_receiver_keeps_serving() {
+    isolated(async move {
+        let b = Node::new(config(Some(SECRET)), 1 << 16).await;
+        let grant = b.grant_all().await;
+        let mut exchange = Exchange::start(&b).await;
+        assert_eq!(exchange.prove(&[0u8; AUTH_TAG_LEN]).await, AUTH_FAILED);
+        // A batch sent after the refused proof is never read.
+        exchange.client.batch(1, grant.id, &[(b.buf.addr(), 4)], 4, &[9; 4]).await;
+        exchange.client.until_closed().await;
+        assert!(b.buf.is_zero());
 
-    let mut unannounced = RawClient::connect(&b).await;
-    unannounced.send(&Preamble::current().encode()).await;
-    assert_eq!(unannounced.accept().await.status, AcceptStatus::AuthRequired);
-    unannounced.until_closed().await;
+        let mut unannounced = RawClient::connect(&b).await;
+        unannounced.send(&Preamble::current().encode()).await;
+        assert_eq!(unannounced.accept().await.status, AcceptStatus::AuthRequired);
+        unannounced.until_closed().await;
 
-    let mut a = Node::new(config(Some(SECRET)), 1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 4, 512);
-    fill(&mut a.buf, &batch);
-    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
-    check(&b.buf, &batch);
+        let mut a = Node::new(config(Some(SECRET)), 1 << 16).await;
+        let batch = ops(&a.buf, &b.buf, 4, 512);
+        fill(&mut a.buf, &batch);
+        a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
+        check(&b.buf, &batch);
+    });
 }
 
 /// Which part of the handshake a slow client dribbles.
@@ -242,100 +248,103 @@ enum Dribble {
 /// overall deadline cuts the connection off anyway, long before the bytes
 /// would be complete.
 #[rstest]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
+fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
     #[values(Dribble::Preamble, Dribble::PreambleAndNonce, Dribble::Proof)] dribble: Dribble,
 ) {
-    const DEADLINE: Duration = Duration::from_millis(600);
-    const INTERVAL: Duration = Duration::from_millis(150);
-    let secret = match dribble {
-        Dribble::Preamble => None,
-        Dribble::PreambleAndNonce | Dribble::Proof => Some(SECRET),
-    };
-    let config = TcpConfig {
-        handshake_timeout: DEADLINE,
-        io_timeout: Duration::from_secs(30),
-        auth_secret: secret.map(AuthSecret::new),
-        ..TcpConfig::default()
-    };
-    let b = Node::new(config, 1 << 16).await;
-    let started = Instant::now();
-    let (mut client, bytes) = match dribble {
-        Dribble::Preamble => (RawClient::connect(&b).await, Preamble::current().encode().to_vec()),
-        Dribble::PreambleAndNonce => {
-            let mut bytes = Preamble { version: VERSION, flags: FLAG_AUTH }.encode().to_vec();
-            bytes.extend_from_slice(&[7; AUTH_TAG_LEN]);
-            (RawClient::connect(&b).await, bytes)
-        }
-        Dribble::Proof => (Exchange::start(&b).await.client, [0u8; AUTH_TAG_LEN].to_vec()),
-    };
-    // Dribbling all of it would take bytes.len() × INTERVAL: 1.2 s for the
-    // 8-byte preamble, 4.8 s for the proof, 6 s for preamble and nonce.
-    assert!(INTERVAL * bytes.len() as u32 >= 2 * DEADLINE);
-    let (mut reader, mut writer) = client.stream.split();
-    let dribbling = async {
-        let mut ticks = tokio::time::interval(INTERVAL);
-        for byte in &bytes {
-            ticks.tick().await;
-            if writer.write_all(&[*byte]).await.is_err() {
-                break;
+    isolated(async move {
+        const DEADLINE: Duration = Duration::from_millis(600);
+        const INTERVAL: Duration = Duration::from_millis(150);
+        let secret = match dribble {
+            Dribble::Preamble => None,
+            Dribble::PreambleAndNonce | Dribble::Proof => Some(SECRET),
+        };
+        let config = TcpConfig {
+            handshake_timeout: DEADLINE,
+            io_timeout: Duration::from_secs(30),
+            auth_secret: secret.map(AuthSecret::new),
+            ..TcpConfig::default()
+        };
+        let b = Node::new(config, 1 << 16).await;
+        let started = Instant::now();
+        let (mut client, bytes) = match dribble {
+            Dribble::Preamble => (RawClient::connect(&b).await, Preamble::current().encode().to_vec()),
+            Dribble::PreambleAndNonce => {
+                let mut bytes = Preamble { version: VERSION, flags: FLAG_AUTH }.encode().to_vec();
+                bytes.extend_from_slice(&[7; AUTH_TAG_LEN]);
+                (RawClient::connect(&b).await, bytes)
             }
+            Dribble::Proof => (Exchange::start(&b).await.client, [0u8; AUTH_TAG_LEN].to_vec()),
+        };
+        // Dribbling all of it would take bytes.len() × INTERVAL: 1.2 s for the
+        // 8-byte preamble, 4.8 s for the proof, 6 s for preamble and nonce.
+        assert!(INTERVAL * bytes.len() as u32 >= 2 * DEADLINE);
+        let (mut reader, mut writer) = client.stream.split();
+        let dribbling = async {
+            let mut ticks = tokio::time::interval(INTERVAL);
+            for byte in &bytes {
+                ticks.tick().await;
+                if writer.write_all(&[*byte]).await.is_err() {
+                    break;
+                }
+            }
+            // Everything sent: wait for the receiver's end.
+            std::future::pending::<()>().await;
+        };
+        let closed = async {
+            let mut sink = Vec::new();
+            let _ = reader.read_to_end(&mut sink).await;
+        };
+        tokio::select! {
+            () = dribbling => unreachable!(),
+            () = closed => {}
+            () = tokio::time::sleep(BOUND) => panic!("the dribbling connection was never cut off"),
         }
-        // Everything sent: wait for the receiver's end.
-        std::future::pending::<()>().await;
-    };
-    let closed = async {
-        let mut sink = Vec::new();
-        let _ = reader.read_to_end(&mut sink).await;
-    };
-    tokio::select! {
-        () = dribbling => unreachable!(),
-        () = closed => {}
-        () = tokio::time::sleep(BOUND) => panic!("the dribbling connection was never cut off"),
-    }
-    let lived = started.elapsed();
-    assert!(lived >= DEADLINE, "cut off after {lived:?}, before the deadline");
-    assert!(
-        lived < DEADLINE + Duration::from_millis(1500),
-        "{dribble:?}: cut off only after {lived:?} (the deadline is {DEADLINE:?})"
-    );
+        let lived = started.elapsed();
+        assert!(lived >= DEADLINE, "cut off after {lived:?}, before the deadline");
+        assert!(
+            lived < DEADLINE + Duration::from_millis(1500),
+            "{dribble:?}: cut off only after {lived:?} (the deadline is {DEADLINE:?})"
+        );
 
-    // The receiver serves an honest sender meanwhile and afterwards.
-    let mut a =
-        Node::new(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, 1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 4, 256);
-    fill(&mut a.buf, &batch);
-    let grant = b.grant(&dst_ranges(&batch)).await;
-    a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
-    check(&b.buf, &batch);
+        // The receiver serves an honest sender meanwhile and afterwards.
+        let mut a =
+            Node::new(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, 1 << 16).await;
+        let batch = ops(&a.buf, &b.buf, 4, 256);
+        fill(&mut a.buf, &batch);
+        let grant = b.grant(&dst_ranges(&batch)).await;
+        a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
+        check(&b.buf, &batch);
+    });
 }
 
 /// The handshake deadline covers the handshake only: an authenticated
 /// connection idles up to `idle_timeout` and carries batches long after it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_deadline_ends_with_the_handshake() {
-    let config = TcpConfig {
-        handshake_timeout: Duration::from_millis(300),
-        auth_secret: Some(AuthSecret::new(SECRET)),
-        ..TcpConfig::default()
-    };
-    let b = Node::new(config, 1 << 16).await;
-    let secret = AuthSecret::new(SECRET);
-    let mut exchange = Exchange::start(&b).await;
-    let context = exchange.context();
-    let proof = auth::client_proof(&secret, &exchange.transcript(Channel::DataTcp, &context));
-    assert_eq!(exchange.prove(&proof).await, AUTH_OK);
-    let grant = b.grant_all().await;
-    let base = b.buf.addr();
-    // Three handshake deadlines later, one batch at a time.
-    for i in 0..3u8 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        exchange.client.batch(u64::from(i), grant.id, &[(base + u64::from(i), 1)], 1, &[i + 1]).await;
-        assert_eq!(exchange.client.reply().await.0.status, ReplyStatus::Ok);
-    }
-    let forged = GrantId::from_bytes([1; 16]);
-    exchange.client.batch(9, forged, &[(base, 1)], 1, &[0xFF]).await;
-    assert_eq!(exchange.client.reply().await.0.status, ReplyStatus::Refused);
-    b.transport.revoke(&grant.id).await;
-    assert_eq!(&b.buf.bytes()[..4], &[1, 2, 3, 0]);
+#[test]
+fn the_deadline_ends_with_the_handshake() {
+    isolated(async move {
+        let config = TcpConfig {
+            handshake_timeout: Duration::from_millis(300),
+            auth_secret: Some(AuthSecret::new(SECRET)),
+            ..TcpConfig::default()
+        };
+        let b = Node::new(config, 1 << 16).await;
+        let secret = AuthSecret::new(SECRET);
+        let mut exchange = Exchange::start(&b).await;
+        let context = exchange.context();
+        let proof = auth::client_proof(&secret, &exchange.transcript(Channel::DataTcp, &context));
+        assert_eq!(exchange.prove(&proof).await, AUTH_OK);
+        let grant = b.grant_all().await;
+        let base = b.buf.addr();
+        // Three handshake deadlines later, one batch at a time.
+        for i in 0..3u8 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            exchange.client.batch(u64::from(i), grant.id, &[(base + u64::from(i), 1)], 1, &[i + 1]).await;
+            assert_eq!(exchange.client.reply().await.0.status, ReplyStatus::Ok);
+        }
+        let forged = GrantId::from_bytes([1; 16]);
+        exchange.client.batch(9, forged, &[(base, 1)], 1, &[0xFF]).await;
+        assert_eq!(exchange.client.reply().await.0.status, ReplyStatus::Refused);
+        b.transport.revoke(&grant.id).await;
+        assert_eq!(&b.buf.bytes()[..4], &[1, 2, 3, 0]);
+    });
 }

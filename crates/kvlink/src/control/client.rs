@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
+use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{BlockId, KvRole, KvTransferParams, Protocol, ReqId};
-use kv_worker::CacheShape;
+use kv_worker::{AuthSecret, CacheShape};
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
@@ -25,6 +26,8 @@ pub struct ControlClient {
     peer: SocketAddr,
     local: SocketAddr,
     call_timeout: Duration,
+    /// The server's idle timeout, once welcomed.
+    idle_timeout: Option<Duration>,
 }
 
 /// Splits `HOST[:PORT]` (IPv6 as `[ADDR]:PORT` or bare), the port
@@ -83,7 +86,7 @@ impl ControlClient {
             stream.peer_addr().map_err(|error| ControlError::Unreachable { target: target.to_owned(), error })?;
         let local = stream.local_addr().map_err(|error| ControlError::Io { peer, error })?;
         let _ = stream.set_nodelay(true);
-        Ok(Self { framed: Framed::new(stream, codec()), peer, local, call_timeout })
+        Ok(Self { framed: Framed::new(stream, codec()), peer, local, call_timeout, idle_timeout: None })
     }
 
     /// The server's address.
@@ -104,11 +107,26 @@ impl ControlClient {
         self.bad(format!("expected a {expected} reply, got {}", got.kind()))
     }
 
+    fn auth_error(&self, reason: impl Into<String>) -> ControlError {
+        ControlError::Auth { peer: self.peer, reason: reason.into() }
+    }
+
     /// Sends `msg` and waits (bounded by `wait`) for the reply; an `error`
     /// reply is [`ControlError::Refused`].
     async fn call(&mut self, msg: &ClientMsg, call: &'static str, wait: Duration) -> Result<ServerMsg, ControlError> {
         let peer = self.peer;
         let frame = serde_json::to_vec(msg).map_err(|e| ControlError::Io { peer, error: e.into() })?;
+        self.exchange(frame, call, wait).await
+    }
+
+    /// Sends one encoded message and waits (bounded by `wait`) for the reply.
+    async fn exchange(
+        &mut self,
+        frame: Vec<u8>,
+        call: &'static str,
+        wait: Duration,
+    ) -> Result<ServerMsg, ControlError> {
+        let peer = self.peer;
         let exchange = async {
             self.framed.send(Bytes::from(frame)).await.map_err(|error| ControlError::Io { peer, error })?;
             match self.framed.next().await {
@@ -133,28 +151,86 @@ impl ControlClient {
     }
 
     /// Opens the session: the server starts an instance with `shape`;
-    /// returns its role (the client runs the other one).
+    /// returns its role (the client runs the other one). With `secret`, the
+    /// server must prove it (and this client proves it to the server)
+    /// before anything else happens.
     pub async fn hello(
         &mut self,
         shape: CacheShape,
         pattern: BlockPattern,
         protocol: Protocol,
         verify: bool,
+        secret: Option<&AuthSecret>,
     ) -> Result<KvRole, ControlError> {
-        let hello = ClientMsg::Hello { version: CONTROL_VERSION, shape: shape.into(), pattern, protocol, verify };
-        let reply = match self.call(&hello, "hello", self.call_timeout).await {
-            Err(ControlError::Closed { .. }) => return Err(self.bad("the connection closed before a welcome")),
+        let client_nonce = match secret {
+            Some(_) => Some(auth::fresh_nonce().ok_or_else(|| self.auth_error("no OS randomness for a nonce"))?),
+            None => None,
+        };
+        let hello =
+            ClientMsg::Hello { version: CONTROL_VERSION, shape: shape.into(), pattern, protocol, verify, client_nonce };
+        // The proofs are bound to the hello exactly as sent.
+        let frame = serde_json::to_vec(&hello).map_err(|e| ControlError::Io { peer: self.peer, error: e.into() })?;
+        let closed = |c: &Self| ControlError::ClosedEarly { peer: c.peer };
+        let mut reply = match self.exchange(frame.clone(), "hello", self.call_timeout).await {
+            Err(ControlError::Closed { .. }) => return Err(closed(self)),
             other => other?,
         };
+        match (secret.zip(client_nonce), &reply) {
+            (Some((secret, client_nonce)), ServerMsg::Challenge { server_nonce, server_proof }) => {
+                let transcript = Transcript {
+                    channel: Channel::Control,
+                    client_nonce: &client_nonce,
+                    server_nonce,
+                    context: &frame,
+                };
+                if !auth::verify_server_proof(secret, &transcript, server_proof) {
+                    return Err(self.auth_error(
+                        "it failed to prove the shared secret (its --auth-secret-file differs from this one)",
+                    ));
+                }
+                let proof = ClientMsg::Proof { proof: auth::client_proof(secret, &transcript) };
+                reply = match self.call(&proof, "proof", self.call_timeout).await {
+                    Err(ControlError::Closed { .. }) => return Err(closed(self)),
+                    other => other?,
+                };
+            }
+            (Some(_), ServerMsg::Welcome { .. }) => {
+                return Err(self.auth_error(
+                    "it did not prove the shared secret (it runs without --auth-secret-file; refusing it)",
+                ));
+            }
+            (None, ServerMsg::Challenge { .. }) => {
+                return Err(self.auth_error("it requires the shared secret: pass --auth-secret-file"));
+            }
+            _ => {}
+        }
         match reply {
             ServerMsg::Welcome { version, .. } if version != CONTROL_VERSION => {
                 Err(self.bad(format!("it speaks control protocol version {version}, this client {CONTROL_VERSION}")))
             }
-            ServerMsg::Welcome { role: role @ (KvRole::Producer | KvRole::Consumer), .. } => Ok(role),
+            ServerMsg::Welcome { role: role @ (KvRole::Producer | KvRole::Consumer), idle_timeout_ms, .. } => {
+                self.idle_timeout = Some(Duration::from_millis(idle_timeout_ms));
+                Ok(role)
+            }
             ServerMsg::Welcome { role, .. } => {
                 Err(self.bad(format!("it serves role {role}, not a producer or consumer")))
             }
             other => Err(self.unexpected("welcome", &other)),
+        }
+    }
+
+    /// How often to [`ControlClient::ping`] while this side waits on its
+    /// own: a third of the server's idle timeout.
+    pub fn keepalive_interval(&self) -> Duration {
+        self.idle_timeout.map_or(self.call_timeout, |idle| idle / 3).max(Duration::from_millis(10))
+    }
+
+    /// Keeps the session alive (the server ends one with no call for its
+    /// idle timeout).
+    pub async fn ping(&mut self) -> Result<(), ControlError> {
+        match self.call(&ClientMsg::Ping, "ping", self.call_timeout).await? {
+            ServerMsg::Pong => Ok(()),
+            other => Err(self.unexpected("pong", &other)),
         }
     }
 

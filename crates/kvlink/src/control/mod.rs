@@ -4,10 +4,29 @@
 //! channel, which it never touches.
 //!
 //! One TCP connection per session. Each frame is a 4-byte big-endian length
-//! and a JSON object, bounded by [`MAX_FRAME_LEN`]. The client sends
+//! and a JSON object, bounded by [`MAX_HANDSHAKE_FRAME_LEN`] until the
+//! session is established and by [`MAX_FRAME_LEN`] after. The client sends
 //! [`ClientMsg::Hello`] (protocol version, cache shape, block pattern,
-//! transport, whether to verify); the server starts an instance of its role
-//! with that shape and answers [`ServerMsg::Welcome`] naming its role. Then
+//! transport, whether to verify, and its nonce if it holds the shared
+//! secret). With a shared secret on both sides, the two prove it to each
+//! other before the server does anything else:
+//!
+//! ```text
+//! client → server  hello {.., client_nonce}
+//! server → client  challenge {server_nonce, server_proof}
+//! client → server  proof {proof}            (after checking server_proof)
+//! ```
+//!
+//! The proofs are [`kv_proto::auth`]'s, for
+//! [`kv_proto::auth::Channel::Control`], bound to both nonces and to the
+//! hello frame exactly as sent: a proof made for the side channel or a data
+//! plane, for another connection, or reflected from the server, is
+//! worthless here. A server with a secret refuses a hello without a nonce; a
+//! server without one refuses a hello with one; a client with a secret
+//! refuses a server that does not prove it.
+//!
+//! Then the server starts an instance of its role with that shape and
+//! answers [`ServerMsg::Welcome`] naming its role and its idle timeout, and
 //! the client makes strictly alternating calls, one reply each:
 //!
 //! | client | server (producer) | server (consumer) |
@@ -17,18 +36,22 @@
 //! | `schedule {pulls}` | error | `scheduled {blocks}` |
 //! | `complete {timeout_ms}` | error | `completions {items}` |
 //! | `stats` | `stats {cpu_seconds, peak_rss_bytes}` | same |
+//! | `ping` | `pong` | same |
 //! | `bye` | `bye`, after its worker shut down | same |
 //!
-//! Any refusal is `error {message}`, after which the server closes the
-//! connection. Peer input is untrusted on both sides: frames are bounded,
-//! decoding is fallible, the shape and every request are checked before the
-//! server allocates or schedules anything.
+//! A session with no call for the server's idle timeout is ended (a client
+//! that waits on its own side meanwhile sends `ping`). Any refusal is
+//! `error {message}`, after which the server closes the connection. Peer
+//! input is untrusted on both sides: frames are bounded, decoding is
+//! fallible, the shape and every request are checked before the server
+//! allocates or schedules anything.
 
 mod client;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kv_proto::auth::{Nonce, Proof};
 use kv_proto::{BlockId, KvRole, LayoutKind, Protocol, ReqId};
 use kv_worker::{CacheDims, CacheShape};
 use serde::{Deserialize, Serialize};
@@ -40,7 +63,7 @@ use crate::engine::{Completion, PromptSpec};
 pub use client::{ControlClient, RemoteDecode, RemotePrefill};
 
 /// Version of this protocol; both sides must speak the same.
-pub const CONTROL_VERSION: u32 = 1;
+pub const CONTROL_VERSION: u32 = 2;
 
 /// Default port of `kvlink serve`'s control listener.
 pub const DEFAULT_CONTROL_PORT: u16 = 18998;
@@ -57,9 +80,21 @@ pub const MAX_BLOCKS: u64 = 1 << 20;
 /// Bound on the regions of a cache a client may ask for.
 pub const MAX_REGIONS: u32 = 4096;
 
-/// The codec of the control connection: length-delimited frames, bounded.
+/// Bound on one frame before the session is established (the hello and the
+/// authentication proof are a few hundred bytes): a peer that has not been
+/// admitted cannot make the server buffer more.
+pub const MAX_HANDSHAKE_FRAME_LEN: usize = 64 * 1024;
+
+/// The codec of an established control connection: length-delimited
+/// frames, bounded by [`MAX_FRAME_LEN`].
 pub fn codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(MAX_FRAME_LEN).new_codec()
+}
+
+/// The codec of a control connection the server has not admitted yet:
+/// frames bounded by [`MAX_HANDSHAKE_FRAME_LEN`].
+pub fn handshake_codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder().max_frame_length(MAX_HANDSHAKE_FRAME_LEN).new_codec()
 }
 
 /// A cache shape as the control protocol carries it.
@@ -212,6 +247,15 @@ pub enum ClientMsg {
         protocol: Protocol,
         /// Whether KV is written (P) and checked (D).
         verify: bool,
+        /// The client's nonce, when it holds the shared secret (the server
+        /// then answers with a challenge).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        client_nonce: Option<Nonce>,
+    },
+    /// The client's proof of the shared secret, answering a challenge.
+    Proof {
+        /// Its proof over the transcript.
+        proof: Proof,
     },
     /// Producer: prefill these requests in one step.
     Prefill {
@@ -235,6 +279,8 @@ pub enum ClientMsg {
     },
     /// The server's process figures.
     Stats,
+    /// Keeps the session alive while the client waits on its own side.
+    Ping,
     /// Ends the session.
     Bye,
 }
@@ -243,12 +289,22 @@ pub enum ClientMsg {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerMsg {
+    /// The server holds the shared secret: it proves it, and asks the
+    /// client to.
+    Challenge {
+        /// The server's nonce.
+        server_nonce: Nonce,
+        /// The server's proof over the transcript.
+        server_proof: Proof,
+    },
     /// Hello accepted; the server's instance is up.
     Welcome {
         /// [`CONTROL_VERSION`] of the server.
         version: u32,
         /// The server's role: the client runs the other one.
         role: KvRole,
+        /// The server ends a session with no call for this long, milliseconds.
+        idle_timeout_ms: u64,
     },
     /// Reply to `prefill`, one item per prompt, in order.
     Prefilled {
@@ -277,6 +333,8 @@ pub enum ServerMsg {
         /// Peak resident set of the process, bytes.
         peak_rss_bytes: u64,
     },
+    /// Reply to `ping`.
+    Pong,
     /// Reply to `bye`: the session's worker is shut down.
     Bye,
     /// A refusal; the server closes the connection after it.
@@ -289,12 +347,14 @@ pub enum ServerMsg {
 impl ServerMsg {
     fn kind(&self) -> &'static str {
         match self {
+            ServerMsg::Challenge { .. } => "challenge",
             ServerMsg::Welcome { .. } => "welcome",
             ServerMsg::Prefilled { .. } => "prefilled",
             ServerMsg::Drained { .. } => "drained",
             ServerMsg::Scheduled { .. } => "scheduled",
             ServerMsg::Completions { .. } => "completions",
             ServerMsg::Stats { .. } => "stats",
+            ServerMsg::Pong => "pong",
             ServerMsg::Bye => "bye",
             ServerMsg::Error { .. } => "error",
         }
@@ -344,6 +404,15 @@ pub enum ControlError {
         /// The server.
         peer: SocketAddr,
     },
+    /// The server closed the connection before welcoming this client.
+    #[error(
+        "kvlink serve at {peer} closed the connection before a welcome \
+         (too many clients connecting at once, or not a kvlink serve control port?)"
+    )]
+    ClosedEarly {
+        /// The server.
+        peer: SocketAddr,
+    },
     /// A socket error.
     #[error("control connection to {peer}: {error}")]
     Io {
@@ -358,6 +427,15 @@ pub enum ControlError {
         /// The server.
         peer: SocketAddr,
         /// Why.
+        reason: String,
+    },
+    /// The shared-secret exchange failed on this side (the server did not
+    /// prove the secret, or this side has no randomness for a nonce).
+    #[error("kvlink serve at {peer}: {reason}")]
+    Auth {
+        /// The server.
+        peer: SocketAddr,
+        /// Why, one line.
         reason: String,
     },
     /// The server refused (its message says why).
@@ -407,6 +485,7 @@ mod tests {
             pattern: BlockPattern::Random,
             protocol: Protocol::Tcp,
             verify: true,
+            client_nonce: Some([7; 32]),
         };
         let text = serde_json::to_vec(&hello).unwrap();
         assert_eq!(serde_json::from_slice::<ClientMsg>(&text).unwrap(), hello);
@@ -420,9 +499,15 @@ mod tests {
         };
         let text = serde_json::to_vec(&reply).unwrap();
         assert_eq!(serde_json::from_slice::<ServerMsg>(&text).unwrap(), reply);
-        for garbage in
-            [&b"{}"[..], b"[1,2]", b"{\"type\":\"prefill\"}", b"\xff\x00", b"{\"type\":\"hello\",\"version\":-1}"]
-        {
+        for garbage in [
+            &b"{}"[..],
+            b"[1,2]",
+            b"{\"type\":\"prefill\"}",
+            b"\xff\x00",
+            b"{\"type\":\"hello\",\"version\":-1}",
+            b"{\"type\":\"proof\",\"proof\":[1,2,3]}",
+            b"{\"type\":\"proof\",\"proof\":\"not bytes\"}",
+        ] {
             assert!(serde_json::from_slice::<ClientMsg>(garbage).is_err(), "{garbage:?}");
         }
     }

@@ -1,0 +1,113 @@
+//! The op-list budget every incoming connection of one transport shares
+//! ([`crate::TcpConfig::op_list_budget`]): a batch's share grows as its op
+//! list arrives, waits (bounded) for room when there is none (or gives way
+//! at once if it holds an equal share of the budget or more, so batches
+//! that wait for each other cannot lock it up), and is given back, waking
+//! the waiters, when the batch is done.
+
+use std::sync::Arc;
+
+use kv_proto::{Charge, MemoryBudget};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// The budget and the waiters for room in it.
+#[derive(Debug)]
+pub(crate) struct OpListBudget {
+    budget: Arc<MemoryBudget>,
+    room: Notify,
+}
+
+impl OpListBudget {
+    pub(crate) fn new(limit: u64) -> Self {
+        Self { budget: MemoryBudget::new(limit), room: Notify::new() }
+    }
+
+    /// The bound, bytes.
+    pub(crate) fn limit(&self) -> u64 {
+        self.budget.limit()
+    }
+
+    /// Bytes held now.
+    pub(crate) fn used(&self) -> u64 {
+        self.budget.used()
+    }
+
+    /// The most bytes ever held at once.
+    pub(crate) fn peak(&self) -> u64 {
+        self.budget.peak()
+    }
+
+    /// An empty share, for one batch.
+    pub(crate) fn share(&self) -> Share<'_> {
+        Share { charge: self.budget.charge(), room: &self.room }
+    }
+}
+
+/// Why a share could not grow.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum NoRoom {
+    /// The budget stayed full until the deadline.
+    Timeout,
+    /// The budget is full and this batch holds an equal share of it or
+    /// more (`held` bytes, among `holders` batches): it gives way.
+    GiveWay { held: u64, holders: u64 },
+}
+
+/// One batch's share of the budget; given back (and waiters woken) on drop.
+pub(crate) struct Share<'a> {
+    charge: Charge,
+    room: &'a Notify,
+}
+
+impl Share<'_> {
+    /// Takes `more` bytes, waiting for room until `deadline`; on `Err`
+    /// nothing was taken.
+    pub(crate) async fn grow(&mut self, more: u64, deadline: Instant) -> Result<(), NoRoom> {
+        loop {
+            // Registered before the attempt, so a release between the two
+            // is not missed.
+            let released = self.room.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if self.charge.try_grow(more) {
+                return Ok(());
+            }
+            if self.charge.holds_fair_share() {
+                return Err(NoRoom::GiveWay { held: self.charge.bytes(), holders: self.charge.budget().holders() });
+            }
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                return Err(NoRoom::Timeout);
+            }
+        }
+    }
+
+    /// Gives every byte back now and wakes the waiters.
+    pub(crate) fn release(&mut self) {
+        if self.charge.release() > 0 {
+            self.room.notify_waiters();
+        }
+    }
+}
+
+impl NoRoom {
+    /// Why the batch is refused, for its sender.
+    pub(crate) fn reason(self, ops: u64, limit: u64, timeout: std::time::Duration) -> String {
+        match self {
+            NoRoom::Timeout => format!(
+                "no room for the op list of {ops} ops within {timeout:?}: the receiver's op-list budget of {limit} \
+                 bytes is held by other batches; try again"
+            ),
+            NoRoom::GiveWay { held, holders } => format!(
+                "no room for the op list of {ops} ops: the receiver's op-list budget of {limit} bytes is full and \
+                 this batch holds {held} bytes of it, an equal share or more among {holders} batches; try again"
+            ),
+        }
+    }
+}
+
+impl Drop for Share<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

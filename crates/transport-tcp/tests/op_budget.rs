@@ -1,0 +1,154 @@
+//! One budget for the op lists all incoming connections hold: connections
+//! that keep announcing op lists as large as the whole budget (under a live
+//! grant) and sending them keep the receiver's op-list memory (and its
+//! resident memory) within the budget, each gets a refusal naming the
+//! reason, and an honest sender's 100,000-op batch completes meanwhile.
+//!
+//! One test in this binary: it measures the process's resident memory and
+//! descriptors, which concurrent tests would disturb.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{check, fill, peak_rss_growth, reset_peak_rss, Node, RawClient, Resources, BOUND};
+use kv_proto::dataplane::ReplyStatus;
+use kv_proto::{BatchWriter, WriteOp};
+use tokio::io::AsyncWriteExt;
+use transport_tcp::wire::{encode_op, BatchHeader, OP_LEN};
+use transport_tcp::TcpConfig;
+
+/// The receiver's op-list budget (no secret: every peer is unauthenticated).
+const BUDGET: u64 = 16 << 20;
+/// Hostile connections, each announcing (and sending) an op list as large
+/// as the whole budget: without it they would hold eight times the budget.
+const ATTACKERS: usize = 8;
+const ANNOUNCED: u64 = BUDGET / OP_LEN as u64;
+/// The honest batch: 100,000 ops of 64 bytes.
+const HONEST_OPS: usize = 100_000;
+const HONEST_LEN: usize = 64;
+/// Resident memory the test may add beyond the budget: both sides' 6.4 MB
+/// buffers, the honest sender's op list, what the allocator keeps of op
+/// lists freed and grown (a list grows by doubling), what quinn buffers
+/// (QUIC), the code first run. Without the budget the attack alone adds
+/// eight times the budget (128 MiB).
+const RSS_SLACK: u64 = 64 << 20;
+
+fn victim_config() -> TcpConfig {
+    TcpConfig {
+        unauthenticated_op_list_budget: BUDGET,
+        op_list_timeout: Duration::from_secs(5),
+        io_timeout: Duration::from_secs(10),
+        ..TcpConfig::default()
+    }
+}
+
+/// One hostile batch on a new connection: announces `ANNOUNCED` ops (out
+/// of every region, under a live grant) and sends all of them and the
+/// payload (`chunk` over and over, so the attackers themselves hold
+/// little); returns the receiver's verdict.
+async fn attack(victim: std::net::SocketAddr, grant: kv_proto::GrantId, chunk: &[u8]) -> (ReplyStatus, String) {
+    let (mut client, accept) = RawClient::handshaken_to(victim).await;
+    assert_eq!(accept.max_ops_per_batch, ANNOUNCED, "the bound in force is what the budget holds");
+    let header = BatchHeader { batch_id: 1, flags: 0, reserved: 0, op_count: ANNOUNCED, total_bytes: ANNOUNCED, grant };
+    client.send(&header.encode()).await;
+    // The op list, then the payload (any bytes): 17 chunks of 1 MiB.
+    let mut left = (ANNOUNCED as usize * OP_LEN) + ANNOUNCED as usize;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        client.stream.write_all(&chunk[..n]).await.unwrap();
+        left -= n;
+    }
+    let (reply, reason) = client.reply().await;
+    (reply.status, reason)
+}
+
+#[test]
+fn connections_announcing_huge_op_lists_stay_within_one_budget() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let before = Resources::now();
+        let mut victim = Node::new(victim_config(), HONEST_OPS * HONEST_LEN).await;
+        // Resident from the start (the honest batch lands there), so it
+        // does not count as growth. No grant is live yet.
+        victim.buf.bytes_mut().fill(0);
+        let mut sender = Node::with_defaults(HONEST_OPS * HONEST_LEN).await;
+        let grant = victim.grant_all().await;
+        let ops: Vec<WriteOp> = (0..HONEST_OPS as u64)
+            .map(|k| WriteOp {
+                src: sender.buf.addr() + k * HONEST_LEN as u64,
+                dst: victim.buf.addr() + k * HONEST_LEN as u64,
+                len: HONEST_LEN as u64,
+            })
+            .collect();
+        fill(&mut sender.buf, &ops);
+        let with_nodes = Resources::now();
+        let rss_from = reset_peak_rss();
+
+        let addr = victim.transport.local_addr();
+        // Each attacker repeats its batch until the honest one is done.
+        let stop = Arc::new(AtomicBool::new(false));
+        let chunk: Arc<[u8]> = (0..64 * 1024).flat_map(|_| encode_op(0x1000, 1)).collect();
+        let attackers: Vec<_> = (0..ATTACKERS)
+            .map(|_| {
+                let (stop, chunk) = (Arc::clone(&stop), Arc::clone(&chunk));
+                tokio::spawn(async move {
+                    let mut verdicts = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        verdicts.push(attack(addr, grant.id, &chunk).await);
+                    }
+                    verdicts
+                })
+            })
+            .collect();
+        // The attack holds the budget before the honest batch starts.
+        let deadline = tokio::time::Instant::now() + BOUND;
+        while victim.transport.op_list_bytes() < BUDGET / 2 {
+            assert!(tokio::time::Instant::now() < deadline, "the attack never filled the budget");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let honest =
+            tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
+                .await
+                .expect("the honest batch hung");
+        honest.expect("the honest batch failed");
+        stop.store(true, Ordering::Relaxed);
+        let mut attacks = 0;
+        for attacker in attackers {
+            let verdicts = tokio::time::timeout(BOUND, attacker).await.expect("an attacker hung").unwrap();
+            for (status, reason) in &verdicts {
+                assert_eq!(*status, ReplyStatus::Refused, "{reason}");
+                assert!(reason.contains("no room") || reason.contains("outside"), "{reason}");
+            }
+            attacks += verdicts.len();
+        }
+        let peak = victim.transport.op_list_bytes_peak();
+        let grown = peak_rss_growth(rss_from);
+        eprintln!(
+            "{attacks} batches on {ATTACKERS} connections at once, each announcing {} MiB of op list: op lists \
+             peaked at {} MiB (budget {} MiB), resident memory grew by at most {} MiB",
+            (ANNOUNCED * OP_LEN as u64) >> 20,
+            peak >> 20,
+            BUDGET >> 20,
+            grown >> 20
+        );
+        assert!(peak <= BUDGET, "op lists held {peak} bytes, the budget is {BUDGET}");
+        assert!(grown <= BUDGET + RSS_SLACK, "resident memory grew by {grown} bytes under a {BUDGET}-byte budget");
+        // Every share is given back (the last one just after its reply).
+        let deadline = tokio::time::Instant::now() + BOUND;
+        while victim.transport.op_list_bytes() > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "{} bytes still charged", victim.transport.op_list_bytes());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        victim.transport.revoke(&grant.id).await;
+        check(&victim.buf, &ops);
+
+        drop(sender);
+        with_nodes.back("after the attack").await;
+        drop(victim);
+        before.back("after the nodes").await;
+    });
+}
