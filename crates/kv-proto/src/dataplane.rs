@@ -40,6 +40,32 @@ pub fn put_op_list(out: &mut impl BufMut, ops: &[WriteOp]) {
     }
 }
 
+/// Where two of `(dst, len)` `ops` write the same bytes, if any do: the
+/// later-starting one's address. Ops in ascending order (the common case)
+/// cost one pass and no allocation; others are sorted. A sender checks its
+/// batch with it where the receiver cannot (one-sided writes); a receiver
+/// checks inside [`crate::RegisteredMemory::admit`].
+pub fn first_overlap(ops: impl IntoIterator<Item = (u64, u64)> + Clone) -> Option<u64> {
+    let mut end = 0u64;
+    let mut ascending = true;
+    for (dst, len) in ops.clone() {
+        if len == 0 {
+            continue;
+        }
+        if dst < end {
+            ascending = false;
+            break;
+        }
+        end = dst.saturating_add(len);
+    }
+    if ascending {
+        return None;
+    }
+    let mut ranges: Vec<(u64, u64)> = ops.into_iter().filter(|&(_, len)| len > 0).collect();
+    ranges.sort_unstable();
+    ranges.windows(2).find(|pair| pair[1].0 < pair[0].0.saturating_add(pair[0].1)).map(|pair| pair[1].0)
+}
+
 /// A run of `(address, length)` segments a payload moves through, in order.
 pub trait Segments {
     /// How many segments.
@@ -212,6 +238,15 @@ pub fn decode_verdict_header(b: &[u8; VERDICT_HEADER_LEN]) -> (ReplyStatus, u32)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlaps_are_found_in_any_order() {
+        assert_eq!(first_overlap([(0u64, 10u64), (10, 5), (20, 0), (20, 1)]), None);
+        assert_eq!(first_overlap([(100u64, 10u64), (0, 10), (50, 10)]), None, "unsorted, disjoint");
+        assert_eq!(first_overlap([(0u64, 10u64), (5, 10)]), Some(5));
+        assert_eq!(first_overlap([(50u64, 1u64), (0, 100)]), Some(50));
+        assert_eq!(first_overlap([(7u64, 1u64), (7, 1)]), Some(7));
+    }
 
     #[test]
     fn ops_round_trip() {

@@ -175,13 +175,6 @@ impl GrantAccess {
     }
 }
 
-/// Where two of `ops` overlap, if they do (ops already checked not to wrap).
-fn first_overlap(ops: impl IntoIterator<Item = (u64, u64)>) -> Option<u64> {
-    let mut ranges: Vec<(u64, u64)> = ops.into_iter().filter(|&(_, len)| len > 0).collect();
-    ranges.sort_unstable();
-    ranges.windows(2).find(|pair| pair[1].0 < pair[0].0.saturating_add(pair[0].1)).map(|pair| pair[1].0)
-}
-
 impl RegisteredMemory {
     /// No regions, no grants, open.
     pub fn new() -> Self {
@@ -342,7 +335,7 @@ impl RegisteredMemory {
             }
         }
         if ascending_end.is_none() {
-            first_overlap(ops).map_or(Ok(()), |dst| Err(DestinationError::OverlappingOps { dst }))?;
+            crate::dataplane::first_overlap(ops).map_or(Ok(()), |dst| Err(DestinationError::OverlappingOps { dst }))?;
         }
         Ok(GrantAccess { entry })
     }

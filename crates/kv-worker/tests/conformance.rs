@@ -986,3 +986,28 @@ async fn close_ends_every_grant(#[case] backend: Backend) {
     assert!(result.is_err(), "a closed writer accepted a batch");
     assert!(b.all_zero(), "a closed writer let bytes land");
 }
+
+/// Two ops of one batch writing the same bytes is always a sender's bug:
+/// the batch is refused whole, in any op order.
+#[rstest]
+#[case::in_memory(Backend::InMemory)]
+#[case::tcp(Backend::Tcp)]
+#[case::quic(Backend::Quic)]
+#[case::rdma(Backend::Rdma)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_writes_in_one_batch_are_refused_whole(#[case] backend: Backend) {
+    let Some(mut h) = Harness::new(backend) else { return };
+    let mut a = h.node(&[1 << 16]).await;
+    let b = h.node(&[1 << 16]).await;
+    let ops = [
+        WriteOp { src: a.addr(0, 0), dst: b.addr(0, 8192), len: 4096 },
+        WriteOp { src: a.addr(0, 4096), dst: b.addr(0, 0), len: 4096 },
+        WriteOp { src: a.addr(0, 8192), dst: b.addr(0, 10240), len: 4096 },
+    ];
+    a.fill_sources(&ops);
+    let grant = b.grant_all().await;
+    let err = a.writer.batch_write(&b.endpoint(), &grant, &ops).await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { .. }), "expected Refused, got {err:?}");
+    assert!(b.all_zero(), "a batch with overlapping writes wrote bytes");
+    write_and_check(&mut a, &b, &ops[..2]).await;
+}

@@ -50,8 +50,12 @@ async fn pair(tune: impl FnOnce(&mut WorkerConfig)) -> Pair {
     let mut p_config =
         WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..WorkerConfig::loopback(KvRole::Producer, "p") };
     tune(&mut p_config);
-    let d_config =
-        WorkerConfig { data_endpoint_policy: DataEndpointPolicy::Any, ..WorkerConfig::loopback(KvRole::Consumer, "d") };
+    // The honest D holds whatever secret P was given.
+    let d_config = WorkerConfig {
+        data_endpoint_policy: DataEndpointPolicy::Any,
+        auth_secret: p_config.auth_secret.clone(),
+        ..WorkerConfig::loopback(KvRole::Consumer, "d")
+    };
     let p_cache = Arc::new(OwnedKvCache::allocate(shape()).unwrap());
     let d_cache = Arc::new(OwnedKvCache::allocate(shape()).unwrap());
     // SAFETY: the caches outlive the workers (the pair drops the workers
@@ -275,6 +279,77 @@ async fn an_endless_wait_budget_is_served_not_a_panic() {
     match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
         Some(Ok(SideMessage::XferReply(reply))) => assert_eq!(reply.outcomes.len(), 1),
         other => panic!("expected a reply, got {other:?}"),
+    }
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
+/// What a client answers P's challenge with.
+#[derive(Clone, Copy, Debug)]
+enum Answer {
+    /// The right proof.
+    Proof,
+    /// P's own proof sent back (reflection).
+    Reflected,
+    /// A proof over the same nonces made for the TCP data plane.
+    DataPlaneProof,
+    /// A proof made with the nonces swapped.
+    SwappedNonces,
+}
+
+/// P's side-channel authentication accepts only a proof made for this
+/// channel, this direction and this connection: reflection and cross-protocol
+/// replay are refused, and an honest D is served meanwhile.
+#[rstest::rstest]
+#[case::the_right_proof(Answer::Proof, true)]
+#[case::reflection(Answer::Reflected, false)]
+#[case::a_data_plane_proof(Answer::DataPlaneProof, false)]
+#[case::swapped_nonces(Answer::SwappedNonces, false)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn side_channel_proofs_cannot_be_reflected_or_replayed(#[case] answer: Answer, #[case] accepted: bool) {
+    let secret = kv_proto::auth::AuthSecret::new("s3cret");
+    let mut pair = pair(|c| c.auth_secret = Some(secret.clone())).await;
+    let stream = connect_from(ATTACKER, pair.side_channel()).await;
+    let mut raw = framed(stream);
+    let cache = OwnedKvCache::allocate(shape()).unwrap();
+    let hello = Hello {
+        client_nonce: auth::fresh_nonce().unwrap(),
+        engine_id: EngineId::new("mallory"),
+        protocol: Protocol::Tcp,
+        layout: cache.registered().layout(),
+    };
+    let context = hello.auth_context();
+    let client_nonce = hello.client_nonce;
+    raw.send(SideMessage::Hello(hello)).await.unwrap();
+    let (server_nonce, server_proof) = match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::HelloReply(HelloReply::Challenge { server_nonce, server_proof }))) => {
+            (server_nonce, server_proof)
+        }
+        other => panic!("expected a challenge, got {other:?}"),
+    };
+    let transcript = |channel, client_nonce, server_nonce| auth::Transcript {
+        channel,
+        client_nonce,
+        server_nonce,
+        context: &context,
+    };
+    let side = auth::Channel::SideChannel;
+    let proof = match answer {
+        Answer::Proof => auth::client_proof(&secret, &transcript(side, &client_nonce, &server_nonce)),
+        Answer::Reflected => server_proof,
+        Answer::DataPlaneProof => {
+            auth::client_proof(&secret, &transcript(auth::Channel::DataTcp, &client_nonce, &server_nonce))
+        }
+        Answer::SwappedNonces => auth::client_proof(&secret, &transcript(side, &server_nonce, &client_nonce)),
+    };
+    raw.send(SideMessage::AuthProof(proof)).await.unwrap();
+    let reply = tokio::time::timeout(BOUND, raw.next()).await.unwrap();
+    match (accepted, reply) {
+        (true, Some(Ok(SideMessage::HelloReply(HelloReply::Accepted { .. })))) => {}
+        (false, Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { reason })))) => {
+            assert!(reason.contains("authentication"), "{reason}");
+        }
+        (_, other) => panic!("{answer:?}: unexpected {other:?}"),
     }
     pair.honest_pull().await;
     pair.shutdown().await;

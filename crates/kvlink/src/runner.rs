@@ -460,3 +460,18 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     decode.shutdown().await?;
     Ok(report)
 }
+
+#[cfg(test)]
+mod report_tests {
+    use super::RunReport;
+
+    #[test]
+    fn a_run_is_complete_only_when_every_request_arrived_warm_up_included() {
+        let all = RunReport { requests: 10, received: 10, ..RunReport::default() };
+        assert!(all.complete());
+        assert!(!RunReport { received: 0, ..all.clone() }.complete(), "nothing moved is no success");
+        assert!(!RunReport { warmup_failed: 1, ..all.clone() }.complete(), "a failed warm-up is no success");
+        assert!(!RunReport { failed: 1, received: 9, ..all.clone() }.complete());
+        assert!(!RunReport { corrupt: 1, received: 9, ..all }.complete());
+    }
+}
