@@ -141,7 +141,7 @@ pub(crate) fn run(args: &RdmaTestArgs) -> Result<ExitCode> {
         bail!("the RDMA test suites built no test binary");
     }
     let job = Job { programs, args: args.test_args.clone(), env: passed_env(args) };
-    match vm::run(&vm_options(args), &host, &job, &scratch_dir(&root))?.0 {
+    match vm::run(&vm_options(args, &root), &host, &job, &scratch_dir(&root))?.0 {
         Outcome::Exited(0) => {
             println!("rdma-test: every test binary passed in the guest");
             Ok(ExitCode::SUCCESS)
@@ -166,13 +166,21 @@ pub(crate) fn run_step() -> Result<()> {
     Ok(())
 }
 
-fn vm_options(args: &RdmaTestArgs) -> VmOptions {
+fn vm_options(args: &RdmaTestArgs, root: &Path) -> VmOptions {
     let default = if args.bench { "6G" } else { "2G" };
+    // The test binaries run from the target directory and with the crate
+    // directory as their working directory: the guest must see both.
+    let target = target_dir(root);
+    let mut visible = vec![root.to_path_buf()];
+    if !target.starts_with(root) {
+        visible.push(target);
+    }
     VmOptions {
         timeout: Duration::from_secs(args.timeout),
         memory: args.memory.clone().unwrap_or_else(|| default.to_owned()),
         cpus: args.cpus,
         keep: args.keep,
+        visible,
     }
 }
 
@@ -291,7 +299,7 @@ fn bench(args: &RdmaTestArgs, root: &Path, host: &vm::host::Host) -> Result<Exit
         args: vec![script_path.to_string_lossy().into_owned()],
     };
     let job = Job { programs: vec![program], args: Vec::new(), env: passed_env(args) };
-    let run = vm::run(&vm_options(args), host, &job, &scratch_dir(root));
+    let run = vm::run(&vm_options(args, root), host, &job, &scratch_dir(root));
     let _ = std::fs::remove_file(&script_path);
     let (outcome, output) = run?;
     let report = BenchReport::parse(&output);

@@ -16,7 +16,9 @@
 //!   everything else of the host is read-only, so tests must not write
 //!   outside those.
 //! - The per-run directory's path goes on the kernel command line and into
-//!   qemu's `-virtfs` option: only plain path characters are allowed.
+//!   qemu's `-virtfs` option: only plain path characters are allowed; so do
+//!   the paths of [`VmOptions::visible`] (the checkout and target directory,
+//!   mounted at their host paths because the guest's `/tmp` is its own).
 
 mod cpio;
 pub(crate) mod host;
@@ -43,6 +45,11 @@ pub(crate) struct VmOptions {
     pub(crate) cpus: u32,
     /// Keep the per-run directory (console log, scripts) for inspection.
     pub(crate) keep: bool,
+    /// Host directories the guest must see at their own paths although they
+    /// may lie under a directory the guest replaces with a fresh tmpfs (a
+    /// checkout or target directory under `/tmp`): shared read-only and
+    /// mounted over the root's view.
+    pub(crate) visible: Vec<PathBuf>,
 }
 
 /// How a guest run ended.
@@ -63,13 +70,14 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &Path) -> Result<(Outcome, String)> {
     let run_dir = RunDir::create(scratch, options.keep)?;
     let run_path = run_dir.path_str()?;
+    let visible = options.visible.iter().map(|dir| plain_path(dir)).collect::<Result<Vec<_>>>()?;
     initramfs::build(host, &run_dir.path.join("initramfs.cpio"))?;
     fs::write(run_dir.path.join("stage2.sh"), script::stage2(run_path, job))?;
     File::create(run_dir.path.join("output.log"))?;
 
     let qemu_log = File::create(run_dir.path.join("qemu.log"))?;
     let mut qemu = Command::new(&host.qemu);
-    qemu.args(qemu_args(options, host, run_path)).stdin(Stdio::null()).stdout(qemu_log.try_clone()?).stderr(qemu_log);
+    qemu.args(qemu_args(options, host, run_path, &visible)).stdin(Stdio::null()).stdout(qemu_log.try_clone()?).stderr(qemu_log);
     println!(
         "rdma-vm: booting Linux {} under TCG ({} programs, timeout {}s)",
         host.kernel.version,
@@ -112,11 +120,11 @@ pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &P
     }
 }
 
-fn qemu_args(options: &VmOptions, host: &host::Host, run_path: &str) -> Vec<String> {
+fn qemu_args(options: &VmOptions, host: &host::Host, run_path: &str, visible: &[&str]) -> Vec<String> {
     let share = |path: &str, tag: &str, extra: &str| {
         format!("local,path={path},mount_tag={tag},security_model=none,multidevs=remap{extra}")
     };
-    [
+    let mut args: Vec<String> = [
         "-accel",
         "tcg,thread=multi",
         "-cpu",
@@ -134,7 +142,12 @@ fn qemu_args(options: &VmOptions, host: &host::Host, run_path: &str) -> Vec<Stri
         "-initrd",
         &format!("{run_path}/initramfs.cpio"),
         "-append",
-        &format!("console=ttyS0 quiet loglevel=4 panic=-1 {}={run_path}", script::RUN_DIR_PARAM),
+        &format!(
+            "console=ttyS0 quiet loglevel=4 panic=-1 {}={run_path} {}={}",
+            script::RUN_DIR_PARAM,
+            script::VISIBLE_PARAM,
+            visible.join(":")
+        ),
         "-serial",
         &format!("file:{run_path}/console.log"),
         "-serial",
@@ -145,7 +158,22 @@ fn qemu_args(options: &VmOptions, host: &host::Host, run_path: &str) -> Vec<Stri
         &share(run_path, "run", ""),
     ]
     .map(str::to_owned)
-    .to_vec()
+    .to_vec();
+    for (index, dir) in visible.iter().enumerate() {
+        args.extend(["-virtfs".to_owned(), share(dir, &format!("{}{index}", script::VISIBLE_TAG), ",readonly=on")]);
+    }
+    args
+}
+
+/// `path` as plain text, refused if the kernel command line or qemu's option
+/// syntax could misread it.
+fn plain_path(path: &Path) -> Result<&str> {
+    let text = path.to_str().with_context(|| format!("{} is not UTF-8", path.display()))?;
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._+-".contains(c);
+    if !text.starts_with('/') || !text.chars().all(plain) {
+        bail!("the path {text} has characters qemu or the kernel command line cannot take");
+    }
+    Ok(text)
 }
 
 /// The per-run directory; removed on drop unless kept.
@@ -167,12 +195,7 @@ impl RunDir {
     /// The path as plain text, refused if the kernel command line or qemu's
     /// option syntax could misread it.
     fn path_str(&self) -> Result<&str> {
-        let text = self.path.to_str().context("the run directory's path is not UTF-8")?;
-        let plain = |c: char| c.is_ascii_alphanumeric() || "/._+-".contains(c);
-        if !text.chars().all(plain) {
-            bail!("the run directory {text} has characters qemu or the kernel command line cannot take");
-        }
-        Ok(text)
+        plain_path(&self.path)
     }
 
     /// The status file, else the marker on the second serial port.

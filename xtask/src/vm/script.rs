@@ -20,6 +20,13 @@ pub(crate) const EXIT_MARKER: &str = "KVLINK-GUEST-EXIT: ";
 /// The kernel command-line parameter naming the per-run directory.
 pub(crate) const RUN_DIR_PARAM: &str = "kvlink.run";
 
+/// The kernel command-line parameter listing (`:`-separated) the host
+/// directories mounted read-only at their own paths over the root's view.
+pub(crate) const VISIBLE_PARAM: &str = "kvlink.visible";
+
+/// The 9p mount tag prefix of those directories (`visible0`, `visible1`, ...).
+pub(crate) const VISIBLE_TAG: &str = "visible";
+
 /// Stage 1, PID 1 of the initramfs.
 pub(crate) const STAGE1_INIT: &str = r#"#!/bin/busybox sh
 # kvlink RDMA test guest, stage 1: mount the host root and switch into it.
@@ -53,6 +60,14 @@ for fs in dev proc sys; do mount --move "/$fs" "/newroot/$fs"; done
 mkdir -p /newroot/dev/shm /newroot/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
+# The checkout and target directory, which may lie under the fresh /tmp.
+visible=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^kvlink\.visible=//p')
+index=0
+for dir in $(echo "$visible" | tr ':' ' '); do
+    mkdir -p "/newroot$dir" 2>/dev/null
+    mount -t 9p -o "$opts,ro,cache=loose" "visible$index" "/newroot$dir" || give_up "cannot mount $dir"
+    index=$((index + 1))
+done
 mkdir -p "/newroot$run_dir" 2>/dev/null
 mount -t 9p -o "$opts,cache=none" run "/newroot$run_dir" || give_up "cannot mount the run directory"
 exec switch_root /newroot /bin/sh "$run_dir/stage2.sh"
