@@ -77,7 +77,10 @@ pub(crate) fn run(options: &VmOptions, host: &host::Host, job: &Job, scratch: &P
 
     let qemu_log = File::create(run_dir.path.join("qemu.log"))?;
     let mut qemu = Command::new(&host.qemu);
-    qemu.args(qemu_args(options, host, run_path, &visible)).stdin(Stdio::null()).stdout(qemu_log.try_clone()?).stderr(qemu_log);
+    qemu.args(qemu_args(options, host, run_path, &visible))
+        .stdin(Stdio::null())
+        .stdout(qemu_log.try_clone()?)
+        .stderr(qemu_log);
     println!(
         "rdma-vm: booting Linux {} under TCG ({} programs, timeout {}s)",
         host.kernel.version,
