@@ -46,6 +46,7 @@ while read -r module; do
 done < /modules/order
 run_dir=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^kvlink\.run=//p')
 [ -n "$run_dir" ] || give_up "no kvlink.run= on the kernel command line"
+visible=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^kvlink\.visible=//p')
 opts=trans=virtio,version=9p2000.L,msize=262144
 tries=0
 until mount -t 9p -o "$opts,ro,cache=loose" hostroot /newroot 2>/dev/null; do
@@ -61,7 +62,6 @@ mkdir -p /newroot/dev/shm /newroot/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 # The checkout and target directory, which may lie under the fresh /tmp.
-visible=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^kvlink\.visible=//p')
 index=0
 for dir in $(echo "$visible" | tr ':' ' '); do
     mkdir -p "/newroot$dir" 2>/dev/null
