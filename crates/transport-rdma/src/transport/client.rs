@@ -222,14 +222,6 @@ async fn write_on(
     local: &RegionTable<LocalRegion>,
 ) -> Result<u64, Failure> {
     let windows = windows(shared, conn, label, grant).await?;
-    // The receiver's CPU never sees one-sided writes: the sender refuses a
-    // batch that writes the same bytes twice, as a receiver would.
-    if let Some(dst) = kv_proto::dataplane::first_overlap(ops.iter().map(|op| (op.dst, op.len))) {
-        return Err(Failure::Final(TransportError::Refused {
-            peer: label.to_owned(),
-            reason: format!("two ops of the batch write the bytes at {dst:#x}"),
-        }));
-    }
     let spans = ops.iter().map(|op| WriteSpan { src: op.src, dst: op.dst, len: op.len });
     let mut plan = Plan::default();
     if let Err(err) = plan_batch(local, &windows, &shared.queue, spans, &mut plan) {
@@ -239,6 +231,15 @@ async fn write_on(
                 reason: format!("op {index}: destination {dst:#x}+{len} is outside grant {}", grant.id),
             },
             PlanError::OutsideLocalRegions { src, len, .. } => TransportError::SourceOutOfBounds { addr: src, len },
+        }));
+    }
+    // The receiver's CPU never sees one-sided writes: the sender refuses a
+    // batch that writes the same bytes twice (after the grant check, as a
+    // receiver would).
+    if let Some(dst) = kv_proto::dataplane::first_overlap(ops.iter().map(|op| (op.dst, op.len))) {
+        return Err(Failure::Final(TransportError::Refused {
+            peer: label.to_owned(),
+            reason: format!("two ops of the batch write the bytes at {dst:#x}"),
         }));
     }
     if plan.writes().is_empty() {
