@@ -3,9 +3,10 @@
 //! corrupted) and real `--kv-transfer-config` and `kv_transfer_params`
 //! texts. The rest of the corpora was grown by the fuzzer from these and
 //! reduced to a set cover of the edges reached; see `README.md`. The seeds
-//! match the current message layouts (protocol version 2, `idle_timeout`,
-//! `block_tokens` and `dtype_bytes`, `XferRefused`): rerun this when a
-//! layout changes, so that they still decode as intended.
+//! match the current message layouts (protocol version 3, `idle_timeout`,
+//! `lease_renewal`, `block_tokens` and `dtype_bytes`, `XferRefused`,
+//! `KeepAlive`): rerun this when a layout changes, so that they still decode
+//! as intended.
 //!
 //! `cargo run --manifest-path fuzz/Cargo.toml --no-default-features --example seeds`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -15,8 +16,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, LayoutKind, Outcome, Protocol,
-    ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest,
+    CacheLayout, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind, Outcome,
+    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest,
 };
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
@@ -58,8 +59,10 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
             SideMessage::HelloReply(HelloReply::Accepted {
                 engine_id: EngineId::new("prefill-0"),
                 idle_timeout: Duration::from_secs(300),
+                lease_renewal: Duration::from_secs(10),
             }),
         ),
+        ("keep-alive", SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("req-a"), ReqId::new("req-b")] })),
         ("challenge", SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] })),
         ("rejected", SideMessage::HelloReply(HelloReply::Rejected { reason: "region count: p has 4, d has 8".into() })),
         ("proof", SideMessage::AuthProof([3; 32])),

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use arbitrary::{Result, Unstructured};
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, Grant, GrantId, Hello, HelloReply, LayoutKind, Outcome, Protocol, ReqId,
-    RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS,
+    CacheLayout, Endpoint, EngineId, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, Protocol,
+    ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS,
     MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN,
 };
 
@@ -108,7 +108,7 @@ pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
 
 /// Any side-channel message.
 pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
-    Ok(match u.int_in_range(0..=5)? {
+    Ok(match u.int_in_range(0..=6)? {
         0 => SideMessage::Hello(Hello {
             client_nonce: u.arbitrary()?,
             engine_id: EngineId::new(text(u)?),
@@ -116,7 +116,11 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
             layout: layout(u)?,
         }),
         1 => SideMessage::HelloReply(match u.int_in_range(0..=2)? {
-            0 => HelloReply::Accepted { engine_id: EngineId::new(text(u)?), idle_timeout: duration(u)? },
+            0 => HelloReply::Accepted {
+                engine_id: EngineId::new(text(u)?),
+                idle_timeout: duration(u)?,
+                lease_renewal: duration(u)?,
+            },
             1 => HelloReply::Challenge { server_nonce: u.arbitrary()?, server_proof: u.arbitrary()? },
             _ => HelloReply::Rejected { reason: text(u)? },
         }),
@@ -131,6 +135,10 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
             })
         }
         4 => SideMessage::AuthProof(u.arbitrary()?),
+        5 => {
+            let big = &mut big_allowance(u)?;
+            SideMessage::KeepAlive(KeepAlive { req_ids: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, _| req_id(u))? })
+        }
         _ => SideMessage::XferRefused { xfer_id: u.arbitrary()?, reason: text(u)? },
     })
 }
@@ -150,6 +158,9 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
                 && r.region_base_addrs.len() <= MAX_REGIONS
                 && r.requests.len() <= MAX_REQUESTS_PER_TRANSFER
                 && r.requests.iter().all(|b| text(b.req_id.as_str()) && b.block_ids.len() <= MAX_BLOCKS_PER_REQUEST)
+        }
+        SideMessage::KeepAlive(k) => {
+            k.req_ids.len() <= MAX_REQUESTS_PER_TRANSFER && k.req_ids.iter().all(|id| text(id.as_str()))
         }
         SideMessage::XferReply(r) => {
             r.outcomes.len() <= MAX_REQUESTS_PER_TRANSFER

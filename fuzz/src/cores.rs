@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use arbitrary::{Arbitrary, Unstructured};
 use kv_proto::{
-    BlockId, ConnectorMetadata, GrantId, KvRole, KvTransferParams, Outcome, RecvReqMeta, ReqId, RequestBlocks,
-    RequestOutcome, SendUpdate, XferReply,
+    BlockId, ConnectorMetadata, EngineId, GrantId, KvRole, KvTransferParams, Outcome, RecvReqMeta, RemotePrefill,
+    ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply,
 };
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
 use kv_worker::{Claim, PullBatch, ReceiverCore, RecvFinished, SenderCore, SideChannelAddr};
@@ -179,6 +179,16 @@ enum Event {
     Abandon {
         req: u8,
     },
+    /// Sender: decode instance `by` (one of two) renews the request.
+    Renew {
+        req: u8,
+        by: bool,
+    },
+    /// Sender: P renews what decode instance `by` last renewed (it makes
+    /// that instance's messages wait).
+    RenewAllBy {
+        by: bool,
+    },
     SenderTimeout,
     SenderPoll,
     /// Receiver: pulls not from this scheduler (`d*`).
@@ -223,6 +233,8 @@ struct CoresInput {
     tp_rank: u16,
     transfer_timeout_ms: u16,
     lease_ms: u16,
+    /// Zero: renewals off.
+    renewal_ms: u16,
     requests: [ArbRequest; POOL],
     events: Vec<Event>,
 }
@@ -247,6 +259,11 @@ struct Sched {
     awaited: BTreeSet<ReqId>,
     /// Every request a pull ever went out for.
     pulled: BTreeSet<ReqId>,
+    /// Watched requests (seen, to be pulled from a named side channel, not
+    /// yet pulled or finished), and this step's watches and unwatches.
+    watching: BTreeSet<ReqId>,
+    watch: BTreeMap<ReqId, RemotePrefill>,
+    unwatch: BTreeSet<ReqId>,
 }
 
 impl Sched {
@@ -278,10 +295,22 @@ impl Sched {
             live_pulls: BTreeSet::new(),
             awaited: BTreeSet::new(),
             pulled: BTreeSet::new(),
+            watching: BTreeSet::new(),
+            watch: BTreeMap::new(),
+            unwatch: BTreeSet::new(),
+        }
+    }
+
+    /// The watch on `id` ends: withdrawn if the worker never heard of it.
+    fn end_watch(&mut self, id: &ReqId) {
+        if self.watching.remove(id) && self.watch.remove(id).is_none() {
+            self.unwatch.insert(id.clone());
         }
     }
 
     fn record_recv(&mut self, id: &ReqId, params: &KvTransferParams, blocks: Vec<BlockId>) {
+        // The pull holds the request on P from now on.
+        self.end_watch(id);
         if let Some((host, port)) = params.remote() {
             self.recv.insert(
                 id.clone(),
@@ -340,6 +369,13 @@ impl Sched {
             _ => 0,
         };
         assert_eq!(external, expected, "{id}: external tokens with params {:?}", before.kv_transfer_params);
+        // A decode instance watches a request it will pull from a named side channel.
+        if let Some((host, port)) = pull_params.and_then(KvTransferParams::remote) {
+            if self.role != KvRole::Producer && self.watching.insert(id.clone()) {
+                let remote = RemotePrefill { remote_host: host.to_owned(), remote_port: port };
+                self.watch.insert(id.clone(), remote);
+            }
+        }
 
         self.reqs[i].status = RequestStatus::Running;
         let before = self.reqs[i].clone();
@@ -401,6 +437,7 @@ impl Sched {
         if self.live_pulls.remove(&id) {
             self.cancel.insert(id.clone());
         }
+        self.end_watch(&id);
         let Some(params) = before.kv_transfer_params.clone() else {
             self.forget_if_live(&id);
             assert_eq!(result, Ok((false, None)));
@@ -447,6 +484,8 @@ impl Sched {
         let recv = std::mem::take(&mut self.recv);
         let send = std::mem::take(&mut self.send);
         let cancel = std::mem::take(&mut self.cancel);
+        let watch = std::mem::take(&mut self.watch);
+        let unwatch = std::mem::take(&mut self.unwatch);
         if self.role.receives() {
             // Only a pull into blocks can write anything: only those are
             // cancelled if their request finishes first.
@@ -457,6 +496,8 @@ impl Sched {
             reqs_to_recv: if self.role.receives() { recv } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { send } else { BTreeMap::new() },
             reqs_to_cancel: if self.role.receives() { cancel } else { BTreeSet::new() },
+            reqs_to_watch: if self.role.receives() { watch } else { BTreeMap::new() },
+            reqs_to_unwatch: if self.role.receives() { unwatch } else { BTreeSet::new() },
         };
         assert_eq!(meta, expected, "the step's metadata differs from the model's");
         for id in &meta.reqs_to_cancel {
@@ -473,6 +514,7 @@ impl Sched {
         }
         assert_eq!(self.s.live_send_entries(), self.live.len());
         assert_eq!(self.s.live_pulls(), self.live_pulls.len());
+        assert_eq!(self.s.live_watches(), self.watching.len());
         meta
     }
 
@@ -503,6 +545,9 @@ enum Entry {
 struct Sender {
     core: SenderCore,
     lease: Duration,
+    renewal: Duration,
+    /// Requests held for a decode instance that renews them: until when, and who.
+    renewals: HashMap<ReqId, (Instant, EngineId)>,
     entries: HashMap<ReqId, Entry>,
     finished: BTreeSet<ReqId>,
     /// Per request: times its blocks were handed to P (Ready), and times it
@@ -518,10 +563,12 @@ struct Sender {
 }
 
 impl Sender {
-    fn new(lease: Duration) -> Self {
+    fn new(lease: Duration, renewal: Duration) -> Self {
         Self {
-            core: SenderCore::new(lease),
+            core: SenderCore::new(lease, renewal),
             lease,
+            renewal,
+            renewals: HashMap::new(),
             entries: HashMap::new(),
             finished: BTreeSet::new(),
             held: HashMap::new(),
@@ -549,6 +596,7 @@ impl Sender {
                     // Handed over and freed at once: no one will pull it.
                     *self.held.entry(id.clone()).or_default() += 1;
                     self.entries.remove(id);
+                    self.renewals.remove(id);
                     self.finished.insert(id.clone());
                 }
                 entry => {
@@ -567,9 +615,11 @@ impl Sender {
                     // nothing): the hold ends without a report.
                     *self.held.entry(id.clone()).or_default() -= 1;
                     self.entries.remove(id);
+                    self.renewals.remove(id);
                 }
                 Some(Entry::Expected | Entry::Abandoned) => {
                     self.entries.remove(id);
+                    self.renewals.remove(id);
                 }
             },
         }
@@ -578,26 +628,60 @@ impl Sender {
 
     fn expire(&mut self, id: &ReqId) {
         self.entries.remove(id);
+        self.renewals.remove(id);
         self.finished.insert(id.clone());
+    }
+
+    /// When a ready entry is freed unless claimed: its lease, or sooner its
+    /// last renewal's end.
+    fn ready_until(&self, id: &ReqId, lease_end: Instant) -> Instant {
+        self.renewals.get(id).map_or(lease_end, |(until, _)| (*until).min(lease_end))
+    }
+
+    fn renew(&mut self, id: &ReqId, by: &EngineId, now: Instant) {
+        let got = self.core.renew([id], by, now);
+        let holds = matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. }));
+        let renewed = !self.renewal.is_zero() && holds;
+        if renewed {
+            self.renewals.insert(id.clone(), (now + self.renewal, by.clone()));
+        }
+        assert_eq!(got, usize::from(renewed), "renewal of {id}");
+        self.check();
+    }
+
+    fn renew_all_by(&mut self, by: &EngineId, now: Instant) {
+        let got = self.core.renew_all_by(by, now);
+        let mut expected = 0;
+        if !self.renewal.is_zero() {
+            for (until, who) in self.renewals.values_mut().filter(|(_, who)| who == by) {
+                let _ = who;
+                *until = (*until).max(now + self.renewal);
+                expected += 1;
+            }
+        }
+        assert_eq!(got, expected, "renewals on behalf of {by}");
+        self.check();
     }
 
     fn claim(&mut self, id: &ReqId, now: Instant) {
         let got = self.core.claim(id, now);
         let expected = match self.entries.get(id).cloned() {
             None => Claim::Unknown,
-            Some(Entry::Expected) => Claim::NotReady,
-            Some(Entry::Abandoned) => {
-                // A new pull waits for it again.
+            // The pull waiting for it holds it from now on, not renewals;
+            // an abandoned one is waited for again.
+            Some(Entry::Expected | Entry::Abandoned) => {
                 self.entries.insert(id.clone(), Entry::Expected);
+                self.renewals.remove(id);
                 Claim::NotReady
             }
             Some(Entry::InFlight) => Claim::InFlight,
-            Some(Entry::Ready { lease_end, .. }) if lease_end <= now => {
+            Some(Entry::Ready { lease_end, .. }) if self.ready_until(id, lease_end) <= now => {
                 self.expire(id);
                 Claim::Expired
             }
             Some(Entry::Ready { blocks, .. }) => {
                 self.entries.insert(id.clone(), Entry::InFlight);
+                self.renewals.remove(id);
                 Claim::Ready(blocks)
             }
         };
@@ -611,6 +695,7 @@ impl Sender {
         // its lease or its transfer.
         if self.entries.get(id) == Some(&Entry::Expected) {
             self.entries.insert(id.clone(), Entry::Abandoned);
+            self.renewals.remove(id);
         }
         self.check();
     }
@@ -629,7 +714,7 @@ impl Sender {
         let expired: BTreeSet<ReqId> = self
             .entries
             .iter()
-            .filter(|(_, e)| matches!(e, Entry::Ready { lease_end, .. } if *lease_end <= now))
+            .filter(|(id, e)| matches!(e, Entry::Ready { lease_end, .. } if self.ready_until(id, *lease_end) <= now))
             .map(|(id, _)| id.clone())
             .collect();
         assert_eq!(got, expired, "expired leases at timeout");
@@ -660,13 +745,14 @@ impl Sender {
         assert_eq!(self.core.is_empty(), self.entries.is_empty());
         let deadline = self
             .entries
-            .values()
-            .filter_map(|e| match e {
-                Entry::Ready { lease_end, .. } => Some(*lease_end),
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Ready { lease_end, .. } => Some(self.ready_until(id, *lease_end)),
                 _ => None,
             })
             .min();
         assert_eq!(self.core.next_deadline(), deadline);
+        assert_eq!(self.core.renewed(), self.renewals.len(), "requests held for a renewing decode instance");
     }
 }
 
@@ -936,6 +1022,11 @@ impl Receiver {
 
 // ------------------------------------------------------------------- target
 
+/// One of the two decode instances that renew requests.
+fn decode_engine(which: bool) -> EngineId {
+    EngineId::new(if which { "d1" } else { "d0" })
+}
+
 /// Arbitrary event sequences through `ConnectorScheduler`, `SenderCore` and
 /// `ReceiverCore`, with explicit time that only moves forward.
 ///
@@ -972,7 +1063,8 @@ pub fn cores(data: &[u8]) {
     let timeout = Duration::from_millis(u64::from(input.transfer_timeout_ms) + 1);
     let lease = Duration::from_millis(u64::from(input.lease_ms) + 1);
     let mut sched = Sched::new(role, &input.requests);
-    let mut sender = Sender::new(lease);
+    let renewal = Duration::from_millis(u64::from(input.renewal_ms));
+    let mut sender = Sender::new(lease, renewal);
     let mut receiver = Receiver::new(input.tp_rank, timeout);
 
     // As the worker applies a step: send updates, then cancellations, then
@@ -1027,6 +1119,11 @@ pub fn cores(data: &[u8]) {
             Event::Claim { req } => sender.claim(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req), now),
             Event::Complete { req } => sender.complete(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
             Event::Abandon { req } => sender.abandon(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
+            Event::Renew { req, by } => {
+                let id = pool_id(if *req >= 128 { 's' } else { 'p' }, *req);
+                sender.renew(&id, &decode_engine(*by), now);
+            }
+            Event::RenewAllBy { by } => sender.renew_all_by(&decode_engine(*by), now),
             Event::SenderTimeout => sender.timeout(now),
             Event::SenderPoll => sender.poll(),
             Event::Start { reqs } => {

@@ -52,12 +52,12 @@ pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN,
 pub use grant::{Grant, GrantError, GrantId, GRANT_ID_LEN, MAX_GRANT_DETAILS_LEN};
 pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
 pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
-pub use metadata::{ConnectorMetadata, RecvReqMeta, SendUpdate};
+pub use metadata::{ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
 pub use registered::{DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError};
 pub use throttle::LogThrottle;
 pub use wire::{
-    CacheLayout, Hello, HelloReply, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage, XferReply,
-    XferRequest,
+    CacheLayout, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage,
+    XferReply, XferRequest,
 };
 pub use writer::{BatchWriter, Endpoint, ParseProtocolError, Protocol, TransportError, MAX_ENDPOINT_DETAILS_LEN};

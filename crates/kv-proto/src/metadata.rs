@@ -18,6 +18,15 @@ pub struct RecvReqMeta {
     pub remote_port: u16,
 }
 
+/// The prefill side channel a decode instance will pull a request from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemotePrefill {
+    /// P's side-channel host.
+    pub remote_host: String,
+    /// P's side-channel base port (each worker adds its tensor-parallel rank).
+    pub remote_port: u16,
+}
+
 /// What the worker must do with its send entry for a request (prefill side).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SendUpdate {
@@ -48,11 +57,25 @@ pub struct ConnectorMetadata {
     /// never reported.
     #[serde(default)]
     pub reqs_to_cancel: BTreeSet<ReqId>,
+    /// Requests the engine has seen and will pull (decode side): until they
+    /// leave this set the worker renews P's hold on them, so P can free the
+    /// blocks of a request no live decode instance still wants within a
+    /// short lease.
+    #[serde(default)]
+    pub reqs_to_watch: BTreeMap<ReqId, RemotePrefill>,
+    /// Requests no longer to renew: their pull went out (it holds them on P
+    /// from now on), or they finished.
+    #[serde(default)]
+    pub reqs_to_unwatch: BTreeSet<ReqId>,
 }
 
 impl ConnectorMetadata {
     /// Whether the step carries nothing for the worker.
     pub fn is_empty(&self) -> bool {
-        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty() && self.reqs_to_cancel.is_empty()
+        self.reqs_to_recv.is_empty()
+            && self.reqs_to_send.is_empty()
+            && self.reqs_to_cancel.is_empty()
+            && self.reqs_to_watch.is_empty()
+            && self.reqs_to_unwatch.is_empty()
     }
 }

@@ -7,6 +7,9 @@
 //! see [`crate::auth`]); then D sends
 //! [`XferRequest`]s and P answers each with an [`XferReply`] carrying one
 //! outcome per request, matched by `xfer_id` (replies may come out of order).
+//! Between pulls D renews P's hold on the requests it still means to pull
+//! with [`KeepAlive`] (no reply), so P can keep a finished request's blocks
+//! on a short lease instead of the whole abort timeout.
 
 use std::time::Duration;
 
@@ -100,6 +103,11 @@ pub enum HelloReply {
         /// P closes a connection idle this long (no transfer request in
         /// progress); D retires its connection before that.
         idle_timeout: Duration,
+        /// How long one [`KeepAlive`] holds a request on P (zero: P wants
+        /// none). D renews each request it still means to pull well within
+        /// it; a request it stops renewing is freed when this runs out,
+        /// never later than P's abort timeout after it finished.
+        lease_renewal: Duration,
     },
     /// P requires the shared secret: it proves it knows it, and D must
     /// answer with [`SideMessage::AuthProof`] before anything else.
@@ -152,6 +160,17 @@ pub struct XferRequest {
     /// The requests and their D blocks (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
     #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub requests: Vec<RequestBlocks>,
+}
+
+/// D → P, no reply: D still means to pull these requests (it has seen them
+/// and not yet sent their transfer request). P holds each one another
+/// [`HelloReply::Accepted::lease_renewal`] from now, capped by its abort
+/// timeout; ids P does not hold are ignored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeepAlive {
+    /// The requests (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
+    pub req_ids: Vec<ReqId>,
 }
 
 /// What happened to one request of an [`XferRequest`].
@@ -210,6 +229,8 @@ pub enum SideMessage {
         #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,
     },
+    /// D → P: renews P's hold on requests D still means to pull.
+    KeepAlive(KeepAlive),
 }
 
 impl XferRequest {

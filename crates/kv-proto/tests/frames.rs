@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply, LayoutKind, Outcome,
-    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN,
+    CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind,
+    Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN,
     MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
@@ -59,7 +59,8 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 
 #[rstest]
 #[case::hello(hello())]
-#[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p"), idle_timeout: Duration::from_secs(300) }))]
+#[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p"), idle_timeout: Duration::from_secs(300), lease_renewal: Duration::from_secs(10) }))]
+#[case::keep_alive(SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("a"), ReqId::new("b")] }))]
 #[case::transfer_refused(SideMessage::XferRefused { xfer_id: 7, reason: "too big".into() })]
 #[case::hello_challenge(SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] }))]
 #[case::auth_proof(SideMessage::AuthProof([3; 32]))]

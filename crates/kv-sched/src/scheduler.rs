@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, ReqId, SendUpdate};
+use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
 use tracing::{debug, warn};
 
 use crate::error::SchedError;
@@ -36,6 +36,13 @@ pub struct ConnectorScheduler {
     live_recvs: BTreeSet<ReqId>,
     /// Pulls to cancel at the next build.
     reqs_need_cancel: BTreeSet<ReqId>,
+    /// Requests seen with a remote prefill to pull and not yet pulled or
+    /// finished: the worker renews P's hold on them.
+    watching: BTreeSet<ReqId>,
+    /// Watches recorded since the last build.
+    reqs_need_watch: BTreeMap<ReqId, RemotePrefill>,
+    /// Watches (already built) to end at the next build.
+    reqs_need_unwatch: BTreeSet<ReqId>,
 }
 
 impl ConnectorScheduler {
@@ -53,6 +60,9 @@ impl ConnectorScheduler {
             live_sends: BTreeSet::new(),
             live_recvs: BTreeSet::new(),
             reqs_need_cancel: BTreeSet::new(),
+            watching: BTreeSet::new(),
+            reqs_need_watch: BTreeMap::new(),
+            reqs_need_unwatch: BTreeSet::new(),
         }
     }
 
@@ -67,6 +77,13 @@ impl ConnectorScheduler {
     /// kept without an owner.
     pub fn live_send_entries(&self) -> usize {
         self.live_sends.len()
+    }
+
+    /// Requests the worker renews P's hold on (seen, not yet pulled or
+    /// finished). Back to zero once every such request is pulled or
+    /// finished.
+    pub fn live_watches(&self) -> usize {
+        self.watching.len()
     }
 
     /// How many prompt tokens of `req` will be loaded from the remote
@@ -84,7 +101,13 @@ impl ConnectorScheduler {
     /// (see [`update_state_after_alloc`](Self::update_state_after_alloc)), so
     /// an engine that waited for their KV would wait forever. The engine
     /// computes such a request locally instead.
-    pub fn get_num_new_matched_tokens(&self, req: &EngineRequest, num_computed_tokens: usize) -> (usize, bool) {
+    ///
+    /// On a decode instance, the first call for a request that will pull
+    /// starts watching it (`reqs_to_watch`): from then until its pull goes
+    /// out or it finishes, the worker renews P's hold on it. (The reference
+    /// holds P's blocks for the whole abort timeout whether or not a decode
+    /// instance still wants them.)
+    pub fn get_num_new_matched_tokens(&mut self, req: &EngineRequest, num_computed_tokens: usize) -> (usize, bool) {
         debug!(
             request_id = %req.request_id,
             num_computed_tokens,
@@ -97,13 +120,18 @@ impl ConnectorScheduler {
                 debug!(request_id = %req.request_id, "do_remote_prefill on a prefill-only instance: no external tokens");
                 return (0, false);
             }
-            if params.remote().is_none() {
+            let Some((host, port)) = params.remote() else {
                 // update_state_after_alloc warns once it sees the request.
                 debug!(
                     request_id = %req.request_id,
                     "do_remote_prefill without remote_host and remote_port: no external tokens"
                 );
                 return (0, false);
+            };
+            if self.watching.insert(req.request_id.clone()) {
+                debug!(request_id = %req.request_id, remote_host = host, remote_port = port, "watching");
+                let remote = RemotePrefill { remote_host: host.to_owned(), remote_port: port };
+                self.reqs_need_watch.insert(req.request_id.clone(), remote);
             }
             let count = req.prompt_len.saturating_sub(num_computed_tokens);
             if count > 0 {
@@ -183,6 +211,8 @@ impl ConnectorScheduler {
         let recvs = std::mem::take(&mut self.reqs_need_recv);
         let sends = std::mem::take(&mut self.reqs_need_send);
         let cancels = std::mem::take(&mut self.reqs_need_cancel);
+        let watches = std::mem::take(&mut self.reqs_need_watch);
+        let unwatches = std::mem::take(&mut self.reqs_need_unwatch);
         if self.role.receives() {
             self.live_recvs.extend(recvs.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(r, _)| r.clone()));
         }
@@ -190,12 +220,16 @@ impl ConnectorScheduler {
             reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { sends } else { BTreeMap::new() },
             reqs_to_cancel: if self.role.receives() { cancels } else { BTreeSet::new() },
+            reqs_to_watch: if self.role.receives() { watches } else { BTreeMap::new() },
+            reqs_to_unwatch: if self.role.receives() { unwatches } else { BTreeSet::new() },
         };
         if !meta.is_empty() {
             debug!(
                 recv = ?meta.reqs_to_recv.keys().collect::<Vec<_>>(),
                 send = ?meta.reqs_to_send.keys().collect::<Vec<_>>(),
                 cancel = ?meta.reqs_to_cancel,
+                watch = ?meta.reqs_to_watch.keys().collect::<Vec<_>>(),
+                unwatch = ?meta.reqs_to_unwatch,
                 "build_connector_meta"
             );
         }
@@ -252,6 +286,7 @@ impl ConnectorScheduler {
             "request_finished"
         );
         self.cancel_if_pulling(request_id);
+        self.unwatch(request_id);
         let Some(params) = req.kv_transfer_params.as_mut() else {
             self.forget_if_live(request_id);
             return Ok((false, None));
@@ -300,6 +335,8 @@ impl ConnectorScheduler {
     /// Records a pull of `local_block_ids` from the side channel named in
     /// `params`, or logs and skips it if the params name none.
     fn record_recv(&mut self, request_id: &ReqId, params: &KvTransferParams, local_block_ids: Vec<BlockId>) {
+        // The pull holds the request on P from now on.
+        self.unwatch(request_id);
         match params.remote() {
             Some((host, port)) => {
                 debug!(
@@ -347,6 +384,14 @@ impl ConnectorScheduler {
         if self.live_recvs.remove(request_id) {
             debug!(%request_id, "request finished while its pull may be in flight: cancelling it");
             self.reqs_need_cancel.insert(request_id.clone());
+        }
+    }
+
+    /// Ends the watch on `request_id`, if any: withdrawn before the worker
+    /// heard of it, or ended at the next build.
+    fn unwatch(&mut self, request_id: &ReqId) {
+        if self.watching.remove(request_id) && self.reqs_need_watch.remove(request_id).is_none() {
+            self.reqs_need_unwatch.insert(request_id.clone());
         }
     }
 

@@ -104,6 +104,7 @@ proptest! {
         // Pulled into blocks, then finished: the worker must cancel it.
         let mut pulled_into_blocks = [false; N];
         let mut expect_cancel: BTreeSet<ReqId> = BTreeSet::new();
+        let mut watched: BTreeSet<ReqId> = BTreeSet::new();
 
         let all_ops = ops.into_iter().chain((0..N).map(|i| Op::Finish {
             i,
@@ -162,11 +163,19 @@ proptest! {
                         &std::mem::take(&mut expect_cancel),
                         "exactly the finished requests whose pull went out into blocks are cancelled"
                     );
+                    for id in meta.reqs_to_watch.keys() {
+                        prop_assert!(watched.insert(id.clone()), "{} watched twice", id);
+                    }
+                    for id in &meta.reqs_to_unwatch {
+                        prop_assert!(watched.remove(id), "{} unwatched without a watch", id);
+                    }
                     emitted.push(meta);
                 }
             }
         }
         prop_assert!(awaited.is_empty());
+        prop_assert!(watched.is_empty(), "watches left after every request finished: {:?}", watched);
+        prop_assert_eq!(s.live_watches(), 0);
 
         prop_assert_eq!(s.live_send_entries(), 0);
         prop_assert_eq!(s.live_pulls(), 0, "every finished request's pull is cancelled or known finished");

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use kv_proto::{ConnectorMetadata, KvRole, KvTransferParams, ReqId, SendUpdate};
+use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, ReqId, SendUpdate};
 use kv_sched::{ConnectorScheduler, RequestStatus, SchedError};
 use rstest::rstest;
 
@@ -55,11 +55,79 @@ fn get_num_new_matched_tokens(
     // nothing would ever load them.
     let remote_prefill = given.as_ref().is_some_and(|p| p.do_remote_prefill);
     let expected = if role == Producer && remote_prefill { (0, false) } else { expected };
-    let s = sched(role);
-    let r = req("r1", prompt_len, Waiting, given);
+    let mut s = sched(role);
+    let r = req("r1", prompt_len, Waiting, given.clone());
     let before = r.clone();
     assert_eq!(s.get_num_new_matched_tokens(&r, num_computed), expected);
     assert_eq!(r, before, "get_num_new_matched_tokens must not change the request");
+    // A decode instance watches every request it will pull from a named
+    // side channel (even one whose prompt it computed: P is still told).
+    let will_pull = role != Producer && given.as_ref().is_some_and(|p| p.do_remote_prefill && p.remote().is_some());
+    let expected_meta = if will_pull { watched(&["r1"]) } else { empty() };
+    assert_eq!(s.build_connector_meta(), expected_meta);
+}
+
+// ---------------------------------------------------------------------------
+// Watches: the requests whose hold on P the worker renews
+// ---------------------------------------------------------------------------
+
+/// One step of a decode instance's life of request `r1`.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// The engine considers it for scheduling.
+    Seen,
+    /// Its blocks were allocated: the pull is recorded.
+    Allocated,
+    /// It finished (aborted) before it was scheduled.
+    AbortedWaiting,
+    /// The scheduler builds this step's metadata.
+    Build,
+}
+
+fn pull_meta(blocks: &[BlockId]) -> ConnectorMetadata {
+    meta(vec![("r1", recv_from_p(blocks))], vec![])
+}
+
+#[rstest]
+#[case::seen_is_watched_until_its_pull_goes_out(
+    &[Step::Seen, Step::Build, Step::Seen, Step::Build, Step::Allocated, Step::Build],
+    vec![watched(&["r1"]), empty(), ConnectorMetadata { reqs_to_unwatch: ids(&["r1"]), ..pull_meta(UNHASHED) }]
+)]
+#[case::seen_and_allocated_in_one_step_is_never_watched(
+    &[Step::Seen, Step::Allocated, Step::Build],
+    vec![pull_meta(UNHASHED)]
+)]
+#[case::seen_then_aborted_tells_p_and_ends_the_watch(
+    &[Step::Seen, Step::Build, Step::AbortedWaiting, Step::Build],
+    vec![watched(&["r1"]), ConnectorMetadata { reqs_to_unwatch: ids(&["r1"]), ..pull_meta(&[]) }]
+)]
+#[case::seen_and_aborted_in_one_step_is_never_watched(
+    &[Step::Seen, Step::AbortedWaiting, Step::Build],
+    vec![pull_meta(&[])]
+)]
+fn watches_last_from_first_sight_to_the_pull(
+    #[values(Consumer, Both)] role: KvRole,
+    #[case] steps: &[Step],
+    #[case] expected: Vec<ConnectorMetadata>,
+) {
+    let mut s = sched(role);
+    let mut r = req("r1", 64, Waiting, Some(pull_from_p()));
+    let mut built = Vec::new();
+    for step in steps {
+        match step {
+            Step::Seen => {
+                s.get_num_new_matched_tokens(&r, 16);
+            }
+            Step::Allocated => s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap(),
+            Step::AbortedWaiting => {
+                r.status = FinishedAborted;
+                s.request_finished(&mut r, &[]).unwrap();
+            }
+            Step::Build => built.push(s.build_connector_meta()),
+        }
+    }
+    assert_eq!(built, expected);
+    assert_eq!(s.live_watches(), 0, "nothing watched without an owner");
 }
 
 // ---------------------------------------------------------------------------

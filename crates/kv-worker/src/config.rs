@@ -6,6 +6,9 @@ use std::time::Duration;
 pub use kv_proto::auth::AuthSecret;
 use kv_proto::{EngineId, KvRole, KvTransferConfig, Protocol, DEFAULT_MAX_FRAME_LEN};
 
+/// Default [`WorkerConfig::lease_renewal`].
+pub const DEFAULT_LEASE_RENEWAL: Duration = Duration::from_secs(10);
+
 /// Everything a [`crate::Worker`] needs to know besides its cache.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
@@ -31,6 +34,13 @@ pub struct WorkerConfig {
     /// P's lease on a finished request's blocks, and its bound on waiting for
     /// a request D asks for before it is ready.
     pub abort_request_timeout: Duration,
+    /// P: once a decode instance renews a finished request (it has seen it
+    /// and will pull it), the request's blocks are held this long past the
+    /// last renewal instead of the whole abort timeout (which still caps
+    /// it), so a decode instance that dies or restarts before pulling
+    /// strands them for seconds. D renews every third of it. Zero turns
+    /// renewals off. Default 10 s.
+    pub lease_renewal: Duration,
     /// D's bound on one pull: from sending the transfer request to P's reply.
     pub transfer_timeout: Duration,
     /// Bound on connecting and on the hello exchange, both sides.
@@ -104,6 +114,7 @@ impl WorkerConfig {
             side_channel_base_port: 0,
             tp_rank: 0,
             abort_request_timeout: kv_proto::DEFAULT_ABORT_REQUEST_TIMEOUT,
+            lease_renewal: DEFAULT_LEASE_RENEWAL,
             transfer_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
             max_frame_len: DEFAULT_MAX_FRAME_LEN,

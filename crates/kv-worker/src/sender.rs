@@ -1,17 +1,31 @@
 //! The prefill side's bookkeeping (sans-IO): send entries, their leases, and
 //! which requests are finished sending (their blocks may be freed).
+//!
+//! A finished request's blocks are held for the abort timeout (the
+//! reference's lease) unless a decode instance renews it: from the first
+//! renewal on, the request is held only a short renewal past the last one
+//! (never past the abort timeout), so a decode instance that dies or
+//! restarts before pulling strands P's blocks for seconds, not minutes.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, ReqId, SendUpdate};
+use kv_proto::{BlockId, EngineId, ReqId, SendUpdate};
+
+/// The last renewal of a request: who renewed it and until when.
+#[derive(Debug, Clone)]
+struct Renewal {
+    until: Instant,
+    by: EngineId,
+}
 
 #[derive(Debug)]
 enum SendEntry {
     /// Scheduled with `do_remote_decode`, not finished yet: D may already ask.
-    Expected,
-    /// Finished by length cap; blocks held until D pulls or the lease ends.
-    Ready { block_ids: Vec<BlockId>, lease_end: Instant },
+    Expected { renewed: Option<Renewal> },
+    /// Finished by length cap; blocks held until D pulls, the lease ends, or
+    /// (once renewed) the renewal runs out.
+    Ready { block_ids: Vec<BlockId>, lease_end: Instant, renewed: Option<Renewal> },
     /// A transfer is writing it; it ends in `complete`.
     InFlight,
     /// Not finished yet, and the pull that asked for it gave up (its decode
@@ -35,25 +49,52 @@ pub enum Claim {
     InFlight,
 }
 
+impl SendEntry {
+    /// When a ready entry's blocks are freed unless a pull claims them.
+    fn ready_until(&self) -> Option<Instant> {
+        match self {
+            SendEntry::Ready { lease_end, renewed, .. } => {
+                Some(renewed.as_ref().map_or(*lease_end, |r| r.until.min(*lease_end)))
+            }
+            _ => None,
+        }
+    }
+
+    fn renewal_mut(&mut self) -> Option<&mut Option<Renewal>> {
+        match self {
+            SendEntry::Expected { renewed } | SendEntry::Ready { renewed, .. } => Some(renewed),
+            _ => None,
+        }
+    }
+}
+
 /// P's send entries, driven with explicit time.
 #[derive(Debug)]
 pub struct SenderCore {
     lease: Duration,
+    renewal: Duration,
     entries: HashMap<ReqId, SendEntry>,
     finished: BTreeSet<ReqId>,
 }
 
 impl SenderCore {
-    /// Entries made ready hold their blocks for `lease` (the abort timeout).
-    pub fn new(lease: Duration) -> Self {
-        Self { lease, entries: HashMap::new(), finished: BTreeSet::new() }
+    /// Entries made ready hold their blocks for `lease` (the abort timeout);
+    /// once renewed, for `renewal` past the last renewal, within `lease`.
+    /// A zero `renewal` turns renewals off.
+    pub fn new(lease: Duration, renewal: Duration) -> Self {
+        Self { lease, renewal, entries: HashMap::new(), finished: BTreeSet::new() }
+    }
+
+    /// How long one renewal holds a request (zero: renewals are off).
+    pub fn renewal(&self) -> Duration {
+        self.renewal
     }
 
     /// Applies one scheduler update.
     pub fn handle_update(&mut self, req: &ReqId, update: &SendUpdate, now: Instant) {
         match update {
             SendUpdate::Expect => {
-                self.entries.entry(req.clone()).or_insert(SendEntry::Expected);
+                self.entries.entry(req.clone()).or_insert(SendEntry::Expected { renewed: None });
             }
             SendUpdate::Ready { block_ids } => match self.entries.get(req) {
                 Some(SendEntry::InFlight) => {
@@ -64,9 +105,15 @@ impl SenderCore {
                     self.entries.remove(req);
                     self.finished.insert(req.clone());
                 }
-                _ => {
+                entry => {
+                    // A renewal seen while it was running carries over.
+                    let renewed = match entry {
+                        Some(SendEntry::Expected { renewed } | SendEntry::Ready { renewed, .. }) => renewed.clone(),
+                        _ => None,
+                    };
                     let lease_end = now + self.lease;
-                    self.entries.insert(req.clone(), SendEntry::Ready { block_ids: block_ids.clone(), lease_end });
+                    let ready = SendEntry::Ready { block_ids: block_ids.clone(), lease_end, renewed };
+                    self.entries.insert(req.clone(), ready);
                 }
             },
             SendUpdate::Forget => match self.entries.get(req) {
@@ -86,14 +133,15 @@ impl SenderCore {
     pub fn claim(&mut self, req: &ReqId, now: Instant) -> Claim {
         match self.entries.get(req) {
             None => Claim::Unknown,
-            Some(SendEntry::Expected) => Claim::NotReady,
-            // A new pull for it: wait for it again.
-            Some(SendEntry::Abandoned) => {
-                self.entries.insert(req.clone(), SendEntry::Expected);
+            // The pull now waiting for it holds it: renewals no longer
+            // count (it is claimed the moment it is ready; if the pull
+            // gives up first, `abandon` frees it when ready).
+            Some(SendEntry::Expected { .. }) | Some(SendEntry::Abandoned) => {
+                self.entries.insert(req.clone(), SendEntry::Expected { renewed: None });
                 Claim::NotReady
             }
             Some(SendEntry::InFlight) => Claim::InFlight,
-            Some(SendEntry::Ready { lease_end, .. }) if *lease_end <= now => {
+            Some(entry @ SendEntry::Ready { .. }) if entry.ready_until().is_some_and(|end| end <= now) => {
                 self.expire(req);
                 Claim::Expired
             }
@@ -118,18 +166,57 @@ impl SenderCore {
     /// a lease. A ready or in-flight request is left to its lease or its
     /// transfer.
     pub fn abandon(&mut self, req: &ReqId) {
-        if let Some(entry @ SendEntry::Expected) = self.entries.get_mut(req) {
+        if let Some(entry @ SendEntry::Expected { .. }) = self.entries.get_mut(req) {
             tracing::debug!(req_id = %req, "pull gave up before the request was ready");
             *entry = SendEntry::Abandoned;
         }
     }
 
-    /// Frees every ready entry whose lease ended at `now`.
+    /// Decode instance `by` still means to pull `reqs`: each one P holds,
+    /// not yet claimed by a pull, is held until `now` plus the renewal (the
+    /// abort-timeout lease still caps a ready one). Returns how many were
+    /// renewed; ids P does not hold are ignored (already pulled, forgotten,
+    /// or never here).
+    pub fn renew<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>, by: &EngineId, now: Instant) -> usize {
+        if self.renewal.is_zero() {
+            return 0;
+        }
+        let until = now + self.renewal;
+        let mut renewed = 0;
+        for req in reqs {
+            if let Some(slot) = self.entries.get_mut(req).and_then(SendEntry::renewal_mut) {
+                *slot = Some(Renewal { until, by: by.clone() });
+                renewed += 1;
+            }
+        }
+        renewed
+    }
+
+    /// P cannot hear decode instance `by` right now through no fault of
+    /// its own (its messages wait behind P's admission): every request it
+    /// last renewed is renewed again, so P's own back-pressure never frees
+    /// a request a live decode instance still wants.
+    pub fn renew_all_by(&mut self, by: &EngineId, now: Instant) -> usize {
+        if self.renewal.is_zero() {
+            return 0;
+        }
+        let until = now + self.renewal;
+        let mut renewed = 0;
+        for slot in self.entries.values_mut().filter_map(SendEntry::renewal_mut) {
+            if let Some(renewal) = slot.as_mut().filter(|r| &r.by == by) {
+                renewal.until = renewal.until.max(until);
+                renewed += 1;
+            }
+        }
+        renewed
+    }
+
+    /// Frees every ready entry whose lease or renewal ended at `now`.
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<ReqId> {
         let expired: Vec<ReqId> = self
             .entries
             .iter()
-            .filter(|(_, e)| matches!(e, SendEntry::Ready { lease_end, .. } if *lease_end <= now))
+            .filter(|(_, e)| e.ready_until().is_some_and(|end| end <= now))
             .map(|(r, _)| r.clone())
             .collect();
         for req in &expired {
@@ -139,12 +226,23 @@ impl SenderCore {
     }
 
     fn expire(&mut self, req: &ReqId) {
-        self.entries.remove(req);
-        tracing::warn!(
-            req_id = %req,
-            lease_secs = self.lease.as_secs_f64(),
-            "request was not pulled before its lease ended; freeing its blocks on the prefill side"
-        );
+        let renewed_by = match self.entries.remove(req) {
+            Some(SendEntry::Ready { renewed: Some(r), .. }) => Some(r.by),
+            _ => None,
+        };
+        match renewed_by {
+            Some(by) => tracing::warn!(
+                req_id = %req,
+                decode_engine = %by,
+                renewal_secs = self.renewal.as_secs_f64(),
+                "decode instance stopped renewing the request before pulling it; freeing its blocks on the prefill side"
+            ),
+            None => tracing::warn!(
+                req_id = %req,
+                lease_secs = self.lease.as_secs_f64(),
+                "request was not pulled before its lease ended; freeing its blocks on the prefill side"
+            ),
+        }
         self.finished.insert(req.clone());
     }
 
@@ -153,15 +251,19 @@ impl SenderCore {
         std::mem::take(&mut self.finished)
     }
 
-    /// The earliest lease end, for a driver's timer.
+    /// The earliest end of a lease or renewal, for a driver's timer.
     pub fn next_deadline(&self) -> Option<Instant> {
+        self.entries.values().filter_map(SendEntry::ready_until).min()
+    }
+
+    /// Entries held for a decode instance that renews them (not yet pulled).
+    pub fn renewed(&self) -> usize {
         self.entries
             .values()
-            .filter_map(|e| match e {
-                SendEntry::Ready { lease_end, .. } => Some(*lease_end),
-                _ => None,
+            .filter(|e| {
+                matches!(e, SendEntry::Expected { renewed: Some(_) } | SendEntry::Ready { renewed: Some(_), .. })
             })
-            .min()
+            .count()
     }
 
     /// Live entries (expected, ready or in flight).

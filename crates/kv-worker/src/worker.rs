@@ -22,6 +22,7 @@ use crate::receiver::{PullBatch, ReceiverCore, SideChannelAddr};
 use crate::sender::SenderCore;
 use crate::side_channel::client::{ClientSettings, SideChannelClient};
 use crate::side_channel::server;
+use crate::watch::WatchList;
 use crate::WorkerError;
 
 /// What finished since the last [`Worker::get_finished`]; each request is
@@ -59,6 +60,10 @@ pub(crate) struct Shared {
     pub(crate) established: Arc<Semaphore>,
     pub(crate) transfer_slots: Semaphore,
     pub(crate) clients: Mutex<HashMap<SideChannelAddr, Arc<SideChannelClient>>>,
+    /// D: requests whose hold on P the worker renews.
+    pub(crate) watches: Mutex<WatchList>,
+    /// Signalled when a request starts being watched.
+    pub(crate) watches_changed: Notify,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     /// Keeps library-allocated memory alive as long as any task may touch it.
@@ -75,7 +80,11 @@ impl Shared {
         self.receiver.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn client(self: &Arc<Self>, peer: &SideChannelAddr) -> Arc<SideChannelClient> {
+    pub(crate) fn lock_watches(&self) -> MutexGuard<'_, WatchList> {
+        self.watches.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn client(self: &Arc<Self>, peer: &SideChannelAddr) -> Arc<SideChannelClient> {
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         clients
             .entry(peer.clone())
@@ -203,7 +212,7 @@ impl Worker {
         };
         let side_channel = listener.as_ref().map(TcpListener::local_addr).transpose().map_err(WorkerError::Io)?;
         let shared = Arc::new(Shared {
-            sender: Mutex::new(SenderCore::new(config.abort_request_timeout)),
+            sender: Mutex::new(SenderCore::new(config.abort_request_timeout, config.lease_renewal)),
             sender_changed: Notify::new(),
             finished_changed: Notify::new(),
             receiver: Mutex::new(ReceiverCore::new(config.tp_rank, config.transfer_timeout)),
@@ -211,6 +220,8 @@ impl Worker {
             established: Arc::new(Semaphore::new(config.side_channel_max_conns.max(1))),
             transfer_slots: Semaphore::new(config.num_workers.max(1)),
             clients: Mutex::new(HashMap::new()),
+            watches: Mutex::new(WatchList::new(config.tp_rank)),
+            watches_changed: Notify::new(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,
@@ -220,6 +231,9 @@ impl Worker {
         });
         if let Some(listener) = listener {
             shared.tracker.spawn(server::run_listener(shared.clone(), listener));
+        }
+        if shared.config.role.receives() {
+            shared.tracker.spawn(crate::renewal::run(shared.clone()));
         }
         tracing::info!(
             engine_id = %shared.config.engine_id,
@@ -254,6 +268,17 @@ impl Worker {
         self.shared.config.queue_depth.max(1).saturating_sub(self.shared.admission.available_permits())
     }
 
+    /// P: requests held for a decode instance that renews them (seen by it,
+    /// not yet pulled); each is freed a renewal period after the last one.
+    pub fn renewed_requests(&self) -> usize {
+        self.shared.lock_sender().renewed()
+    }
+
+    /// D: requests whose hold on P this worker renews.
+    pub fn watched_requests(&self) -> usize {
+        self.shared.lock_watches().len()
+    }
+
     /// Applies one step's metadata: records send entries (P) and starts
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
@@ -270,6 +295,24 @@ impl Worker {
             let grants = self.shared.lock_receiver().cancel(&meta.reqs_to_cancel);
             self.fence_now(&grants);
             self.shared.finished_changed.notify_waiters();
+        }
+        if self.shared.config.role.receives()
+            && !(meta.reqs_to_watch.is_empty() && meta.reqs_to_unwatch.is_empty() && meta.reqs_to_recv.is_empty())
+        {
+            let mut watches = self.shared.lock_watches();
+            // A pull holds its requests on P from when P reads it.
+            for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
+                watches.unwatch(req);
+            }
+            for (req, remote) in &meta.reqs_to_watch {
+                if !meta.reqs_to_recv.contains_key(req) {
+                    watches.watch(req, remote);
+                }
+            }
+            drop(watches);
+            if !meta.reqs_to_watch.is_empty() {
+                self.shared.watches_changed.notify_one();
+            }
         }
         if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
             let batches = self.shared.lock_receiver().start(&meta.reqs_to_recv, now);
@@ -397,7 +440,10 @@ impl Worker {
             if !finished.is_empty() {
                 return finished;
             }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+            // A lease that ends is noticed by the clock, not by a task.
+            let lease_end = self.shared.lock_sender().next_deadline().map(tokio::time::Instant::from_std);
+            let wake = lease_end.map_or(deadline, |end| end.min(deadline));
+            if tokio::time::timeout_at(wake, changed).await.is_err() && wake == deadline {
                 return self.get_finished();
             }
         }

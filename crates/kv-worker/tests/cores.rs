@@ -4,11 +4,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use kv_proto::{GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
+use kv_proto::{EngineId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
 use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
 
 const LEASE: Duration = Duration::from_secs(480);
+const RENEWAL: Duration = Duration::from_secs(10);
 
 fn r(id: &str) -> ReqId {
     ReqId::new(id)
@@ -30,7 +31,7 @@ fn ready(blocks: &[u32]) -> SendUpdate {
 #[case::expect_after_ready_keeps_ready(&[ready(&[3]), SendUpdate::Expect], Duration::ZERO, Claim::Ready(vec![3]))]
 fn sender_claims(#[case] updates: &[SendUpdate], #[case] after: Duration, #[case] expected: Claim) {
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     for u in updates {
         core.handle_update(&r("a"), u, t0);
     }
@@ -40,7 +41,7 @@ fn sender_claims(#[case] updates: &[SendUpdate], #[case] after: Duration, #[case
 #[test]
 fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &ready(&[1, 2]), t0);
     assert_eq!(core.claim(&r("a"), t0), Claim::Ready(vec![1, 2]));
     assert_eq!(core.claim(&r("a"), t0), Claim::InFlight, "a second pull does not send it twice");
@@ -56,7 +57,7 @@ fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
 #[test]
 fn lease_expiry_is_reported_as_finished_sending() {
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &ready(&[1]), t0);
     core.handle_update(&r("b"), &ready(&[2]), t0 + Duration::from_secs(10));
     core.handle_update(&r("c"), &SendUpdate::Expect, t0);
@@ -72,11 +73,85 @@ fn forget_drops_the_entry_without_reporting_it() {
     // Defect 3 of the reference: an entry for a request that finished
     // without delay-free was kept forever.
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &SendUpdate::Expect, t0);
     core.handle_update(&r("a"), &SendUpdate::Forget, t0);
     assert!(core.is_empty());
     assert!(core.poll_finished().is_empty(), "the engine freed those blocks itself");
+}
+
+/// What happens to request `a` on P, at a time in seconds from the start.
+#[derive(Clone, Debug)]
+enum SendEvent {
+    Update(SendUpdate),
+    /// Decode instance `by` renews it.
+    Renew(&'static str),
+    /// P renews on behalf of `by` (it makes `by`'s messages wait).
+    RenewAllBy(&'static str),
+    /// A pull claims it, and finds this.
+    Claim(Claim),
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+/// Renewals: once a decode instance renews a request, P holds it a renewal
+/// past the last one, never past the lease; `freed` is whether it is freed
+/// at `check_at`.
+#[rstest]
+#[case::renewed_is_held_until_a_renewal_after_the_last(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("d"))], 14.999, false)]
+#[case::renewed_is_freed_a_renewal_after_the_last(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("d"))], 15.0, true)]
+#[case::each_renewal_extends_the_hold(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("d")), (12.0, SendEvent::Renew("d"))], 21.0, false)]
+#[case::a_renewal_never_extends_past_the_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (475.0, SendEvent::Renew("d"))], 480.0, true)]
+#[case::unrenewed_is_held_for_the_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1])))], 479.0, false)]
+#[case::a_renewal_before_ready_carries_over(RENEWAL, &[(0.0, SendEvent::Update(SendUpdate::Expect)), (1.0, SendEvent::Renew("d")), (5.0, SendEvent::Update(ready(&[1])))], 11.0, true)]
+#[case::a_waiting_pull_takes_over_from_renewals(RENEWAL, &[(0.0, SendEvent::Update(SendUpdate::Expect)), (1.0, SendEvent::Renew("d")), (2.0, SendEvent::Claim(Claim::NotReady)), (60.0, SendEvent::Update(ready(&[1])))], 100.0, false)]
+#[case::renewals_off(Duration::ZERO, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("d"))], 20.0, false)]
+#[case::p_renews_for_the_instance_it_keeps_waiting(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("d1")), (9.0, SendEvent::RenewAllBy("d1"))], 18.0, false)]
+#[case::p_renews_only_for_that_instance(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("d1")), (9.0, SendEvent::RenewAllBy("d2"))], 11.0, true)]
+#[case::p_renewing_never_starts_a_hold(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (9.0, SendEvent::RenewAllBy("d"))], 100.0, false)]
+#[case::a_claimed_request_ignores_renewals(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Claim(Claim::Ready(vec![1]))), (2.0, SendEvent::Renew("d"))], 100.0, false)]
+fn sender_renewals(
+    #[case] renewal: Duration,
+    #[case] events: &[(f64, SendEvent)],
+    #[case] check_at: f64,
+    #[case] freed: bool,
+) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, renewal);
+    for (at, event) in events {
+        let now = t0 + secs(*at);
+        match event {
+            SendEvent::Update(u) => core.handle_update(&r("a"), u, now),
+            SendEvent::Renew(by) => {
+                core.renew([&r("a")], &EngineId::new(*by), now);
+            }
+            SendEvent::RenewAllBy(by) => {
+                core.renew_all_by(&EngineId::new(*by), now);
+            }
+            SendEvent::Claim(expected) => assert_eq!(&core.claim(&r("a"), now), expected),
+        }
+    }
+    assert_eq!(core.handle_timeout(t0 + secs(check_at)).contains(&r("a")), freed);
+    if !freed {
+        let deadline = core.next_deadline();
+        assert!(deadline.is_none_or(|d| d > t0 + secs(check_at)), "the driver's timer points past the check");
+    }
+}
+
+#[test]
+fn renewals_count_only_requests_p_holds() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    let d = EngineId::new("d");
+    core.handle_update(&r("a"), &ready(&[1]), t0);
+    core.handle_update(&r("b"), &SendUpdate::Expect, t0);
+    assert_eq!(core.renew([&r("a"), &r("b"), &r("unknown")], &d, t0), 2);
+    assert_eq!(core.renewed(), 2);
+    assert_eq!(core.next_deadline(), Some(t0 + RENEWAL), "the renewed ready request ends first");
+    assert_eq!(core.renew_all_by(&d, t0 + secs(5.0)), 2);
+    assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL));
 }
 
 fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
@@ -264,7 +339,7 @@ fn a_cancelled_request_is_never_reported_and_its_grant_is_fenced(#[case] at: Can
 #[case::unknown_stays_unknown(&[], &[ready(&[1])], false)]
 fn abandoned_requests(#[case] before: &[SendUpdate], #[case] after: &[SendUpdate], #[case] freed_at_once: bool) {
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     for u in before {
         core.handle_update(&r("a"), u, t0);
     }
@@ -279,7 +354,7 @@ fn abandoned_requests(#[case] before: &[SendUpdate], #[case] after: &[SendUpdate
 #[test]
 fn a_new_pull_takes_an_abandoned_request_back() {
     let t0 = Instant::now();
-    let mut core = SenderCore::new(LEASE);
+    let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &SendUpdate::Expect, t0);
     core.abandon(&r("a"));
     assert_eq!(core.claim(&r("a"), t0), Claim::NotReady, "a new pull waits for it again");

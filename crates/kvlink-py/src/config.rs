@@ -20,6 +20,10 @@ pub(crate) const EXTRA_KEYS: &[(&str, &str)] = &[
     ("queue_depth", "transfer requests a prefill worker admits at once, 1..=65536 (default 4 x num_workers)"),
     ("transfer_timeout", "seconds a decode worker waits for one pull (default 60)"),
     ("connect_timeout", "seconds for connecting and the hello exchange (default 5)"),
+    (
+        "lease_renewal",
+        "seconds a prefill worker holds a finished request past a decode instance's last renewal, capped by the abort timeout; 0 turns renewals off (default 10)",
+    ),
     ("auth_secret_file", "path of a file holding the shared secret of the side channel and TCP data plane"),
     ("advertised_host", "host name or address peers use to reach this instance (default: this host's IP)"),
     ("bind_host", "address the listeners bind (default: advertised_host if it is an IP address, else 0.0.0.0)"),
@@ -36,6 +40,8 @@ pub(crate) struct Settings {
     pub(crate) transfer_timeout: Option<Duration>,
     /// `connect_timeout`.
     pub(crate) connect_timeout: Option<Duration>,
+    /// `lease_renewal` (zero: off).
+    pub(crate) lease_renewal: Option<Duration>,
     /// The secret read from `auth_secret_file`.
     pub(crate) auth_secret: Option<AuthSecret>,
     /// `auth_secret_file` itself (for messages).
@@ -66,6 +72,14 @@ fn seconds(extra: &Map<String, Value>, name: &str) -> Result<Option<Duration>> {
             .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e7)
             .map(|s| Some(Duration::from_secs_f64(s)))
             .ok_or_else(|| invalid(name, v)),
+    }
+}
+
+/// Like [`seconds`], but zero is accepted (it turns the feature off).
+fn seconds_or_zero(extra: &Map<String, Value>, name: &str) -> Result<Option<Duration>> {
+    match extra.get(name) {
+        Some(v) if v.as_f64() == Some(0.0) => Ok(Some(Duration::ZERO)),
+        _ => seconds(extra, name),
     }
 }
 
@@ -124,6 +138,7 @@ impl Settings {
             queue_depth,
             transfer_timeout: seconds(extra, "transfer_timeout")?,
             connect_timeout: seconds(extra, "connect_timeout")?,
+            lease_renewal: seconds_or_zero(extra, "lease_renewal")?,
             auth_secret,
             auth_secret_file,
             advertised_host: text(extra, "advertised_host")?.map(str::to_owned),

@@ -55,6 +55,9 @@ pub(crate) fn worker_config(settings: &Settings, placement: Placement, default_h
     if let Some(timeout) = settings.connect_timeout {
         config.connect_timeout = timeout;
     }
+    if let Some(renewal) = settings.lease_renewal {
+        config.lease_renewal = renewal;
+    }
     config.auth_secret = settings.auth_secret.clone();
     config.data_advertise_host = Some(settings.host(default_host).to_owned());
     Ok(config)

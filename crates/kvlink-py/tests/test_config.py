@@ -17,6 +17,7 @@ ALL_KEYS = {
     "queue_depth": 7,
     "transfer_timeout": 2.5,
     "connect_timeout": 1,
+    "lease_renewal": 0,
     "advertised_host": "p.example",
     "bind_host": "127.0.0.1",
 }
@@ -50,6 +51,7 @@ def test_unknown_key_is_an_error_naming_it():
         ({"queue_depth": "8"}, "queue_depth"),
         ({"transfer_timeout": -1}, "transfer_timeout"),
         ({"connect_timeout": "5s"}, "connect_timeout"),
+        ({"lease_renewal": -3}, "lease_renewal"),
         ({"advertised_host": ""}, "advertised_host"),
         ({"bind_host": "not-an-ip"}, "bind_host"),
         ({"auth_secret_file": "/nonexistent/kvlink-secret"}, "/nonexistent/kvlink-secret"),

@@ -2,7 +2,9 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, ReqId, SendUpdate};
+use std::collections::BTreeSet;
+
+use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
 
 /// The remote prefill instance's side channel, as the proxy forwards it to D.
@@ -66,6 +68,19 @@ pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> 
 pub fn cancelled(ids: &[&str]) -> ConnectorMetadata {
     ConnectorMetadata {
         reqs_to_cancel: ids.iter().map(|id| ReqId::from(*id)).collect(),
+        ..ConnectorMetadata::default()
+    }
+}
+
+pub fn ids(ids: &[&str]) -> BTreeSet<ReqId> {
+    ids.iter().map(|id| ReqId::from(*id)).collect()
+}
+
+/// The metadata of a step that starts watching `ids` (pulled from P).
+pub fn watched(ids: &[&str]) -> ConnectorMetadata {
+    let remote = RemotePrefill { remote_host: P_HOST.to_owned(), remote_port: P_PORT };
+    ConnectorMetadata {
+        reqs_to_watch: ids.iter().map(|id| (ReqId::from(*id), remote.clone())).collect(),
         ..ConnectorMetadata::default()
     }
 }

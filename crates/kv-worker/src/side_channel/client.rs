@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
-use kv_proto::{FrameCodec, Hello, HelloReply, SideMessage, XferReply, XferRequest};
+use kv_proto::{FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
 use tokio_util::codec::Framed;
@@ -54,6 +54,8 @@ struct Connection {
     retire_after: Duration,
     /// Ends the reader when the connection is retired.
     retired: CancellationToken,
+    /// How long one renewal holds a request on P (zero: P wants none).
+    lease_renewal: Duration,
 }
 
 impl Connection {
@@ -110,6 +112,24 @@ impl SideChannelClient {
         Err(format!("connection to {} keeps closing", self.peer))
     }
 
+    /// Renews P's hold on `req_ids` (no reply), in as many messages as
+    /// frames need. Returns how long P holds them from now (zero: P takes
+    /// no renewals, and nothing was sent).
+    pub(crate) async fn keep_alive(&self, req_ids: &[ReqId]) -> Result<Duration, String> {
+        let conn = self.connection(false).await?;
+        if conn.lease_renewal.is_zero() {
+            return Ok(Duration::ZERO);
+        }
+        let mut sink = conn.sink.lock().await;
+        for chunk in keep_alive_chunks(req_ids, self.settings.max_frame_len) {
+            conn.touch();
+            sink.send(SideMessage::KeepAlive(KeepAlive { req_ids: chunk.to_vec() }))
+                .await
+                .map_err(|e| format!("renewing on {}: {e}", self.peer))?;
+        }
+        Ok(conn.lease_renewal)
+    }
+
     async fn connection(&self, fresh: bool) -> Result<Arc<Connection>, String> {
         let mut slot = self.conn.lock().await;
         if let Some(conn) = slot.take() {
@@ -119,7 +139,7 @@ impl SideChannelClient {
             }
             conn.retired.cancel();
         }
-        let (framed, idle_timeout) =
+        let (framed, idle_timeout, lease_renewal) =
             tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await.map_err(|_| {
                 format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout)
             })??;
@@ -131,13 +151,14 @@ impl SideChannelClient {
             last_active: std::sync::Mutex::new(Instant::now()),
             retire_after: idle_timeout / 2,
             retired: retired.clone(),
+            lease_renewal,
         });
         self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), retired));
         *slot = Some(conn.clone());
         Ok(conn)
     }
 
-    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration), String> {
+    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration, Duration), String> {
         let stream = TcpStream::connect((self.peer.host.as_str(), self.peer.port))
             .await
             .map_err(|e| format!("cannot connect to prefill side channel {}: {e}", self.peer))?;
@@ -173,9 +194,15 @@ impl SideChannelClient {
             return Err(format!("prefill {} did not authenticate (no shared secret configured there?)", self.peer));
         }
         match reply {
-            HelloReply::Accepted { engine_id, idle_timeout } => {
-                tracing::debug!(peer = %self.peer, peer_engine = %engine_id, ?idle_timeout, "side channel connected");
-                Ok((framed, idle_timeout))
+            HelloReply::Accepted { engine_id, idle_timeout, lease_renewal } => {
+                tracing::debug!(
+                    peer = %self.peer,
+                    peer_engine = %engine_id,
+                    ?idle_timeout,
+                    ?lease_renewal,
+                    "side channel connected"
+                );
+                Ok((framed, idle_timeout, lease_renewal))
             }
             HelloReply::Rejected { reason } => {
                 tracing::error!(peer = %self.peer, %reason, "prefill refused this decode instance");
@@ -193,6 +220,32 @@ impl SideChannelClient {
             None => Err(format!("{} closed the connection during hello", self.peer)),
         }
     }
+}
+
+/// Splits `req_ids` into runs that each fit one frame of `max_frame_len`
+/// (and the count bound P decodes).
+fn keep_alive_chunks(req_ids: &[ReqId], max_frame_len: usize) -> impl Iterator<Item = &[ReqId]> {
+    // Per id: its bytes and a length prefix of at most 9; half the frame
+    // leaves room for the enum tag and vector length.
+    let budget = max_frame_len / 2;
+    let mut rest = req_ids;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut bytes = 0usize;
+        let mut take = 0;
+        for id in rest.iter().take(kv_proto::MAX_REQUESTS_PER_TRANSFER) {
+            bytes = bytes.saturating_add(id.as_str().len() + 9);
+            if take > 0 && bytes > budget {
+                break;
+            }
+            take += 1;
+        }
+        let (chunk, tail) = rest.split_at(take);
+        rest = tail;
+        Some(chunk)
+    })
 }
 
 /// Routes replies to their waiters until the connection ends, then fails
@@ -230,5 +283,25 @@ async fn read_replies(
     tracing::debug!(%peer, %reason, pending = pending.len(), "side-channel connection ended");
     for (_, waiter) in pending {
         let _ = waiter.send(Err(format!("{peer}: {reason}")));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: usize) -> Vec<ReqId> {
+        (0..n).map(|i| ReqId::new(format!("req-{i:06}"))).collect()
+    }
+
+    #[test]
+    fn keep_alives_split_by_count_and_by_frame_size() {
+        let many = ids(kv_proto::MAX_REQUESTS_PER_TRANSFER + 5);
+        let lens: Vec<usize> = keep_alive_chunks(&many, 1 << 24).map(<[ReqId]>::len).collect();
+        assert_eq!(lens, [kv_proto::MAX_REQUESTS_PER_TRANSFER, 5]);
+        // Each id takes 10 bytes plus 9 of prefix: 10 fit in 380 / 2.
+        let lens: Vec<usize> = keep_alive_chunks(&many[..25], 380).map(<[ReqId]>::len).collect();
+        assert_eq!(lens, [10, 10, 5]);
+        assert_eq!(keep_alive_chunks(&[], 1024).count(), 0);
     }
 }

@@ -1,6 +1,6 @@
 //! P's side-channel server: accepts D's connections, checks the hello, admits
 //! transfer requests on a bounded queue and answers each with one outcome per
-//! request.
+//! request, and applies D's renewals of the requests it still means to pull.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -26,6 +26,10 @@ use crate::worker::Shared;
 
 /// The longest wait budget taken from a transfer request (peer input).
 const MAX_WAIT_BUDGET: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The most often P renews on a decode instance's behalf while it makes that
+/// instance's messages wait.
+const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Pause after a failed `accept` (e.g. out of file descriptors), so the loop
 /// does not spin.
@@ -197,6 +201,7 @@ async fn serve_connection(
     let accepted = HelloReply::Accepted {
         engine_id: shared.config.engine_id.clone(),
         idle_timeout: shared.config.side_channel_idle_timeout,
+        lease_renewal: shared.config.lease_renewal,
     };
     tokio::time::timeout(deadline, framed.send(SideMessage::HelloReply(accepted)))
         .await
@@ -226,20 +231,36 @@ async fn serve_connection(
             Ok(None) => return Ok(()),
             Ok(Some(Err(e))) => return Err(e.to_string()),
             Ok(Some(Ok(SideMessage::XferRequest(request)))) => request,
+            Ok(Some(Ok(SideMessage::KeepAlive(keep)))) => {
+                let renewed = shared.lock_sender().renew(&keep.req_ids, &hello.engine_id, Instant::now());
+                tracing::trace!(%peer, asked = keep.req_ids.len(), renewed, "renewed requests");
+                continue;
+            }
             Ok(Some(Ok(other))) => return Err(format!("unexpected {} after hello", message_name(&other))),
         };
         // Admission is held until the reply is written: a D that does not
         // read its replies stops being read from, then loses the connection.
-        let permits = tokio::select! {
-            () = closed.cancelled() => return Ok(()),
-            permits = async {
-                let mine = per_connection.clone().acquire_owned().await;
-                let global = shared.admission.clone().acquire_owned().await;
-                mine.ok().zip(global.ok())
-            } => match permits {
-                Some(permits) => permits,
-                None => return Ok(()),
-            },
+        // Its renewals then wait unread behind this request, so while P
+        // makes it wait, P renews what it last renewed itself.
+        let admitted = async {
+            let mine = per_connection.clone().acquire_owned().await;
+            let global = shared.admission.clone().acquire_owned().await;
+            mine.ok().zip(global.ok())
+        };
+        tokio::pin!(admitted);
+        let renew_every = (shared.config.lease_renewal / 3).max(MIN_RENEW_INTERVAL);
+        let mut renew_tick = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+        let permits = loop {
+            tokio::select! {
+                () = closed.cancelled() => return Ok(()),
+                _ = renew_tick.tick() => {
+                    shared.lock_sender().renew_all_by(&hello.engine_id, Instant::now());
+                }
+                permits = &mut admitted => match permits {
+                    Some(permits) => break permits,
+                    None => return Ok(()),
+                },
+            }
         };
         let received_at = Instant::now();
         let job_shared = shared.clone();
@@ -321,6 +342,7 @@ fn message_name(msg: &SideMessage) -> &'static str {
         SideMessage::XferReply(_) => "transfer reply",
         SideMessage::AuthProof(_) => "authentication proof",
         SideMessage::XferRefused { .. } => "transfer refusal",
+        SideMessage::KeepAlive(_) => "renewal",
     }
 }
 
