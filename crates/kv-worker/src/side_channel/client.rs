@@ -21,6 +21,30 @@ use crate::side_channel::SideChannelCodec;
 
 type Pending = oneshot::Sender<Result<XferReply, String>>;
 
+/// How long a prefill worker's refusal (incompatible cache or protocol, a
+/// secret that does not match) is taken as its answer without asking again:
+/// pulls fail at once with its reason, and the refusal is logged once per
+/// this period, not once per request.
+const REFUSAL_MEMORY: Duration = Duration::from_secs(5);
+
+/// Why a connection could not be set up.
+struct HandshakeFailure {
+    reason: String,
+    /// P answered and said no (or spoke another protocol): asking again at
+    /// once would get the same answer.
+    refused: bool,
+}
+
+impl HandshakeFailure {
+    fn io(reason: impl Into<String>) -> Self {
+        Self { reason: reason.into(), refused: false }
+    }
+
+    fn refused(reason: impl Into<String>) -> Self {
+        Self { reason: reason.into(), refused: true }
+    }
+}
+
 /// What a client needs to open connections.
 #[derive(Clone, Debug)]
 pub(crate) struct ClientSettings {
@@ -37,6 +61,8 @@ pub(crate) struct SideChannelClient {
     cancel: CancellationToken,
     tracker: TaskTracker,
     conn: Mutex<Option<Arc<Connection>>>,
+    /// P's last refusal, and when it came.
+    refused: std::sync::Mutex<Option<(Instant, String)>>,
 }
 
 type Sink = SplitSink<Framed<TcpStream, SideChannelCodec>, SideMessage>;
@@ -85,7 +111,7 @@ impl SideChannelClient {
         cancel: CancellationToken,
         tracker: TaskTracker,
     ) -> Arc<Self> {
-        Arc::new(Self { peer, settings, cancel, tracker, conn: Mutex::new(None) })
+        Arc::new(Self { peer, settings, cancel, tracker, conn: Mutex::new(None), refused: std::sync::Mutex::new(None) })
     }
 
     /// Sends one transfer request and waits for its reply (unbounded here:
@@ -139,10 +165,24 @@ impl SideChannelClient {
             }
             conn.retired.cancel();
         }
-        let (framed, idle_timeout, lease_renewal) =
-            tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await.map_err(|_| {
-                format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout)
-            })??;
+        if let Some(reason) = self.recent_refusal() {
+            return Err(reason);
+        }
+        let handshake = tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await;
+        let (framed, idle_timeout, lease_renewal) = match handshake {
+            Err(_) => {
+                return Err(format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout))
+            }
+            Ok(Err(failure)) => {
+                if failure.refused {
+                    tracing::error!(peer = %self.peer, reason = %failure.reason, "cannot use this prefill worker");
+                    *self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some((Instant::now(), failure.reason.clone()));
+                }
+                return Err(failure.reason);
+            }
+            Ok(Ok(connected)) => connected,
+        };
         let (sink, stream) = framed.split();
         let retired = self.cancel.child_token();
         let conn = Arc::new(Connection {
@@ -158,23 +198,36 @@ impl SideChannelClient {
         Ok(conn)
     }
 
-    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration, Duration), String> {
+    /// P's refusal, if it came less than [`REFUSAL_MEMORY`] ago.
+    fn recent_refusal(&self) -> Option<String> {
+        let mut refused = self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match refused.as_ref() {
+            Some((at, reason)) if at.elapsed() < REFUSAL_MEMORY => Some(reason.clone()),
+            _ => {
+                *refused = None;
+                None
+            }
+        }
+    }
+
+    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration, Duration), HandshakeFailure> {
         let stream = TcpStream::connect((self.peer.host.as_str(), self.peer.port))
             .await
-            .map_err(|e| format!("cannot connect to prefill side channel {}: {e}", self.peer))?;
+            .map_err(|e| HandshakeFailure::io(format!("cannot connect to prefill side channel {}: {e}", self.peer)))?;
         let _ = stream.set_nodelay(true);
         let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(self.settings.max_frame_len)));
-        let client_nonce = auth::fresh_nonce().ok_or("no OS randomness for the side-channel nonce")?;
+        let client_nonce =
+            auth::fresh_nonce().ok_or(HandshakeFailure::io("no OS randomness for the side-channel nonce"))?;
         let hello = Hello { client_nonce, ..self.settings.hello.clone() };
         let context = hello.auth_context();
-        framed.send(SideMessage::Hello(hello)).await.map_err(|e| e.to_string())?;
+        framed.send(SideMessage::Hello(hello)).await.map_err(|e| HandshakeFailure::io(e.to_string()))?;
         let mut reply = self.next_reply(&mut framed).await?;
         if let HelloReply::Challenge { server_nonce, server_proof } = reply {
             let Some(secret) = &self.settings.auth_secret else {
-                return Err(format!(
+                return Err(HandshakeFailure::refused(format!(
                     "prefill {} requires the side-channel shared secret; none is configured here",
                     self.peer
-                ));
+                )));
             };
             let transcript = Transcript {
                 channel: Channel::SideChannel,
@@ -183,15 +236,19 @@ impl SideChannelClient {
                 context: &context,
             };
             if !auth::verify_server_proof(secret, &transcript, &server_proof) {
-                tracing::error!(peer = %self.peer, "prefill failed to prove the side-channel shared secret");
-                return Err(format!("prefill {} failed to prove the shared secret", self.peer));
+                return Err(HandshakeFailure::refused(format!(
+                    "prefill {} failed to prove the shared secret",
+                    self.peer
+                )));
             }
             let proof = auth::client_proof(secret, &transcript);
-            framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| e.to_string())?;
+            framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| HandshakeFailure::io(e.to_string()))?;
             reply = self.next_reply(&mut framed).await?;
         } else if self.settings.auth_secret.is_some() && matches!(reply, HelloReply::Accepted { .. }) {
-            tracing::error!(peer = %self.peer, "prefill did not authenticate");
-            return Err(format!("prefill {} did not authenticate (no shared secret configured there?)", self.peer));
+            return Err(HandshakeFailure::refused(format!(
+                "prefill {} did not authenticate (no shared secret configured there?)",
+                self.peer
+            )));
         }
         match reply {
             HelloReply::Accepted { engine_id, idle_timeout, lease_renewal } => {
@@ -205,19 +262,24 @@ impl SideChannelClient {
                 Ok((framed, idle_timeout, lease_renewal))
             }
             HelloReply::Rejected { reason } => {
-                tracing::error!(peer = %self.peer, %reason, "prefill refused this decode instance");
-                Err(format!("prefill {} refused: {reason}", self.peer))
+                Err(HandshakeFailure::refused(format!("prefill {} refused: {reason}", self.peer)))
             }
-            HelloReply::Challenge { .. } => Err(format!("{} challenged twice", self.peer)),
+            HelloReply::Challenge { .. } => Err(HandshakeFailure::refused(format!("{} challenged twice", self.peer))),
         }
     }
 
-    async fn next_reply(&self, framed: &mut Framed<TcpStream, SideChannelCodec>) -> Result<HelloReply, String> {
+    async fn next_reply(
+        &self,
+        framed: &mut Framed<TcpStream, SideChannelCodec>,
+    ) -> Result<HelloReply, HandshakeFailure> {
         match framed.next().await {
             Some(Ok(SideMessage::HelloReply(reply))) => Ok(reply),
-            Some(Ok(_)) => Err(format!("{} sent something other than a hello reply", self.peer)),
-            Some(Err(e)) => Err(format!("{}: {e}", self.peer)),
-            None => Err(format!("{} closed the connection during hello", self.peer)),
+            Some(Ok(_)) => {
+                Err(HandshakeFailure::refused(format!("{} sent something other than a hello reply", self.peer)))
+            }
+            // Undecodable (e.g. another protocol version): P speaks something else.
+            Some(Err(e)) => Err(HandshakeFailure::refused(format!("{}: {e}", self.peer))),
+            None => Err(HandshakeFailure::io(format!("{} closed the connection during hello", self.peer))),
         }
     }
 }

@@ -1,0 +1,88 @@
+//! An incompatible prefill worker is one clear error at connect time, not a
+//! stream of per-request failures: D takes P's refusal as its answer for a
+//! while, failing every pull at once with P's reason, without asking again.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use futures_util::{SinkExt, StreamExt};
+use kv_proto::{FrameCodec, HelloReply, KvRole, SideMessage};
+use kv_worker::SideChannelCodec;
+use tokio::net::TcpListener;
+use tokio_util::codec::Framed;
+
+const REASON: &str = "region count: prefill p has 4, decode d has 8";
+
+/// Every log line of this test binary (it has one test), for counting.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn install() -> Self {
+        let logs = Self::default();
+        let writer = logs.clone();
+        tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).init();
+        logs
+    }
+
+    fn lines_with(&self, needles: &[&str]) -> usize {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines().filter(|line| needles.iter().all(|n| line.contains(n))).count()
+    }
+}
+
+/// A prefill side channel that refuses every hello, counting connections.
+async fn refusing_prefill() -> (u16, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(1 << 20)));
+                if let Some(Ok(SideMessage::Hello(_))) = framed.next().await {
+                    let refused = HelloReply::Rejected { reason: REASON.to_owned() };
+                    let _ = framed.send(SideMessage::HelloReply(refused)).await;
+                }
+            });
+        }
+    });
+    (port, connections)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_prefill_is_asked_once_and_every_pull_fails_with_its_reason() {
+    let logs = Logs::install();
+    let net = Net::new(Backend::InMemory).unwrap();
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
+    let (port, connections) = refusing_prefill().await;
+
+    // Five steps, five transfer requests.
+    for (i, req) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+        let block = i as u32;
+        pull(&d, "127.0.0.1", port, &[(req, &[block])]);
+        let finished = until(&d.worker, |f| !f.failed_receiving.is_empty()).await;
+        assert_eq!(finished.failed_receiving.len(), 1, "{finished:?}");
+        assert!(finished.receiving.is_empty());
+    }
+    assert_eq!(connections.load(Ordering::SeqCst), 1, "P's refusal is taken as its answer, not asked for again");
+    assert_eq!(logs.lines_with(&["ERROR", "cannot use this prefill worker", REASON]), 1, "one clear error");
+    assert_eq!(logs.lines_with(&["KV pull failed", REASON]), 5, "each pull fails with P's reason");
+}
