@@ -327,12 +327,12 @@ impl Phase {
             self.p99_ms
         );
         println!(
-            "  {:<34} {:>10} {:>10} {:>8} {:>9} {:>11} {:>13}",
+            "  {:<22} {:>10} {:>10} {:>9} {:>9} {:>11} {:>9}   RSS before -> after (not checked)",
             "process", "RSS warm", "RSS end", "growth", "fds", "tokio tasks", "threads"
         );
         for r in &self.rows {
             println!(
-                "  {:<34} {:>6.1} MiB {:>6.1} MiB {:>+4.1} MiB {:>4} -> {:<3} {:>4} -> {:<4} {:>4} -> {:<4}",
+                "  {:<22} {:>6.1} MiB {:>6.1} MiB {:>+5.1} MiB {:>4} -> {:<3} {:>4} -> {:<4} {:>3} -> {:<3}  {:.1} -> {:.1} MiB",
                 r.name,
                 mib(r.warm.rss),
                 mib(r.end.rss),
@@ -342,7 +342,9 @@ impl Phase {
                 r.before.tasks,
                 r.after.tasks,
                 r.before.threads,
-                r.after.threads
+                r.after.threads,
+                mib(r.before.rss),
+                mib(r.after.rss)
             );
         }
         for p in &self.problems {
