@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, fuzz, python, rdma_test};
+use crate::{cmd, deps, fuzz, python, rdma_test, soak};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -63,6 +63,8 @@ enum Action {
     Python,
     /// `cargo xtask fuzz` with these options (see [`fuzz`]).
     Fuzz(fuzz::FuzzArgs),
+    /// `cargo xtask soak` with these options (see [`soak`]).
+    Soak(soak::SoakArgs),
 }
 
 /// One CI step.
@@ -104,6 +106,11 @@ impl Step {
                 "cargo xtask fuzz --seconds {} (every target from the committed corpus, nightly + cargo-fuzz)",
                 fuzz::CI_SECONDS
             ),
+            Action::Soak(a) => format!(
+                "cargo xtask soak --debug --requests {} --in-flight {} --layers {} --head-dim {} --blocks-per-request {} \
+                 (separate processes: {} producers -> 1 decode, 1 producer -> {} decodes)",
+                a.requests, a.in_flight, a.layers, a.head_dim, a.blocks_per_request, a.producers, a.decoders
+            ),
         }
     }
 
@@ -118,6 +125,7 @@ impl Step {
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
             Action::Fuzz(args) => fuzz::run(args),
+            Action::Soak(args) => soak::soak(args),
         }
     }
 }
@@ -160,6 +168,9 @@ fn steps() -> Vec<Step> {
     // transport-rdma's device-free tests (planner, window, handshake, control
     // codec, fence bookkeeping) need no verbs.
     steps.push(Step::cargo("test:rdma-host", "test", vec!["test", "-p", "transport-rdma", "--no-fail-fast"]));
+    // A shortened soak: many requests in flight between separate processes,
+    // no failure, flat memory, descriptors and tasks back to their baseline.
+    steps.push(Step { name: "soak".to_owned(), group: "soak", action: Action::Soak(soak::SoakArgs::ci()) });
     steps.push(Step { name: "rdma-test".to_owned(), group: "rdma-test", action: Action::RdmaTest });
 
     let mut doc = vec!["doc", "--workspace", "--no-deps"];

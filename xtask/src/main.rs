@@ -19,6 +19,11 @@
 //!   device; `--bench` runs `kvlink demo` and `kvlink bench` over RDMA and
 //!   perftest's `ib_write_bw` there instead, with the throughput ratio.
 //!
+//! * `cargo xtask soak [--requests N --in-flight M ...]` runs 10,000
+//!   requests with 512 in flight between separate kvlink processes on
+//!   loopback (4 producers to 1 decode, then 1 producer to 2 decodes) and
+//!   checks for failures, RSS growth and leaked descriptors or tasks.
+//!
 //! * `cargo xtask fuzz [--seconds N] [--target T]` fuzzes the decoders and
 //!   state machines (cargo-fuzz on nightly) from the committed corpus;
 //!   `cargo xtask fuzz --replay` runs that corpus through the same checks
@@ -27,7 +32,8 @@
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
 //! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it, [`python`]
-//! builds and tests the `kvlink_vllm` package, [`fuzz`] runs the fuzz targets.
+//! builds and tests the `kvlink_vllm` package, [`fuzz`] runs the fuzz targets,
+//! [`soak`] runs the soak.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
@@ -37,6 +43,7 @@ mod deps;
 mod fuzz;
 mod python;
 mod rdma_test;
+mod soak;
 mod vm;
 
 use std::process::ExitCode;
@@ -66,6 +73,8 @@ enum Command {
     VllmCheck(python::VllmCheckArgs),
     /// Fuzz the decoders and state machines (nightly, cargo-fuzz), or replay their corpus on stable.
     Fuzz(fuzz::FuzzArgs),
+    /// Many requests between separate kvlink processes (4 P -> 1 D, then 1 P -> 2 D): no failure, flat RSS, no leak.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> ExitCode {
@@ -76,6 +85,7 @@ fn main() -> ExitCode {
         Command::RdmaTest(args) => rdma_test::run(&args),
         Command::VllmCheck(args) => python::vllm_check(&args),
         Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Soak(args) => soak::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -18,6 +18,7 @@ use kvlink::serve::{
     ServeOptions, Server, ShapePins, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_HOST,
 };
+use kvlink::stats::ProcessFigures;
 use kvlink::BlockPattern;
 
 #[derive(Parser, Debug)]
@@ -96,9 +97,11 @@ enum RoleArg {
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
     /// Run one side here and the other on the `kvlink serve` at HOST[:PORT]
-    /// (port 18998 by default); the server's --role decides which.
+    /// (port 18998 by default); the server's --role decides which. Repeat it
+    /// to decode here from several producer servers, requests spread over
+    /// them in turn.
     #[arg(long, value_name = "HOST[:PORT]")]
-    connect: Option<String>,
+    connect: Vec<String>,
     /// Data-plane transport.
     #[arg(long, value_enum, default_value = "tcp")]
     protocol: ProtocolArg,
@@ -188,6 +191,17 @@ struct ServeArgs {
     /// Exit after this many sessions (default: serve until Ctrl-C).
     #[arg(long, value_name = "N")]
     sessions: Option<usize>,
+    /// Sessions served at once (producer only): they share one prefill
+    /// instance, whose cache is this many times the first client's; a client
+    /// whose shape, transport, block pattern or verification differs is
+    /// refused while others run.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    max_sessions: usize,
+    /// Print what the process holds (RSS, open descriptors, threads, tokio
+    /// tasks) as a `figures` line when ready and whenever no connection is
+    /// open.
+    #[arg(long)]
+    figures: bool,
     /// Largest cache a client may ask for, GiB.
     #[arg(long, default_value_t = 16)]
     max_cache_gib: u64,
@@ -255,6 +269,10 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
 fn print_report(title: &str, r: &RunReport) {
     println!("{title}");
     let check = if r.verified { "verified" } else { "received (not verified)" };
@@ -283,9 +301,24 @@ fn print_report(title: &str, r: &RunReport) {
         gib(r.peak_rss_bytes),
         gib(r.cache_bytes)
     );
-    if let (Some(peer), Some(cpu), Some(rss)) = (&r.peer, r.peer_cpu_seconds_per_gb, r.peer_peak_rss_bytes) {
-        println!("  server     {peer}: {cpu:.3} CPU s per GB, peak RSS {:.2} GiB", gib(rss));
+    for p in &r.peers {
+        println!(
+            "  server     {}: {:.3} CPU s per GB, peak RSS {:.2} GiB",
+            p.addr,
+            p.cpu_seconds_per_gb,
+            gib(p.peak_rss_bytes)
+        );
     }
+    let f = &r.figures;
+    println!(
+        "  process    RSS {:.1} MiB after warm-up, {:.1} MiB at the end; fds {} before, {} after; tokio tasks {} before, {} after",
+        mib(f.warm.rss_bytes),
+        mib(f.end.rss_bytes),
+        f.baseline.open_fds,
+        f.after.open_fds,
+        f.baseline.tokio_tasks,
+        f.after.tokio_tasks
+    );
 }
 
 async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
@@ -302,7 +335,7 @@ async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
         prefix_hit_every: 5,
         verify: true,
         stall_timeout: Duration::from_secs(30),
-        connect: None,
+        connect: Vec::new(),
         auth_secret: None,
     };
     println!(
@@ -405,6 +438,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
         control_port: args.control_port,
         side_channel_port: args.side_channel_port,
         sessions: args.sessions,
+        max_sessions: args.max_sessions.max(1),
         max_cache_bytes: args.max_cache_gib.saturating_mul(1 << 30),
         pins: ShapePins {
             protocol: args.protocol.map(Protocol::from),
@@ -424,17 +458,25 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
     let stop = shutdown_signal()?;
     let server = Server::bind(opts).await?;
     println!("{}", server.ready_line());
+    if args.figures {
+        println!("figures {}", ProcessFigures::sample());
+    }
     // Any peer can provoke refusals: at most one line a second about them.
     let mut refusals = kv_proto::LogThrottle::new(Duration::from_secs(1));
     let summary = server
-        .run(stop, |s| match (&s.outcome, s.admitted) {
-            (Ok(()), _) => println!("session from {}: {} requests, done", s.peer, s.requests),
-            (Err(reason), true) => println!("session from {}: {} requests, ended: {reason}", s.peer, s.requests),
-            (Err(reason), false) => match refusals.allow(std::time::Instant::now()) {
-                Some(0) => println!("refused {}: {reason}", s.peer),
-                Some(more) => println!("refused {}: {reason} ({more} more refused before)", s.peer),
-                None => {}
-            },
+        .run(stop, |s| {
+            match (&s.outcome, s.admitted) {
+                (Ok(()), _) => println!("session from {}: {} requests, done", s.peer, s.requests),
+                (Err(reason), true) => println!("session from {}: {} requests, ended: {reason}", s.peer, s.requests),
+                (Err(reason), false) => match refusals.allow(std::time::Instant::now()) {
+                    Some(0) => println!("refused {}: {reason}", s.peer),
+                    Some(more) => println!("refused {}: {reason} ({more} more refused before)", s.peer),
+                    None => {}
+                },
+            }
+            if let Some(idle) = s.idle_figures.filter(|_| args.figures) {
+                println!("figures {idle}");
+            }
         })
         .await;
     if summary.interrupted {

@@ -1,7 +1,9 @@
 //! The transfer loop shared by `kvlink demo`, `kvlink bench` and `kvlink
 //! bench --connect`: requests pipelined through the full flow with a bounded
 //! number in flight, between a prefill and a decode side that are both in
-//! this process, or one here and one on a `kvlink serve` host.
+//! this process, or one here and one on a `kvlink serve` host, or decode
+//! here pulling from several `kvlink serve` producers (requests spread over
+//! them in turn).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -12,9 +14,13 @@ use kv_worker::{plan::contiguous_runs, AuthSecret, CacheShape, ShapeError, Worke
 use serde::Serialize;
 
 use crate::blocks::BlockPattern;
-use crate::control::{ControlClient, ControlError, RemoteDecode, RemotePrefill};
+use crate::control::{ControlClient, ControlError, PeerStats, RemoteDecode, RemotePrefill};
 use crate::engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};
-use crate::stats::{peak_rss_bytes, process_cpu_time, Latencies};
+use crate::stats::{peak_rss_bytes, process_cpu_time, Latencies, ProcessFigures};
+
+/// Bound on waiting for the tasks of shut-down sides to be released before
+/// sampling the process's figures after a run.
+const SETTLE_BOUND: Duration = Duration::from_secs(1);
 
 /// Bound on connecting to a `kvlink serve`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -42,8 +48,10 @@ pub struct RunOptions {
     pub verify: bool,
     /// Bound on waiting for any request to finish.
     pub stall_timeout: Duration,
-    /// `HOST[:PORT]` of a `kvlink serve`: run the other side there.
-    pub connect: Option<String>,
+    /// `HOST[:PORT]` of `kvlink serve`s: none runs both sides here; one runs
+    /// the other side there; several must all be producers, and decode here
+    /// pulls from each in turn.
+    pub connect: Vec<String>,
     /// Shared secret of the side channel and TCP data plane of both sides.
     pub auth_secret: Option<AuthSecret>,
 }
@@ -63,6 +71,21 @@ pub enum RunError {
     /// The OS random source failed (request ids must be unguessable).
     #[error("no OS randomness for request ids")]
     NoRandomness,
+    /// Several servers, one of them not a producer.
+    #[error("{target} serves decode: several --connect servers must all be producers (kvlink serve --role producer)")]
+    NotAllProducers {
+        /// The consumer server, as given.
+        target: String,
+    },
+    /// Several servers reach this host at different addresses; decode here
+    /// listens on one.
+    #[error("the --connect servers reach this host at different addresses ({first} and {other}); connect them over one network")]
+    ManyLocalAddresses {
+        /// Where the first server reaches this host.
+        first: IpAddr,
+        /// Where another does.
+        other: IpAddr,
+    },
 }
 
 impl RunReport {
@@ -122,22 +145,60 @@ pub struct RunReport {
     /// The server's CPU seconds per GB moved (remote runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_cpu_seconds_per_gb: Option<f64>,
-    /// The server's peak resident set, bytes (remote runs).
+    /// The server's peak resident set, bytes (remote runs; the largest of
+    /// several servers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_peak_rss_bytes: Option<u64>,
+    /// Each server of a remote run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerReport>,
+    /// What this process held: before the run, after the warm-up, at the end
+    /// of the measured part and after every side was shut down.
+    pub figures: RunFigures,
+}
+
+/// One server of a remote run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeerReport {
+    /// Its control address.
+    pub addr: String,
+    /// Its CPU seconds over the measured part, per GB moved (all servers).
+    pub cpu_seconds_per_gb: f64,
+    /// Its peak resident set, bytes.
+    pub peak_rss_bytes: u64,
+    /// What it held after the warm-up (`None` from servers that do not say).
+    pub warm: Option<ProcessFigures>,
+    /// What it held at the end of the measured part.
+    pub end: Option<ProcessFigures>,
+}
+
+/// What this process held at the points of a run.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct RunFigures {
+    /// Before any side started.
+    pub baseline: ProcessFigures,
+    /// After the warm-up, as the measured part starts.
+    pub warm: ProcessFigures,
+    /// When the measured part ended, sides still up.
+    pub end: ProcessFigures,
+    /// After every side was shut down (sessions ended).
+    pub after: ProcessFigures,
 }
 
 /// The prefill side of a run.
 enum PrefillSide {
-    Local(PrefillInstance),
-    Remote(RemotePrefill),
+    Local(Box<PrefillInstance>),
+    /// One or more producer servers; request `n` goes to server `n % len`.
+    Remote(Vec<RemotePrefill>),
 }
 
 impl PrefillSide {
-    /// One step prefilling `prompts`: each with its params and P's blocks.
+    /// One step prefilling `prompts` (on server `turn % len` when remote):
+    /// each with its params and P's blocks.
     async fn prefill(
         &mut self,
         prompts: &[PromptSpec],
+        turn: usize,
     ) -> Result<Vec<(PromptSpec, KvTransferParams, Vec<BlockId>)>, RunError> {
         match self {
             PrefillSide::Local(p) => {
@@ -150,7 +211,13 @@ impl PrefillSide {
                     })
                     .collect())
             }
-            PrefillSide::Remote(r) => Ok(r.prefill(prompts).await?),
+            PrefillSide::Remote(servers) => {
+                let n = servers.len().max(1);
+                match servers.get_mut(turn % n) {
+                    Some(r) => Ok(r.prefill(prompts).await?),
+                    None => Ok(Vec::new()),
+                }
+            }
         }
     }
 
@@ -168,21 +235,31 @@ impl PrefillSide {
                 while p.held() > 0 && !p.reap_wait(timeout).await.is_empty() {}
                 Ok(p.held())
             }
-            PrefillSide::Remote(r) => Ok(r.drain(timeout).await?),
+            PrefillSide::Remote(servers) => {
+                let mut held = 0;
+                for r in servers {
+                    held += r.drain(timeout).await?;
+                }
+                Ok(held)
+            }
         }
     }
 
-    fn remote(&mut self) -> Option<&mut ControlClient> {
+    fn remotes(&mut self) -> Vec<&mut ControlClient> {
         match self {
-            PrefillSide::Local(_) => None,
-            PrefillSide::Remote(r) => Some(r.client()),
+            PrefillSide::Local(_) => Vec::new(),
+            PrefillSide::Remote(servers) => servers.iter_mut().map(RemotePrefill::client).collect(),
         }
     }
 
     async fn shutdown(self) -> Result<(), RunError> {
         match self {
             PrefillSide::Local(p) => p.shutdown().await,
-            PrefillSide::Remote(r) => r.into_client().bye().await?,
+            PrefillSide::Remote(servers) => {
+                for r in servers {
+                    r.into_client().bye().await?;
+                }
+            }
         }
         Ok(())
     }
@@ -244,13 +321,15 @@ struct Sides {
 
 impl Sides {
     /// Waits up to `timeout` for pulls to finish. While decode waits here
-    /// for a remote prefill, the control connection is silent: it is kept
-    /// alive with pings, or the server would end the session as idle.
+    /// for remote prefills, their control connections are silent: they are
+    /// kept alive with pings, or the servers would end the sessions as idle.
     async fn complete(&mut self, timeout: Duration) -> Result<Vec<Completion>, RunError> {
-        let (DecodeSide::Local(d), PrefillSide::Remote(r)) = (&mut self.decode, &mut self.prefill) else {
+        let (DecodeSide::Local(d), PrefillSide::Remote(servers)) = (&mut self.decode, &mut self.prefill) else {
             return self.decode.complete(timeout).await;
         };
-        let every = r.client().keepalive_interval();
+        let Some(every) = servers.iter_mut().map(|r| r.client().keepalive_interval()).min() else {
+            return Ok(d.complete(timeout).await);
+        };
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -258,20 +337,21 @@ impl Sides {
             if !done.is_empty() || left <= every {
                 return Ok(done);
             }
-            r.client().ping().await?;
+            for r in servers.iter_mut() {
+                r.client().ping().await?;
+            }
         }
     }
 
-    /// The server's CPU time and peak RSS, on a remote run.
-    async fn peer_stats(&mut self) -> Result<Option<(Duration, u64)>, RunError> {
-        let client = match self.prefill.remote() {
-            Some(c) => Some(c),
-            None => self.decode.remote(),
-        };
-        match client {
-            Some(c) => Ok(Some(c.stats().await?)),
-            None => Ok(None),
+    /// Each server's address and figures, on a remote run (empty otherwise).
+    async fn peer_stats(&mut self) -> Result<Vec<(String, PeerStats)>, RunError> {
+        let mut clients = self.prefill.remotes();
+        clients.extend(self.decode.remote());
+        let mut out = Vec::with_capacity(clients.len());
+        for c in clients {
+            out.push((c.peer_addr().to_string(), c.stats().await?));
         }
+        Ok(out)
     }
 }
 
@@ -287,9 +367,10 @@ fn worker_config(role: KvRole, engine_id: &str, opts: &RunOptions, bind: Option<
 }
 
 /// Starts both sides: here, or one here and one on the `kvlink serve` at
-/// `opts.connect` (whose role decides which runs here).
+/// `opts.connect` (whose role decides which runs here), or decode here and
+/// prefill on every `kvlink serve` producer named.
 async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunReport) -> Result<Sides, RunError> {
-    let Some(target) = &opts.connect else {
+    if opts.connect.is_empty() {
         let p_config = worker_config(KvRole::Producer, "kvlink-prefill", opts, None);
         let d_config = worker_config(KvRole::Consumer, "kvlink-decode", opts, None);
         let mut prefill = PrefillInstance::start(p_config, shape, opts.pattern, 1).await?;
@@ -298,28 +379,42 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
         decode.set_verify(opts.verify);
         report.side = "both".to_owned();
         report.cache_bytes = 2 * shape.total_bytes();
-        return Ok(Sides { prefill: PrefillSide::Local(prefill), decode: DecodeSide::Local(decode) });
-    };
+        return Ok(Sides { prefill: PrefillSide::Local(Box::new(prefill)), decode: DecodeSide::Local(decode) });
+    }
     let call_timeout = opts.stall_timeout + Duration::from_secs(10);
-    let mut client = ControlClient::connect(target, CONNECT_TIMEOUT, call_timeout).await?;
-    let server_role = client.hello(shape, opts.pattern, opts.protocol, opts.verify, opts.auth_secret.as_ref()).await?;
-    // Listen where the server reached us: the address it can reach back.
-    let here = Some(client.local_addr().ip());
-    report.peer = Some(client.peer_addr().to_string());
+    let mut clients = Vec::with_capacity(opts.connect.len());
+    for target in &opts.connect {
+        let mut client = ControlClient::connect(target, CONNECT_TIMEOUT, call_timeout).await?;
+        let role = client.hello(shape, opts.pattern, opts.protocol, opts.verify, opts.auth_secret.as_ref()).await?;
+        if opts.connect.len() > 1 && role != KvRole::Producer {
+            return Err(RunError::NotAllProducers { target: target.clone() });
+        }
+        clients.push((client, role));
+    }
+    // Listen where the servers reached us: the address they can reach back.
+    let here = clients[0].0.local_addr().ip();
+    if let Some(other) = clients.iter().map(|(c, _)| c.local_addr().ip()).find(|ip| *ip != here) {
+        return Err(RunError::ManyLocalAddresses { first: here, other });
+    }
+    report.peer = Some(clients.iter().map(|(c, _)| c.peer_addr().to_string()).collect::<Vec<_>>().join(", "));
     report.cache_bytes = shape.total_bytes();
-    if server_role == KvRole::Consumer {
-        let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts, here);
+    if clients.len() == 1 && clients[0].1 == KvRole::Consumer {
+        let (client, _) = clients.remove(0);
+        let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts, Some(here));
         let mut prefill = PrefillInstance::start(config, shape, opts.pattern, 1).await?;
         prefill.set_write_patterns(opts.verify);
         report.side = "prefill".to_owned();
-        Ok(Sides { prefill: PrefillSide::Local(prefill), decode: DecodeSide::Remote(RemoteDecode::new(client)) })
-    } else {
-        let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts, here);
-        let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
-        decode.set_verify(opts.verify);
-        report.side = "decode".to_owned();
-        Ok(Sides { prefill: PrefillSide::Remote(RemotePrefill::new(client)), decode: DecodeSide::Local(decode) })
+        return Ok(Sides {
+            prefill: PrefillSide::Local(Box::new(prefill)),
+            decode: DecodeSide::Remote(RemoteDecode::new(client)),
+        });
     }
+    let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts, Some(here));
+    let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
+    decode.set_verify(opts.verify);
+    report.side = "decode".to_owned();
+    let servers = clients.into_iter().map(|(c, _)| RemotePrefill::new(c)).collect();
+    Ok(Sides { prefill: PrefillSide::Remote(servers), decode: DecodeSide::Local(decode) })
 }
 
 /// Runs the loop; `progress` ticks once per measured request.
@@ -336,6 +431,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
         verified: opts.verify,
         ..RunReport::default()
     };
+    report.figures.baseline = ProcessFigures::sample();
     let mut sides = start_sides(opts, shape, &mut report).await?;
 
     let block_size = shape.block_size() as usize;
@@ -345,7 +441,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let mut ops_total = 0u64;
     let (mut next, mut finished) = (0usize, 0usize);
     let mut measure_start: Option<(Instant, Duration)> = None;
-    let mut peer_start = None;
+    let mut peer_start = Vec::new();
     let mut failing = false;
     // Request ids no one can guess (a peer of an unauthenticated side channel
     // must not be able to claim another request's KV by naming it).
@@ -367,6 +463,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                     break; // drain the warm-up before measuring
                 }
                 peer_start = sides.peer_stats().await?;
+                report.figures.warm = ProcessFigures::sample();
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
             let spec = PromptSpec {
@@ -376,7 +473,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             };
             let prefix_hit = opts.prefix_hit_every > 0 && next % opts.prefix_hit_every == opts.prefix_hit_every - 1;
             let prefix_hit_tokens = if prefix_hit { (opts.blocks_per_request / 4) * block_size } else { 0 };
-            for (spec, params, local) in sides.prefill.prefill(std::slice::from_ref(&spec)).await? {
+            for (spec, params, local) in sides.prefill.prefill(std::slice::from_ref(&spec), next).await? {
                 let pull =
                     PullSpec { id: spec.id, prompt_len: spec.prompt_len, seed: spec.seed, params, prefix_hit_tokens };
                 for remote in sides.decode.schedule(std::slice::from_ref(&pull)).await? {
@@ -430,6 +527,10 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let (start, cpu_start) = measure_start.unwrap_or((Instant::now(), process_cpu_time()));
     let elapsed = start.elapsed();
     let cpu = process_cpu_time().saturating_sub(cpu_start);
+    report.figures.end = ProcessFigures::sample();
+    if measure_start.is_none() {
+        report.figures.warm = report.figures.end;
+    }
     let peer_end = sides.peer_stats().await?;
     // Let P's last frees arrive, so nothing is left held. After failed
     // pulls P may hold those requests until its lease ends: don't wait for it.
@@ -451,13 +552,27 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     report.ops_per_batch = ops_total as f64 / opts.requests.max(1) as f64;
     report.cpu_seconds_per_gb = cpu.as_secs_f64() / gb.max(1e-9);
     report.peak_rss_bytes = peak_rss_bytes();
-    if let (Some((start, _)), Some((end, rss))) = (peer_start.or(peer_end), peer_end) {
-        report.peer_cpu_seconds_per_gb = Some(end.saturating_sub(start).as_secs_f64() / gb.max(1e-9));
-        report.peer_peak_rss_bytes = Some(rss);
+    // No measured part started (every request failed in the warm-up): the
+    // end figures serve as the start.
+    let peer_start = if peer_start.is_empty() { peer_end.clone() } else { peer_start };
+    for ((addr, start), (_, end)) in peer_start.into_iter().zip(peer_end) {
+        report.peers.push(PeerReport {
+            addr,
+            cpu_seconds_per_gb: end.cpu.saturating_sub(start.cpu).as_secs_f64() / gb.max(1e-9),
+            peak_rss_bytes: end.peak_rss_bytes,
+            warm: start.figures,
+            end: end.figures,
+        });
+    }
+    if !report.peers.is_empty() {
+        report.peer_cpu_seconds_per_gb = Some(report.peers.iter().map(|p| p.cpu_seconds_per_gb).sum());
+        report.peer_peak_rss_bytes = report.peers.iter().map(|p| p.peak_rss_bytes).max();
     }
     let Sides { prefill, decode } = sides;
     prefill.shutdown().await?;
     decode.shutdown().await?;
+    // Everything this run spawned is shut down: as many tasks as before it.
+    report.figures.after = ProcessFigures::settled(report.figures.baseline.tokio_tasks, SETTLE_BOUND).await;
     Ok(report)
 }
 

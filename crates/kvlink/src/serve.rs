@@ -1,8 +1,13 @@
 //! `kvlink serve`: one half of a two-host bench. The server listens for
-//! control connections (see [`crate::control`]); per session it starts an
-//! instance of its role with the client's cache shape, prefills (producer)
-//! or pulls (consumer) what the client asks, and shuts the instance down when
-//! the session ends. One session runs at a time; others are refused as busy.
+//! control connections (see [`crate::control`]); it starts an instance of
+//! its role with the client's cache shape, prefills (producer) or pulls
+//! (consumer) what the client asks, and shuts the instance down when the
+//! session ends. At most [`ServeOptions::max_sessions`] sessions run at once
+//! (others are refused as busy); a producer's concurrent sessions share one
+//! prefill instance (one side channel, one cache sized for all of them), as
+//! one prefill engine serves several decode engines, and a session whose
+//! shape, transport, block pattern or verification differs from the running
+//! one's is refused while that one runs.
 //!
 //! Bounds: a connection first needs a handshake place (at most
 //! [`ServeOptions::max_handshakes`], [`ServeOptions::max_handshakes_per_host`]
@@ -30,13 +35,13 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
-use kv_worker::{AuthSecret, CacheShape, WorkerConfig};
+use kv_worker::{AuthSecret, CacheDims, CacheShape, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::blocks::BlockPattern;
 use crate::control::{
@@ -44,7 +49,7 @@ use crate::control::{
     MAX_REQUESTS_PER_CALL,
 };
 use crate::engine::{DecodeInstance, PrefillInstance, PromptSpec, PullSpec};
-use crate::stats::{peak_rss_bytes, process_cpu_time};
+use crate::stats::{peak_rss_bytes, process_cpu_time, ProcessFigures};
 
 /// Bound on sending one reply.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,6 +62,10 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one line per this interval for each kind of log line a peer can
 /// provoke at will.
 const LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Bound on waiting for the last connection's task to be released before
+/// sampling the idle server's figures.
+const SETTLE_BOUND: Duration = Duration::from_secs(1);
 
 /// Default [`ServeOptions::idle_timeout`].
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -124,6 +133,10 @@ pub struct ServeOptions {
     pub side_channel_port: u16,
     /// Stop after this many sessions (`None`: until shut down).
     pub sessions: Option<usize>,
+    /// Sessions served at once (at least 1). A producer's share one prefill
+    /// instance whose cache holds this many times the first client's blocks;
+    /// a consumer serves one at a time.
+    pub max_sessions: usize,
     /// Bound on the cache a client may ask for, bytes.
     pub max_cache_bytes: u64,
     /// Shape figures the server insists on.
@@ -173,6 +186,9 @@ pub enum ServeError {
     /// Only producer and consumer are served.
     #[error("role {0} cannot be served: use producer or consumer")]
     Role(KvRole),
+    /// A consumer serves one session at a time.
+    #[error("a consumer serves one session at a time (--max-sessions {0}); only a producer shares its instance")]
+    SharedConsumer(usize),
 }
 
 fn bind_error(what: &'static str, addr: SocketAddr, source: std::io::Error) -> ServeError {
@@ -194,6 +210,9 @@ pub struct SessionReport {
     pub requests: usize,
     /// `Ok` when the client said bye; otherwise why it ended.
     pub outcome: Result<(), String>,
+    /// What the process held once this connection was gone, if no other
+    /// connection was open then (the server idle again).
+    pub idle_figures: Option<ProcessFigures>,
 }
 
 /// How the server ended.
@@ -217,6 +236,9 @@ impl Server {
     pub async fn bind(opts: ServeOptions) -> Result<Self, ServeError> {
         if !matches!(opts.role, KvRole::Producer | KvRole::Consumer) {
             return Err(ServeError::Role(opts.role));
+        }
+        if opts.role == KvRole::Consumer && opts.max_sessions > 1 {
+            return Err(ServeError::SharedConsumer(opts.max_sessions));
         }
         let addr = SocketAddr::new(opts.listen, opts.control_port);
         let listener = TcpListener::bind(addr).await.map_err(|e| bind_error("control", addr, e))?;
@@ -251,10 +273,10 @@ impl Server {
         line
     }
 
-    /// Serves sessions, one at a time, until `shutdown` resolves or the
-    /// configured number of sessions ended; calls `on_session` as each
-    /// connection ends. A running session is ended (its worker shut down)
-    /// before this returns.
+    /// Serves sessions (at most `max_sessions` at once) until `shutdown`
+    /// resolves or the configured number of sessions ended; calls
+    /// `on_session` as each connection ends. A running session is ended (its
+    /// worker shut down) before this returns.
     pub async fn run<F, S>(self, shutdown: F, mut on_session: S) -> ServeSummary
     where
         F: Future<Output = ()>,
@@ -266,8 +288,8 @@ impl Server {
         let per_host = PerHost::new(opts.max_handshakes_per_host.max(1));
         let opts = Arc::new(opts);
         let cancel = CancellationToken::new();
-        let tasks = TaskTracker::new();
-        let slot = Arc::new(Semaphore::new(1));
+        let mut connections = JoinSet::new();
+        let instances = Arc::new(Instances::new(opts.max_sessions));
         let refusals = Arc::new(Mutex::new(LogThrottle::new(LOG_INTERVAL)));
         let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
         let mut over_limit = LogThrottle::new(LOG_INTERVAL);
@@ -275,7 +297,6 @@ impl Server {
             "too many connections in their handshake (at most {} at once, {} from one host); try again",
             opts.max_handshakes, opts.max_handshakes_per_host
         ));
-        let (reports_tx, mut reports) = mpsc::unbounded_channel::<SessionReport>();
         let mut summary = ServeSummary { sessions: 0, interrupted: false };
         tokio::pin!(shutdown);
         while limit.is_none_or(|n| summary.sessions < n) {
@@ -284,8 +305,8 @@ impl Server {
                     summary.interrupted = true;
                     break;
                 }
-                Some(report) = reports.recv() => {
-                    ended(&report, &mut summary, &mut on_session);
+                Some(joined) = connections.join_next(), if !connections.is_empty() => {
+                    ended(joined, connections.is_empty(), &mut summary, &mut on_session).await;
                     continue;
                 }
                 accepted = listener.accept() => accepted,
@@ -303,13 +324,10 @@ impl Server {
                         }
                         continue;
                     };
-                    let (opts, cancel, slot, tx) =
-                        (opts.clone(), cancel.child_token(), slot.clone(), reports_tx.clone());
+                    let (opts, cancel, instances) = (opts.clone(), cancel.child_token(), instances.clone());
                     let refusals = refusals.clone();
-                    tasks.spawn(async move {
-                        let report = session(stream, peer, opts, cancel, slot, place, &refusals).await;
-                        let _ = tx.send(report);
-                    });
+                    connections
+                        .spawn(async move { session(stream, peer, opts, cancel, &instances, place, &refusals).await });
                 }
                 Err(error) => {
                     // Out of descriptors and the like: back off instead of spinning.
@@ -328,13 +346,10 @@ impl Server {
         }
         drop(listener);
         cancel.cancel();
-        tasks.close();
-        drop(reports_tx);
         // Every connection task ends on the cancel (a session shuts its worker down first).
-        while let Some(report) = reports.recv().await {
-            ended(&report, &mut summary, &mut on_session);
+        while let Some(joined) = connections.join_next().await {
+            ended(joined, connections.is_empty(), &mut summary, &mut on_session).await;
         }
-        tasks.wait().await;
         summary
     }
 }
@@ -385,11 +400,29 @@ impl Drop for HostPlace {
     }
 }
 
-fn ended(report: &SessionReport, summary: &mut ServeSummary, on_session: &mut impl FnMut(&SessionReport)) {
+/// Counts and reports a connection that ended; `idle` when it was the last
+/// one open (its task joined, so what it held is given back: with no
+/// connection open the server runs no task).
+async fn ended(
+    joined: Result<SessionReport, tokio::task::JoinError>,
+    idle: bool,
+    summary: &mut ServeSummary,
+    on_session: &mut impl FnMut(&SessionReport),
+) {
+    let mut report = match joined {
+        Ok(report) => report,
+        Err(error) => {
+            tracing::error!(%error, "a control connection task failed");
+            return;
+        }
+    };
     if report.admitted {
         summary.sessions += 1;
     }
-    on_session(report);
+    if idle {
+        report.idle_figures = Some(ProcessFigures::settled(0, SETTLE_BOUND).await);
+    }
+    on_session(&report);
 }
 
 type Conn = Framed<TcpStream, LengthDelimitedCodec>;
@@ -420,18 +453,172 @@ async fn read(conn: &mut Conn) -> Result<Option<ClientMsg>, String> {
     }
 }
 
-/// An instance serving one session.
+/// An instance of the server's role.
 enum Instance {
     Prefill(PrefillInstance),
     Decode(DecodeInstance),
 }
 
-struct Served {
-    instance: Instance,
+impl Instance {
+    async fn shutdown(self) {
+        match self {
+            Instance::Prefill(p) => p.shutdown().await,
+            Instance::Decode(d) => d.shutdown().await,
+        }
+    }
+}
+
+/// What sessions sharing an instance must agree on: everything their hello
+/// asks but the number of blocks (the first session's sizes the cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Terms {
     shape: CacheShape,
+    pattern: BlockPattern,
+    protocol: Protocol,
+    verify: bool,
+}
+
+impl Terms {
+    fn of(a: &Admitted) -> Self {
+        Self { shape: a.shape, pattern: a.pattern, protocol: a.protocol, verify: a.verify }
+    }
+
+    /// `Ok` if a session asking `other` may share an instance started for
+    /// these terms; otherwise every difference, as one line.
+    fn admit(&self, other: &Terms) -> Result<(), String> {
+        let s = &self.shape;
+        let pins = ShapePins {
+            protocol: Some(self.protocol),
+            kind: Some(s.kind()),
+            num_layers: Some(s.num_layers()),
+            block_size: Some(s.block_size()),
+            num_kv_heads: Some(s.num_kv_heads()),
+            head_dim: Some(s.head_dim()),
+            dtype_bytes: Some(s.dtype_bytes()),
+        };
+        let mut out: Vec<String> = pins.check(other.protocol, &other.shape).err().into_iter().collect();
+        if self.pattern != other.pattern {
+            out.push(format!("block pattern {:?} (client) vs {:?} (running)", other.pattern, self.pattern));
+        }
+        if self.verify != other.verify {
+            out.push(format!("verify {} (client) vs {} (running)", other.verify, self.verify));
+        }
+        if out.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("busy: serving a session this one cannot share the instance with: {}", out.join("; ")))
+        }
+    }
+}
+
+/// The running instance and how many sessions use it.
+struct Running {
+    terms: Terms,
+    /// The instance's cache (sized for every session that may share it).
+    shape: CacheShape,
+    instance: Arc<tokio::sync::Mutex<Instance>>,
+    sessions: usize,
+}
+
+/// The server's one instance: started by the first session, shared by the
+/// sessions that join while it runs (at most `max_sessions`, each holding
+/// one of `slots`), shut down by the last one to leave. Starting and
+/// shutting down happen under the `running` lock, so a session never starts
+/// a second instance beside one still shutting down (the side-channel port).
+struct Instances {
+    slots: Arc<Semaphore>,
+    max_sessions: usize,
+    running: tokio::sync::Mutex<Option<Running>>,
+}
+
+impl Instances {
+    fn new(max_sessions: usize) -> Self {
+        let max_sessions = max_sessions.clamp(1, Semaphore::MAX_PERMITS);
+        Self { slots: Arc::new(Semaphore::new(max_sessions)), max_sessions, running: tokio::sync::Mutex::new(None) }
+    }
+
+    /// A session slot, or why there is none.
+    fn slot(&self) -> Result<OwnedSemaphorePermit, String> {
+        self.slots.clone().try_acquire_owned().map_err(|_| match self.max_sessions {
+            1 => "busy: serving another session; try again when it ends".to_owned(),
+            n => format!("busy: serving {n} sessions, the most this server runs at once; try again when one ends"),
+        })
+    }
+
+    /// Whether a session asking `terms` could join the running instance, or
+    /// start one, now.
+    async fn check(&self, terms: &Terms, opts: &ServeOptions) -> Result<(), String> {
+        match &*self.running.lock().await {
+            Some(running) => running.terms.admit(terms),
+            None => self.instance_shape(terms.shape, opts).map(drop),
+        }
+    }
+
+    /// The cache of an instance started for a session asking `shape`: room
+    /// for every session that may share it.
+    fn instance_shape(&self, shape: CacheShape, opts: &ServeOptions) -> Result<CacheShape, String> {
+        if self.max_sessions == 1 {
+            return Ok(shape);
+        }
+        let n = self.max_sessions;
+        let blocks = shape.num_blocks().saturating_mul(n as u64);
+        check_shape(CacheDims { num_blocks: blocks, ..shape.dims() }, opts.max_cache_bytes).map_err(|e| {
+            format!("a cache for {n} sessions of this shape (--max-sessions): {e} (the server's --max-cache-gib)")
+        })
+    }
+
+    /// Joins the running instance, or starts one.
+    async fn join(&self, opts: &ServeOptions, admitted: Admitted, local_ip: IpAddr) -> Result<Served, String> {
+        let terms = Terms::of(&admitted);
+        let mut running = self.running.lock().await;
+        if let Some(r) = running.as_mut() {
+            r.terms.admit(&terms)?;
+            r.sessions += 1;
+            return Ok(Served::new(r.instance.clone(), r.shape, admitted.slot));
+        }
+        let shape = self.instance_shape(admitted.shape, opts)?;
+        let instance = start(opts, &terms, shape, local_ip).await?;
+        let instance = Arc::new(tokio::sync::Mutex::new(instance));
+        *running = Some(Running { terms, shape, instance: instance.clone(), sessions: 1 });
+        Ok(Served::new(instance, shape, admitted.slot))
+    }
+
+    /// Leaves the instance; the last session to leave shuts it down. Its
+    /// slot is given back after that.
+    async fn leave(&self, served: Served) {
+        let Served { instance, slot, .. } = served;
+        let mut running = self.running.lock().await;
+        let last = running.as_mut().is_some_and(|r| {
+            r.sessions = r.sessions.saturating_sub(1);
+            r.sessions == 0
+        });
+        drop(instance);
+        if let Some(r) = running.take_if(|_| last) {
+            match Arc::try_unwrap(r.instance) {
+                Ok(instance) => instance.into_inner().shutdown().await,
+                // Not reached: every session's handle is dropped before it leaves.
+                Err(_) => {
+                    tracing::error!("an instance outlived its sessions; its worker closes when the last handle drops")
+                }
+            }
+        }
+        drop(running);
+        drop(slot);
+    }
+}
+
+/// One session's use of the instance.
+struct Served {
+    instance: Arc<tokio::sync::Mutex<Instance>>,
+    /// The instance's cache shape.
+    shape: CacheShape,
+    /// Requests this session asked for.
     requests: usize,
-    /// The server's one session slot, released once the instance is down.
-    _slot: OwnedSemaphorePermit,
+    /// This session's prefilled requests the instance may still hold (a
+    /// producer's instance holds every session's).
+    held: HashSet<kv_proto::ReqId>,
+    /// The session's slot.
+    slot: OwnedSemaphorePermit,
 }
 
 fn canonical(ip: IpAddr) -> IpAddr {
@@ -448,9 +635,9 @@ struct Admitted {
 }
 
 /// The hello, the shared-secret exchange (with a secret), the checks and the
-/// session slot: everything before the server starts an instance. The
-/// caller bounds all of it by one deadline.
-async fn handshake(conn: &mut Conn, opts: &ServeOptions, slot: &Arc<Semaphore>) -> Result<Admitted, String> {
+/// session slot: everything before the server starts or joins an instance.
+/// The caller bounds all of it by one deadline.
+async fn handshake(conn: &mut Conn, opts: &ServeOptions, instances: &Instances) -> Result<Admitted, String> {
     let frame = match conn.next().await {
         None => return Err("closed before hello".to_owned()),
         Some(Err(e)) => return Err(format!("bad frame: {e}")),
@@ -482,8 +669,10 @@ async fn handshake(conn: &mut Conn, opts: &ServeOptions, slot: &Arc<Semaphore>) 
         e => e.to_string(),
     })?;
     opts.pins.check(protocol, &shape)?;
-    let slot = slot.clone().try_acquire_owned().map_err(|_| "busy: serving another session; try again when it ends")?;
-    Ok(Admitted { shape, pattern, protocol, verify, slot })
+    let slot = instances.slot()?;
+    let admitted = Admitted { shape, pattern, protocol, verify, slot };
+    instances.check(&Terms::of(&admitted), opts).await?;
+    Ok(admitted)
 }
 
 /// Proves the shared secret to the client and checks its proof, both bound
@@ -511,9 +700,10 @@ async fn authenticate(
     }
 }
 
-async fn start(opts: &ServeOptions, admitted: Admitted, local_ip: IpAddr) -> Result<Served, String> {
-    let Admitted { shape, pattern, protocol, verify, slot } = admitted;
-    let instance = match opts.role {
+/// Starts an instance of the server's role with `shape`.
+async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: IpAddr) -> Result<Instance, String> {
+    let Terms { pattern, protocol, verify, .. } = *terms;
+    Ok(match opts.role {
         KvRole::Producer => {
             let mut config = WorkerConfig::loopback(KvRole::Producer, "kvlink-serve-prefill");
             config.protocol = protocol;
@@ -537,8 +727,7 @@ async fn start(opts: &ServeOptions, admitted: Admitted, local_ip: IpAddr) -> Res
             d.set_verify(verify);
             Instance::Decode(d)
         }
-    };
-    Ok(Served { instance, shape, requests: 0, _slot: slot })
+    })
 }
 
 fn wait_of(timeout_ms: u64) -> Duration {
@@ -550,30 +739,50 @@ fn blocks_needed(shape: &CacheShape, prompt_len: usize) -> usize {
 }
 
 impl Served {
-    fn role(&self) -> &'static str {
-        match self.instance {
-            Instance::Prefill(_) => "producer",
-            Instance::Decode(_) => "consumer",
-        }
+    fn new(instance: Arc<tokio::sync::Mutex<Instance>>, shape: CacheShape, slot: OwnedSemaphorePermit) -> Self {
+        Self { instance, shape, requests: 0, held: HashSet::new(), slot }
     }
 
     async fn handle(&mut self, msg: ClientMsg, peer_ip: IpAddr) -> Result<ServerMsg, String> {
-        let role = self.role();
-        if let Instance::Prefill(p) = &mut self.instance {
-            p.reap();
+        // Calls that need no instance do not wait for other sessions' calls.
+        match msg {
+            ClientMsg::Stats => {
+                return Ok(ServerMsg::Stats {
+                    cpu_seconds: process_cpu_time().as_secs_f64(),
+                    peak_rss_bytes: peak_rss_bytes(),
+                    figures: Some(ProcessFigures::sample()),
+                })
+            }
+            ClientMsg::Ping => return Ok(ServerMsg::Pong),
+            ClientMsg::Hello { .. } => return Err("hello sent twice".to_owned()),
+            ClientMsg::Proof { .. } => return Err("an authentication proof outside the handshake".to_owned()),
+            ClientMsg::Bye => return Ok(ServerMsg::Bye),
+            _ => {}
         }
-        match (msg, &mut self.instance) {
+        let mut instance = self.instance.lock().await;
+        let role = match &*instance {
+            Instance::Prefill(_) => "producer",
+            Instance::Decode(_) => "consumer",
+        };
+        if let Instance::Prefill(p) = &mut *instance {
+            p.reap();
+            self.held.retain(|id| p.blocks_of(id).is_some());
+        }
+        match (msg, &mut *instance) {
             (ClientMsg::Prefill { prompts }, Instance::Prefill(p)) => {
                 let reply = prefill(p, &self.shape, &prompts).await?;
                 self.requests += prompts.len();
+                self.held.extend(prompts.into_iter().map(|spec| spec.id).filter(|id| p.blocks_of(id).is_some()));
                 Ok(reply)
             }
             (ClientMsg::Drain { timeout_ms }, Instance::Prefill(p)) => {
+                // This session's requests only: others' are their own business.
                 let deadline = Instant::now() + wait_of(timeout_ms);
-                while p.held() > 0 && Instant::now() < deadline {
+                while !self.held.is_empty() && Instant::now() < deadline {
                     p.reap_wait(deadline.saturating_duration_since(Instant::now())).await;
+                    self.held.retain(|id| p.blocks_of(id).is_some());
                 }
-                Ok(ServerMsg::Drained { held: p.held() })
+                Ok(ServerMsg::Drained { held: self.held.len() })
             }
             (ClientMsg::Schedule { pulls }, Instance::Decode(d)) => {
                 let n = pulls.len();
@@ -584,26 +793,10 @@ impl Served {
             (ClientMsg::Complete { timeout_ms }, Instance::Decode(d)) => {
                 Ok(ServerMsg::Completions { items: d.complete(wait_of(timeout_ms)).await })
             }
-            (ClientMsg::Stats, _) => {
-                Ok(ServerMsg::Stats { cpu_seconds: process_cpu_time().as_secs_f64(), peak_rss_bytes: peak_rss_bytes() })
-            }
-            (ClientMsg::Ping, _) => Ok(ServerMsg::Pong),
-            (ClientMsg::Hello { .. }, _) => Err("hello sent twice".to_owned()),
-            (ClientMsg::Proof { .. }, _) => Err("an authentication proof outside the handshake".to_owned()),
-            (ClientMsg::Bye, _) => Ok(ServerMsg::Bye),
-            (ClientMsg::Prefill { .. } | ClientMsg::Drain { .. }, _) => {
-                Err(format!("this server is a {role}: it does not prefill (run the bench's prefill side here)"))
-            }
             (ClientMsg::Schedule { .. } | ClientMsg::Complete { .. }, _) => {
                 Err(format!("this server is a {role}: it does not decode (run the bench's decode side here)"))
             }
-        }
-    }
-
-    async fn shutdown(self) {
-        match self.instance {
-            Instance::Prefill(p) => p.shutdown().await,
-            Instance::Decode(d) => d.shutdown().await,
+            _ => Err(format!("this server is a {role}: it does not prefill (run the bench's prefill side here)")),
         }
     }
 }
@@ -715,11 +908,11 @@ async fn session(
     peer: SocketAddr,
     opts: Arc<ServeOptions>,
     cancel: CancellationToken,
-    slot: Arc<Semaphore>,
+    instances: &Instances,
     place: HandshakePlace,
     refusals: &Mutex<LogThrottle>,
 ) -> SessionReport {
-    let mut report = SessionReport { peer, admitted: false, requests: 0, outcome: Ok(()) };
+    let mut report = SessionReport { peer, admitted: false, requests: 0, outcome: Ok(()), idle_figures: None };
     let local_ip = match stream.local_addr() {
         Ok(addr) => canonical(addr.ip()),
         Err(e) => {
@@ -733,7 +926,7 @@ async fn session(
     let deadline = Instant::now() + opts.handshake_timeout;
     let admitted = tokio::select! {
         () = cancel.cancelled() => Err("server shutting down".to_owned()),
-        r = tokio::time::timeout_at(deadline, handshake(&mut conn, &opts, &slot)) => match r {
+        r = tokio::time::timeout_at(deadline, handshake(&mut conn, &opts, instances)) => match r {
             Err(_) => Err(format!("handshake not completed within {:?}", opts.handshake_timeout)),
             Ok(r) => r,
         },
@@ -755,17 +948,21 @@ async fn session(
     };
     drop(place);
     conn.codec_mut().set_max_frame_length(MAX_FRAME_LEN);
-    let mut served = match start(&opts, admitted, local_ip).await {
+    let mut served = match instances.join(&opts, admitted, local_ip).await {
         Ok(served) => served,
         Err(reason) => {
-            tracing::warn!(%peer, %reason, "cannot start a session");
+            let allowed = refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(std::time::Instant::now());
+            if let Some(suppressed) = allowed {
+                tracing::warn!(%peer, %reason, suppressed, "cannot start a session");
+            }
             let _ = send(&mut conn, &ServerMsg::Error { message: reason.clone() }).await;
             report.outcome = Err(reason);
             return report;
         }
     };
     report.admitted = true;
-    tracing::info!(%peer, role = served.role(), shape = ?served.shape, "session started");
+    let role = if opts.role == KvRole::Producer { "producer" } else { "consumer" };
+    tracing::info!(%peer, role, shape = ?served.shape, "session started");
     let idle_timeout_ms = u64::try_from(opts.idle_timeout.as_millis()).unwrap_or(u64::MAX);
     let welcome = ServerMsg::Welcome { version: CONTROL_VERSION, role: opts.role, idle_timeout_ms };
     let end = match send(&mut conn, &welcome).await {
@@ -775,7 +972,7 @@ async fn session(
     report.requests = served.requests;
     // Down (and the slot free) before the last reply: a client that read it
     // may start the next session at once.
-    served.shutdown().await;
+    instances.leave(served).await;
     let last = match end {
         End::Bye => Ok(ServerMsg::Bye),
         End::Refused(reason) => Err((Some(ServerMsg::Error { message: reason.clone() }), reason)),
@@ -834,6 +1031,21 @@ async fn serve_calls(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sessions_share_an_instance_only_on_the_same_terms() {
+        let shape = CacheShape::llama3_8b(10).unwrap();
+        let terms = Terms { shape, pattern: BlockPattern::Random, protocol: Protocol::Tcp, verify: true };
+        // The number of blocks is not a term: the first session sized the cache.
+        assert_eq!(terms.admit(&Terms { shape: CacheShape::llama3_8b(99).unwrap(), ..terms }), Ok(()));
+        let other = Terms { pattern: BlockPattern::Contiguous, protocol: Protocol::Quic, verify: false, ..terms };
+        let refusal = terms.admit(&other).unwrap_err();
+        for needle in
+            ["busy: ", "protocol Quic (client) vs Tcp", "block pattern Contiguous (client) vs Random", "verify false"]
+        {
+            assert!(refusal.contains(needle), "{refusal:?} lacks {needle:?}");
+        }
+    }
 
     #[test]
     fn pins_name_every_difference() {

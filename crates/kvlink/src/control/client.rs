@@ -16,9 +16,21 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::{codec, ClientMsg, ControlError, ServerMsg, WirePull, CONTROL_VERSION, DEFAULT_CONTROL_PORT};
 use crate::blocks::BlockPattern;
 use crate::engine::{Completion, PromptSpec, PullSpec};
+use crate::stats::ProcessFigures;
 
 /// Extra time a call's reply may take beyond the wait it asks the server for.
 const REPLY_MARGIN: Duration = Duration::from_secs(10);
+
+/// A server's answer to [`ControlClient::stats`].
+#[derive(Clone, Copy, Debug)]
+pub struct PeerStats {
+    /// Process CPU time (user + system) so far.
+    pub cpu: Duration,
+    /// Peak resident set of the process, bytes.
+    pub peak_rss_bytes: u64,
+    /// What the process holds now (`None` from servers that do not say).
+    pub figures: Option<ProcessFigures>,
+}
 
 /// An open control connection to a `kvlink serve`.
 pub struct ControlClient {
@@ -234,13 +246,13 @@ impl ControlClient {
         }
     }
 
-    /// The server's process CPU time and peak resident set.
-    pub async fn stats(&mut self) -> Result<(Duration, u64), ControlError> {
+    /// The server's process CPU time, peak resident set and current figures.
+    pub async fn stats(&mut self) -> Result<PeerStats, ControlError> {
         match self.call(&ClientMsg::Stats, "stats", self.call_timeout).await? {
-            ServerMsg::Stats { cpu_seconds, peak_rss_bytes } => {
+            ServerMsg::Stats { cpu_seconds, peak_rss_bytes, figures } => {
                 let cpu = Duration::try_from_secs_f64(cpu_seconds)
                     .map_err(|_| self.bad(format!("cpu_seconds {cpu_seconds} is not a duration")))?;
-                Ok((cpu, peak_rss_bytes))
+                Ok(PeerStats { cpu, peak_rss_bytes, figures })
             }
             other => Err(self.unexpected("stats", &other)),
         }

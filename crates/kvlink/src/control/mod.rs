@@ -59,8 +59,9 @@ use tokio_util::codec::LengthDelimitedCodec;
 
 use crate::blocks::BlockPattern;
 use crate::engine::{Completion, PromptSpec};
+use crate::stats::ProcessFigures;
 
-pub use client::{ControlClient, RemoteDecode, RemotePrefill};
+pub use client::{ControlClient, PeerStats, RemoteDecode, RemotePrefill};
 
 /// Version of this protocol; both sides must speak the same.
 pub const CONTROL_VERSION: u32 = 2;
@@ -332,6 +333,9 @@ pub enum ServerMsg {
         cpu_seconds: f64,
         /// Peak resident set of the process, bytes.
         peak_rss_bytes: u64,
+        /// What the process holds now (absent from older servers).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        figures: Option<ProcessFigures>,
     },
     /// Reply to `ping`.
     Pong,
