@@ -1,11 +1,14 @@
 //! What every data-plane wire shares: the op-list entry, the walk of a
 //! batch's payload through its ops, and the receiver's verdict with its
-//! bounded reason. Pure encode/decode (via `bytes`), no I/O; each transport
-//! frames these its own way.
+//! bounded reason, and the receiver's buffer for an op list
+//! ([`OpListBuffer`]). Pure encode/decode (via `bytes`), no I/O; each
+//! transport frames these its own way.
 
 use bytes::{Buf, BufMut};
 
 use crate::memory::WriteOp;
+
+pub use crate::op_list::{OpListBuffer, OPS_PER_READ};
 
 /// Bytes of one op-list entry on a wire: `dst u64 LE | len u64 LE`.
 pub const OP_LEN: usize = 16;

@@ -34,6 +34,7 @@ mod grant;
 mod ids;
 mod memory;
 mod metadata;
+mod op_list;
 mod params;
 pub mod random;
 mod registered;

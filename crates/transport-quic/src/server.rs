@@ -22,7 +22,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
-use kv_proto::dataplane::{put_verdict, Cursor, OpEntry, ReplyStatus, OP_LEN};
+use kv_proto::dataplane::{put_verdict, Cursor, OpListBuffer, ReplyStatus};
 use kv_proto::{DestinationError, GrantId};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tracing::{debug, trace, warn};
@@ -34,9 +34,6 @@ use crate::memory::Destinations;
 use crate::transport::Shared;
 use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
 
-/// Op-list entries read (and grown into) per step: memory follows the bytes
-/// that actually arrive, not the count a peer announces.
-const OPS_PER_READ: usize = 64 * 1024;
 /// Received chunks taken from quinn per read (and copied under one hold of
 /// the grant).
 const CHUNKS_PER_READ: usize = 32;
@@ -257,9 +254,8 @@ impl Batch<'_> {
         read_full(&mut self.recv, &mut header, io_timeout, "batch header").await?;
         let header = BatchHeader::decode(&header);
         let max = config.max_ops_in_force();
-        let count = match usize::try_from(header.op_count) {
-            Ok(count) if header.op_count <= max => count,
-            _ => return Err(StreamError::TooManyOps { count: header.op_count, max }),
+        let Some(mut buffer) = OpListBuffer::within(header.op_count, max) else {
+            return Err(StreamError::TooManyOps { count: header.op_count, max });
         };
 
         // A batch for a grant that is not live is refused before its op
@@ -275,29 +271,22 @@ impl Batch<'_> {
         let shared = self.shared;
         let deadline = tokio::time::Instant::now() + config.op_list_timeout;
         let mut share = shared.op_lists.share();
-        let mut list: Vec<OpEntry> = Vec::new();
-        while list.len() < count {
-            let start = list.len();
-            let end = start + (count - start).min(OPS_PER_READ);
-            if end > list.capacity() {
-                // Geometric growth, never past the announced count.
-                let capacity = end.max(list.capacity().saturating_mul(2)).min(count);
-                let more = ((capacity - list.capacity()) * OP_LEN) as u64;
+        while !buffer.is_complete() {
+            let more = buffer.growth();
+            if more > 0 {
                 if let Err(no_room) = share.grow(more, deadline).await {
-                    drop(list);
+                    drop(buffer);
                     share.release();
                     return self.refuse_for_room(&header, no_room).await;
                 }
-                list.reserve_exact(capacity - list.len());
             }
-            list.resize(end, [0; OP_LEN]);
-            let fresh = list.get_mut(start..).unwrap_or_default();
-            let read = read_full(&mut self.recv, fresh.as_flattened_mut(), io_timeout, "op list");
+            let read = read_full(&mut self.recv, buffer.next_chunk(), io_timeout, "op list");
             match tokio::time::timeout_at(deadline, read).await {
                 Ok(read) => read?,
                 Err(_) => return Err(StreamError::OpListTimeout { after: config.op_list_timeout }),
             }
         }
+        let list = buffer.into_entries();
 
         let destinations =
             match Destinations::admit(&self.shared.memory, &header.grant, list, header.total_bytes, Instant::now()) {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
-use kv_proto::dataplane::{OpEntry, ReplyStatus};
+use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
 use kv_proto::{LogThrottle, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
@@ -30,7 +30,7 @@ use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
 use crate::wire::{
     auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN,
-    BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, OP_LEN, PREAMBLE_LEN, SUPPORTED_BATCH_FLAGS, SUPPORTED_FLAGS, VERSION,
+    BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
 };
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
@@ -39,9 +39,6 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// At most one line per this interval for log lines a peer can provoke at
 /// will (accept failures, connections over the limit).
 const LOG_INTERVAL: Duration = Duration::from_secs(1);
-/// Op-list entries read (and grown into) per step: memory follows the bytes
-/// that actually arrive, not the count a peer announces.
-const OPS_PER_READ: usize = 64 * 1024;
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
 
@@ -188,17 +185,16 @@ impl Connection<'_> {
         let mut preamble_bytes = [0u8; PREAMBLE_LEN];
         read_exact(stream, &mut preamble_bytes, io_timeout, "preamble").await?;
         let preamble = Preamble::decode(&preamble_bytes).map_err(ConnError::BadMagic)?;
-        let announced_auth = preamble.flags & FLAG_AUTH != 0;
-        let (status, refusal) = if preamble.version != VERSION {
-            (AcceptStatus::UnsupportedVersion, Some(ConnError::UnsupportedVersion(preamble.version)))
-        } else if preamble.flags & !SUPPORTED_FLAGS != 0 {
-            (AcceptStatus::UnsupportedFlags, Some(ConnError::UnsupportedFlags(preamble.flags)))
-        } else if config.auth_secret.is_some() && !announced_auth {
-            (AcceptStatus::AuthRequired, Some(ConnError::AuthFailed("the sender has no shared secret")))
-        } else if config.auth_secret.is_none() && announced_auth {
-            (AcceptStatus::AuthUnavailable, Some(ConnError::AuthFailed("no shared secret is configured here")))
-        } else {
-            (AcceptStatus::Accepted, None)
+        let announced_auth = preamble.announces_auth();
+        let status = preamble.answer(config.auth_secret.is_some());
+        let refusal = match status {
+            AcceptStatus::Accepted => None,
+            AcceptStatus::UnsupportedVersion => Some(ConnError::UnsupportedVersion(preamble.version)),
+            AcceptStatus::AuthRequired => Some(ConnError::AuthFailed("the sender has no shared secret")),
+            AcceptStatus::AuthUnavailable => Some(ConnError::AuthFailed("no shared secret is configured here")),
+            AcceptStatus::UnsupportedFlags | AcceptStatus::Unknown(_) => {
+                Some(ConnError::UnsupportedFlags(preamble.flags))
+            }
         };
         let mut client_nonce: Nonce = [0u8; AUTH_TAG_LEN];
         if refusal.is_none() && announced_auth {
@@ -227,16 +223,13 @@ impl Connection<'_> {
         let io_timeout = shared.config.io_timeout;
         let max = shared.config.max_ops_in_force();
         let batch_id = header.batch_id;
-        if header.flags & !SUPPORTED_BATCH_FLAGS != 0 || header.reserved != 0 {
+        if !header.is_well_formed() {
             let error = ConnError::BadBatchHeader { batch_id, flags: header.flags, reserved: header.reserved };
             return Err(self.protocol_error(stream, batch_id, error).await);
         }
-        let count = match usize::try_from(header.op_count) {
-            Ok(count) if header.op_count <= max => count,
-            _ => {
-                let error = ConnError::TooManyOps { batch_id, count: header.op_count, max };
-                return Err(self.protocol_error(stream, batch_id, error).await);
-            }
+        let Some(mut buffer) = OpListBuffer::within(header.op_count, max) else {
+            let error = ConnError::TooManyOps { batch_id, count: header.op_count, max };
+            return Err(self.protocol_error(stream, batch_id, error).await);
         };
 
         // A batch for a grant that is not live is refused before its op list
@@ -244,31 +237,24 @@ impl Connection<'_> {
         match shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
             Ok(_) => {}
             Err(DestinationError::Closed) => return Err(ConnError::Closed),
-            Err(refusal) => return self.refuse(stream, &header, count, &refusal.to_string()).await,
+            Err(refusal) => return self.refuse(stream, &header, buffer.count(), &refusal.to_string()).await,
         }
 
         // The op list, charged to the transport's budget as it grows, all
         // of it within one deadline.
         let deadline = tokio::time::Instant::now() + shared.config.op_list_timeout;
         let mut share = shared.op_lists.share();
-        let mut list: Vec<OpEntry> = Vec::new();
-        while list.len() < count {
-            let start = list.len();
-            let end = start + (count - start).min(OPS_PER_READ);
-            if end > list.capacity() {
-                // Geometric growth, never past the announced count.
-                let capacity = end.max(list.capacity().saturating_mul(2)).min(count);
-                let more = ((capacity - list.capacity()) * OP_LEN) as u64;
+        while !buffer.is_complete() {
+            let more = buffer.growth();
+            if more > 0 {
                 if let Err(no_room) = share.grow(more, deadline).await {
-                    drop(list);
+                    let unread = buffer.count() - buffer.filled();
+                    drop(buffer);
                     share.release();
-                    return self.refuse_for_room(stream, &header, count - start, no_room).await;
+                    return self.refuse_for_room(stream, &header, unread, no_room).await;
                 }
-                list.reserve_exact(capacity - list.len());
             }
-            list.resize(end, [0; OP_LEN]);
-            let fresh = list.get_mut(start..).unwrap_or_default();
-            let read = read_exact(stream, fresh.as_flattened_mut(), io_timeout, "op list");
+            let read = read_exact(stream, buffer.next_chunk(), io_timeout, "op list");
             match tokio::time::timeout_at(deadline, read).await {
                 Ok(read) => read?,
                 Err(_) => {
@@ -277,6 +263,7 @@ impl Connection<'_> {
                 }
             }
         }
+        let list = buffer.into_entries();
 
         // The grant check: every op inside the named, live grant, before a
         // payload byte is read.

@@ -82,6 +82,29 @@ impl Preamble {
         take_magic(&mut buf)?;
         Ok(Self { version: buf.get_u16_le(), flags: buf.get_u16_le() })
     }
+
+    /// Whether the sender holds the shared secret ([`FLAG_AUTH`]; its nonce
+    /// follows the preamble).
+    pub fn announces_auth(&self) -> bool {
+        self.flags & FLAG_AUTH != 0
+    }
+
+    /// The receiver's answer to this preamble, for a receiver that holds the
+    /// shared secret or not: [`AcceptStatus::Accepted`] only for this
+    /// build's version, known flags, and a secret on both sides or neither.
+    pub fn answer(&self, receiver_has_secret: bool) -> AcceptStatus {
+        if self.version != VERSION {
+            AcceptStatus::UnsupportedVersion
+        } else if self.flags & !SUPPORTED_FLAGS != 0 {
+            AcceptStatus::UnsupportedFlags
+        } else if receiver_has_secret && !self.announces_auth() {
+            AcceptStatus::AuthRequired
+        } else if !receiver_has_secret && self.announces_auth() {
+            AcceptStatus::AuthUnavailable
+        } else {
+            AcceptStatus::Accepted
+        }
+    }
 }
 
 /// Reads the four magic bytes; `Err` carries them if they are not [`MAGIC`].
@@ -246,6 +269,12 @@ impl BatchHeader {
         Self { batch_id, flags, reserved, op_count, total_bytes, grant: GrantId::from_bytes(grant) }
     }
 
+    /// Whether the receiver can read this batch: known flags, zero reserved
+    /// field (the op count is checked against the receiver's limit apart).
+    pub fn is_well_formed(&self) -> bool {
+        self.flags & !SUPPORTED_BATCH_FLAGS == 0 && self.reserved == 0
+    }
+
     /// Whether the sender asks for an admission verdict before the payload.
     pub fn wants_precheck(&self) -> bool {
         self.flags & BATCH_FLAG_PRECHECK != 0
@@ -336,6 +365,25 @@ mod tests {
         let a = [2u8; ACCEPT_LEN];
         let c = auth_context(&p, &a);
         assert_eq!((&c[..PREAMBLE_LEN], &c[PREAMBLE_LEN..]), (&p[..], &a[..]));
+    }
+
+    #[test]
+    fn a_preamble_is_accepted_only_for_this_version_known_flags_and_matching_secrets() {
+        let answer = |version, flags, secret| Preamble { version, flags }.answer(secret);
+        assert_eq!(answer(VERSION, 0, false), AcceptStatus::Accepted);
+        assert_eq!(answer(VERSION, FLAG_AUTH, true), AcceptStatus::Accepted);
+        assert_eq!(answer(VERSION, 0, true), AcceptStatus::AuthRequired);
+        assert_eq!(answer(VERSION, FLAG_AUTH, false), AcceptStatus::AuthUnavailable);
+        assert_eq!(answer(VERSION, 2, false), AcceptStatus::UnsupportedFlags);
+        assert_eq!(answer(1, 0, false), AcceptStatus::UnsupportedVersion, "the version is checked first");
+    }
+
+    #[test]
+    fn a_batch_header_is_well_formed_with_known_flags_and_no_reserved_bits() {
+        let grant = GrantId::from_bytes([1; GRANT_ID_LEN]);
+        let h = |flags, reserved| BatchHeader { batch_id: 1, flags, reserved, op_count: 1, total_bytes: 1, grant };
+        assert!(h(0, 0).is_well_formed() && h(BATCH_FLAG_PRECHECK, 0).is_well_formed());
+        assert!(!h(2, 0).is_well_formed() && !h(0, 1).is_well_formed());
     }
 
     #[test]
