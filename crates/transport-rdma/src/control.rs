@@ -52,6 +52,8 @@ pub const REPLY_HEADER_LEN: usize = 12;
 pub const WINDOW_LEN: usize = 20;
 /// Most bytes of a reason in a reply.
 pub const MAX_REASON_LEN: usize = 1024;
+/// Bytes of a reply's body read (and buffered) per step.
+pub const BODY_CHUNK: usize = 64 * 1024;
 
 const OP_OPEN: u16 = 1;
 const STATUS_WINDOWS: u16 = 0;
@@ -283,13 +285,19 @@ pub async fn read_request<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option
 }
 
 /// Reads one reply: the header first, so the count is checked against
-/// `limits` before the body is read or allocated.
+/// `limits` before the body is read; the body is then buffered as it
+/// arrives (at most [`BODY_CHUNK`] bytes ahead of it), so a count the peer
+/// does not follow with its bytes costs no memory.
 pub async fn read_reply<R: AsyncRead + Unpin>(reader: &mut R, limits: &ControlLimits) -> Result<Reply, ControlError> {
     let mut message = vec![0u8; REPLY_HEADER_LEN];
     read_exact(reader, &mut message).await?;
     let header = decode_reply_header(&message, limits)?;
-    message.resize(REPLY_HEADER_LEN + header.body_len(), 0);
-    read_exact(reader, &mut message[REPLY_HEADER_LEN..]).await?;
+    let len = REPLY_HEADER_LEN + header.body_len();
+    while message.len() < len {
+        let start = message.len();
+        message.resize(start + (len - start).min(BODY_CHUNK), 0);
+        read_exact(reader, &mut message[start..]).await?;
+    }
     decode_reply(&message, limits)
 }
 

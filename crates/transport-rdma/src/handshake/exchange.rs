@@ -39,8 +39,9 @@ where
 }
 
 /// Reads one message: the header first, so the region count is checked
-/// against the limit before the rest is read or allocated.
-async fn read_message<R>(reader: &mut R, limits: &HandshakeLimits) -> Result<ConnectionInfo, HandshakeError>
+/// against the limit before the rest is read or allocated. The peer's half
+/// of [`exchange`], which reads every handshake through it.
+pub async fn read_message<R>(reader: &mut R, limits: &HandshakeLimits) -> Result<ConnectionInfo, HandshakeError>
 where
     R: AsyncRead + Unpin,
 {
