@@ -45,8 +45,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::blocks::BlockPattern;
 use crate::control::{
-    check_shape, handshake_codec, ClientMsg, PrefilledItem, ServerMsg, CONTROL_VERSION, MAX_FRAME_LEN,
-    MAX_REQUESTS_PER_CALL,
+    check_shape, decode_client_msg, handshake_codec, ClientMsg, PrefilledItem, ServerMsg, CONTROL_VERSION,
+    MAX_FRAME_LEN, MAX_REQUESTS_PER_CALL,
 };
 use crate::engine::{DecodeInstance, PrefillInstance, PromptSpec, PullSpec};
 use crate::stats::{peak_rss_bytes, process_cpu_time, ProcessFigures};
@@ -449,7 +449,7 @@ async fn read(conn: &mut Conn) -> Result<Option<ClientMsg>, String> {
     match conn.next().await {
         None => Ok(None),
         Some(Err(e)) => Err(format!("bad frame: {e}")),
-        Some(Ok(frame)) => serde_json::from_slice(&frame).map(Some).map_err(|e| format!("bad message: {e}")),
+        Some(Ok(frame)) => decode_client_msg(&frame).map(Some).map_err(|e| format!("bad message: {e}")),
     }
 }
 
@@ -643,7 +643,7 @@ async fn handshake(conn: &mut Conn, opts: &ServeOptions, instances: &Instances) 
         Some(Err(e)) => return Err(format!("bad frame: {e}")),
         Some(Ok(frame)) => frame.freeze(),
     };
-    let hello = serde_json::from_slice::<ClientMsg>(&frame).map_err(|e| format!("bad message: {e}"))?;
+    let hello = decode_client_msg(&frame).map_err(|e| format!("bad message: {e}"))?;
     let ClientMsg::Hello { version, shape, pattern, protocol, verify, client_nonce } = hello else {
         return Err("the first message must be hello".to_owned());
     };

@@ -13,7 +13,9 @@ use kv_worker::{AuthSecret, CacheShape};
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
-use super::{codec, ClientMsg, ControlError, ServerMsg, WirePull, CONTROL_VERSION, DEFAULT_CONTROL_PORT};
+use super::{
+    codec, decode_server_msg, ClientMsg, ControlError, ServerMsg, WirePull, CONTROL_VERSION, DEFAULT_CONTROL_PORT,
+};
 use crate::blocks::BlockPattern;
 use crate::engine::{Completion, PromptSpec, PullSpec};
 use crate::stats::ProcessFigures;
@@ -147,8 +149,9 @@ impl ControlClient {
                     Err(ControlError::BadReply { peer, reason: e.to_string() })
                 }
                 Some(Err(error)) => Err(ControlError::Io { peer, error }),
-                Some(Ok(frame)) => serde_json::from_slice::<ServerMsg>(&frame)
-                    .map_err(|e| ControlError::BadReply { peer, reason: e.to_string() }),
+                Some(Ok(frame)) => {
+                    decode_server_msg(&frame).map_err(|e| ControlError::BadReply { peer, reason: e.to_string() })
+                }
             }
         };
         let reply = tokio::time::timeout(wait, exchange).await.map_err(|_| ControlError::Timeout {

@@ -98,6 +98,18 @@ pub fn handshake_codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(MAX_HANDSHAKE_FRAME_LEN).new_codec()
 }
 
+/// Decodes a frame from a client (peer input: fallible, nothing but the
+/// frame's JSON is read). The server reads every message through it.
+pub fn decode_client_msg(frame: &[u8]) -> Result<ClientMsg, serde_json::Error> {
+    serde_json::from_slice(frame)
+}
+
+/// Decodes a frame from a server (peer input: fallible). The client reads
+/// every reply through it.
+pub fn decode_server_msg(frame: &[u8]) -> Result<ServerMsg, serde_json::Error> {
+    serde_json::from_slice(frame)
+}
+
 /// A cache shape as the control protocol carries it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireShape {
