@@ -1,7 +1,8 @@
 //! Writes the hand-made seeds of the text and frame targets into `corpus/`:
 //! real side-channel frames (each message kind, back to back, cut short,
-//! corrupted) and real `--kv-transfer-config` and `kv_transfer_params`
-//! texts. The rest of the corpora was grown by the fuzzer from these and
+//! corrupted), real `--kv-transfer-config` and `kv_transfer_params` texts,
+//! and for the data planes and the bench control channel what their real
+//! encoders write (whole sessions, and a few refusals). The rest of the corpora was grown by the fuzzer from these and
 //! reduced to a set cover of the edges reached; see `README.md`. The seeds
 //! match the current message layouts (protocol version 3, `idle_timeout`,
 //! `lease_renewal`, `block_tokens` and `dtype_bytes`, `XferRefused`,
@@ -97,7 +98,269 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
     ]
 }
 
+/// The grant the data-plane targets' receiver holds live, and its range
+/// (`src/op_list.rs`): batches under it are admitted.
+const LIVE_GRANT: [u8; 16] = [0x5a; 16];
+const GRANT_ADDR: u64 = 0x10_0000;
+
+fn tcp_batch(batch_id: u64, flags: u32, grant: [u8; 16], ops: &[(u64, u64)], payload: bool) -> Vec<u8> {
+    use transport_tcp::wire::BatchHeader;
+    let total: u64 = ops.iter().map(|op| op.1).sum();
+    let header = BatchHeader {
+        batch_id,
+        flags,
+        reserved: 0,
+        op_count: ops.len() as u64,
+        total_bytes: total,
+        grant: GrantId::from_bytes(grant),
+    };
+    let mut out = header.encode().to_vec();
+    for &(dst, len) in ops {
+        out.extend_from_slice(&kv_proto::dataplane::encode_op(dst, len));
+    }
+    if payload {
+        out.extend((0..total).map(|i| i as u8));
+    }
+    out
+}
+
+fn tcp_seeds() {
+    use kv_proto::dataplane::ReplyStatus;
+    use transport_tcp::wire::{encode_reply, Accept, AcceptStatus, Preamble, BATCH_FLAG_PRECHECK, FLAG_AUTH, VERSION};
+    let with = |options: u8, parts: &[&[u8]]| -> Vec<u8> {
+        let mut out = vec![options];
+        parts.iter().for_each(|p| out.extend_from_slice(p));
+        out
+    };
+    let plain = Preamble::current().encode();
+    let ops = [(GRANT_ADDR, 64), (GRANT_ADDR + 4096, 32)];
+    let good = tcp_batch(1, 0, LIVE_GRANT, &ops, true);
+    let unknown = tcp_batch(2, 0, [1; 16], &ops, true);
+    let precheck_unknown = tcp_batch(3, BATCH_FLAG_PRECHECK, [1; 16], &ops, false);
+    let precheck = tcp_batch(4, BATCH_FLAG_PRECHECK, LIVE_GRANT, &ops, true);
+    write("tcp_dataplane", "session", &with(1, &[&plain, &good, &unknown, &precheck_unknown, &precheck]));
+    let auth = Preamble { version: VERSION, flags: FLAG_AUTH }.encode();
+    write("tcp_dataplane", "session-auth", &with(8 | 3, &[&auth, &[7; 32], &[8; 32], &good]));
+    write("tcp_dataplane", "auth-required", &with(8, &[&plain, &good]));
+    let many: Vec<(u64, u64)> = (0..4).map(|i| (GRANT_ADDR + i * 16, 16)).collect();
+    write("tcp_dataplane", "over-op-limit", &with(4 | 1, &[&plain, &tcp_batch(5, 0, LIVE_GRANT, &many, true)]));
+    let big: Vec<(u64, u64)> = (0..40).map(|i| (GRANT_ADDR + i * 16, 16)).collect();
+    write("tcp_dataplane", "budget-shared", &with(32 | 1, &[&plain, &tcp_batch(6, 0, LIVE_GRANT, &big, true)]));
+    let mut mismatch = tcp_batch(7, 0, LIVE_GRANT, &ops, false);
+    mismatch[24] ^= 1;
+    write("tcp_dataplane", "length-mismatch", &with(1, &[&plain, &mismatch]));
+    let outside = tcp_batch(8, 0, LIVE_GRANT, &[(GRANT_ADDR + 0x8_0000, 8)], true);
+    let overlapping = tcp_batch(9, 0, LIVE_GRANT, &[(GRANT_ADDR + 8, 8), (GRANT_ADDR, 16)], true);
+    write("tcp_dataplane", "refused", &with(1, &[&plain, &outside, &overlapping, &good]));
+    let accept = Accept {
+        version: VERSION,
+        status: AcceptStatus::Accepted,
+        max_ops_per_batch: 1 << 24,
+        idle_timeout_ms: 120_000,
+    }
+    .encode();
+    let ok = encode_reply(1, ReplyStatus::Ok, "");
+    let refused = encode_reply(2, ReplyStatus::Refused, "unknown grant 5a5a5a5a");
+    let protocol = encode_reply(3, ReplyStatus::ProtocolError, "batch 3 announces 4 ops, more than the limit of 3");
+    write("tcp_dataplane", "sender", &with(16, &[&accept, &ok, &refused, &protocol]));
+}
+
+fn quic_seeds() {
+    use kv_proto::dataplane::{put_verdict, ReplyStatus};
+    use transport_quic::wire::{BatchHeader, ClientHello, ServerHello};
+    use transport_quic::EndpointDetails;
+    let with = |choice: u8, parts: &[&[u8]]| -> Vec<u8> {
+        let mut out = vec![choice];
+        parts.iter().for_each(|p| out.extend_from_slice(p));
+        out
+    };
+    let details = EndpointDetails { fingerprint: [0xab; 32], max_ops_per_batch: 1 << 21 }.encode();
+    write("quic_dataplane", "details", &with(0, &[&details]));
+    write("quic_dataplane", "client-hello", &with(1, &[&ClientHello { auth: true, nonce: [3; 32] }.encode()]));
+    let server = ServerHello { auth: true, nonce: [4; 32], proof: [5; 32] }.encode();
+    write("quic_dataplane", "server-hello", &with(2, &[&server]));
+    let batch = |grant: [u8; 16], ops: &[(u64, u64)]| -> Vec<u8> {
+        let total: u64 = ops.iter().map(|op| op.1).sum();
+        let header = BatchHeader { grant: GrantId::from_bytes(grant), op_count: ops.len() as u64, total_bytes: total };
+        let mut out = header.encode().to_vec();
+        for &(dst, len) in ops {
+            out.extend_from_slice(&kv_proto::dataplane::encode_op(dst, len));
+        }
+        out.extend((0..total).map(|i| i as u8));
+        out
+    };
+    let ops = [(GRANT_ADDR, 64), (GRANT_ADDR + 4096, 32)];
+    // Choice 3 + 5k: a batch under receiver configuration k.
+    write("quic_dataplane", "batch", &with(3 + 5 * 3, &[&batch(LIVE_GRANT, &ops)]));
+    write("quic_dataplane", "batch-small-budget", &with(3 + 5, &[&batch(LIVE_GRANT, &ops)]));
+    let many: Vec<(u64, u64)> = (0..200).map(|i| (GRANT_ADDR + i * 16, 16)).collect();
+    write("quic_dataplane", "batch-budget-shared", &with(3 + 5 * (8 | 1), &[&batch(LIVE_GRANT, &many)]));
+    write("quic_dataplane", "batch-unknown-grant", &with(3, &[&batch([1; 16], &ops)]));
+    let mut verdicts = Vec::new();
+    put_verdict(&mut verdicts, ReplyStatus::Ok, "");
+    put_verdict(&mut verdicts, ReplyStatus::Refused, "grant 5a5a5a5a was revoked during the batch");
+    write("quic_dataplane", "verdicts", &with(4, &[&verdicts]));
+}
+
+fn rdma_seeds() {
+    use transport_rdma::control::{encode_reply, encode_request, ControlLimits, Reply, Request};
+    use transport_rdma::details::EndpointDetails;
+    use transport_rdma::handshake::{self, ConnectionInfo, HandshakeLimits, QpEndpoint};
+    use transport_rdma::region::{RegionTable, RemoteRegion};
+    let limits = ControlLimits { max_windows: 8 };
+    let windows = |n: u64| {
+        RegionTable::new(
+            (0..n)
+                .map(|i| RemoteRegion { addr: 0x7f00_0000_0000 + i * 0x1_0000, len: 0x8000, rkey: 0x100 + i as u32 })
+                .collect(),
+        )
+        .unwrap()
+    };
+    let mut replies = Vec::new();
+    for reply in [
+        Reply::Progress(2),
+        Reply::Windows(windows(3)),
+        Reply::Refused("no live grant has this id".into()),
+        Reply::Closed("shutting down".into()),
+        Reply::Failed("bind failed".into()),
+    ] {
+        encode_reply(&reply, &limits, &mut replies).unwrap();
+    }
+    // Choice 4k: replies under limit k (1: 8 windows).
+    write("rdma_control", "replies", &[&[4u8][..], &replies].concat());
+    let mut requests = Vec::new();
+    encode_request(&Request::Open(GrantId::from_bytes([9; 16])), &mut requests);
+    encode_request(&Request::Open(GrantId::from_bytes([10; 16])), &mut requests);
+    write("rdma_control", "requests", &[&[1u8][..], &requests].concat());
+    let mut gid = [0u8; 16];
+    gid[10..].copy_from_slice(&[0xff, 0xff, 127, 0, 0, 1]);
+    let info = ConnectionInfo {
+        qp: QpEndpoint { gid, qpn: 0x11, psn: 0xabcdef },
+        regions: (0..3)
+            .map(|i| RemoteRegion { addr: 0x7f00_0000_0000 + i * 0x10_0000, len: 0x8_0000, rkey: i as u32 })
+            .collect(),
+    };
+    let mut message = Vec::new();
+    handshake::encode(&info, &HandshakeLimits::default(), &mut message).unwrap();
+    // Choice 2 + 4k: a handshake under limit k (2: the default).
+    write("rdma_control", "handshake", &[&[2u8 + 8][..], &message].concat());
+    let sender = ConnectionInfo { regions: Vec::new(), ..info };
+    let mut message = Vec::new();
+    handshake::encode(&sender, &HandshakeLimits::default(), &mut message).unwrap();
+    write("rdma_control", "handshake-sender", &[&[2u8][..], &message].concat());
+    write(
+        "rdma_control",
+        "details",
+        &[&[3u8][..], &EndpointDetails { instance: 0x0123_4567_89ab_cdef }.encode()].concat(),
+    );
+}
+
+fn control_frames(msgs: &[serde_json::Value]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for msg in msgs {
+        let body = serde_json::to_vec(msg).unwrap();
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&body);
+    }
+    out
+}
+
+fn control_seeds() {
+    use kv_worker::CacheDims;
+    use kvlink::control::{ClientMsg, PrefilledItem, ServerMsg, WirePull, CONTROL_VERSION};
+    use kvlink::{BlockPattern, Completion, PromptSpec};
+    let shape = CacheDims {
+        kind: LayoutKind::SplitKv,
+        num_layers: 2,
+        num_blocks: 64,
+        block_size: 16,
+        num_kv_heads: 2,
+        head_dim: 64,
+        dtype_bytes: 2,
+    };
+    let hello = ClientMsg::Hello {
+        version: CONTROL_VERSION,
+        shape: shape.into(),
+        pattern: BlockPattern::Scattered,
+        protocol: Protocol::Tcp,
+        verify: true,
+        client_nonce: Some([7; 32]),
+    };
+    let params = serde_json::json!({"do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 8998,
+        "remote_engine_id": "p0", "remote_block_ids": [1, 2, 3]});
+    write(
+        "bench_control",
+        "hello",
+        &[&[0u8][..], &control_frames(&[value(&hello), value(&ClientMsg::Proof { proof: [9; 32] })])].concat(),
+    );
+    let calls = [
+        ClientMsg::Prefill { prompts: vec![PromptSpec { id: ReqId::new("r0"), prompt_len: 100, seed: 1 }] },
+        ClientMsg::Drain { timeout_ms: 5000 },
+        ClientMsg::Schedule {
+            pulls: vec![WirePull {
+                id: ReqId::new("r0"),
+                prompt_len: 100,
+                seed: 1,
+                params: params.clone(),
+                prefix_hit_tokens: 16,
+            }],
+        },
+        ClientMsg::Complete { timeout_ms: 5000 },
+        ClientMsg::Stats,
+        ClientMsg::Ping,
+        ClientMsg::Bye,
+    ];
+    let calls: Vec<serde_json::Value> = calls.iter().map(value).collect();
+    write("bench_control", "calls", &[&[1u8][..], &control_frames(&calls)].concat());
+    let replies = [
+        ServerMsg::Challenge { server_nonce: [1; 32], server_proof: [2; 32] },
+        ServerMsg::Welcome { version: CONTROL_VERSION, role: kv_proto::KvRole::Producer, idle_timeout_ms: 60_000 },
+        ServerMsg::Prefilled { items: vec![PrefilledItem { id: ReqId::new("r0"), params, blocks: vec![1, 2, 3] }] },
+        ServerMsg::Drained { held: 0 },
+        ServerMsg::Scheduled { blocks: vec![vec![4, 5], vec![]] },
+        ServerMsg::Completions {
+            items: vec![
+                Completion::Received {
+                    id: ReqId::new("r0"),
+                    blocks: 3,
+                    verified: true,
+                    latency: std::time::Duration::from_micros(1500),
+                },
+                Completion::Corrupt { id: ReqId::new("r1"), at: (1, 7) },
+                Completion::Failed { id: ReqId::new("r2"), blocks: vec![8] },
+            ],
+        },
+        ServerMsg::Stats {
+            cpu_seconds: 1.25,
+            peak_rss_bytes: 1 << 30,
+            figures: Some(kvlink::stats::ProcessFigures {
+                rss_bytes: 1 << 29,
+                open_fds: 12,
+                threads: 5,
+                tokio_tasks: 3,
+            }),
+        },
+        ServerMsg::Pong,
+        ServerMsg::Bye,
+        ServerMsg::Error { message: "busy: serving another session".into() },
+    ];
+    let replies: Vec<serde_json::Value> = replies.iter().map(value).collect();
+    write("bench_control", "replies", &[&[3u8][..], &control_frames(&replies)].concat());
+    let mut huge = vec![0u8];
+    huge.extend_from_slice(&u32::MAX.to_be_bytes());
+    write("bench_control", "huge-length", &huge);
+}
+
+/// A message as JSON.
+fn value<T: serde::Serialize>(msg: &T) -> serde_json::Value {
+    serde_json::to_value(msg).unwrap()
+}
+
 fn main() {
+    tcp_seeds();
+    quic_seeds();
+    rdma_seeds();
+    control_seeds();
     let all = messages();
     for (name, msg) in &all {
         write("side_channel_frame", name, &frame_input(0, 1, &frame(msg)));

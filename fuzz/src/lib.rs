@@ -17,25 +17,38 @@
 //! | [`transfer_params_json`] | `KvTransferParams::from_json` | accepted params hold what the JSON says and round-trip through `to_json` |
 //! | [`registered_memory`] | `RegisteredMemory` operation sequences | agrees with a model; admitted ops lie in the grant and in destination memory, never in source-only memory; dead grants refuse |
 //! | [`dataplane`] | op entries, `Cursor`, verdicts, bounded texts | round trips; the cursor walks exactly the segments' bytes; reasons bounded on a character boundary |
+//! | [`tcp_dataplane`] | TCP data-plane preamble, batch headers and op lists (`OpListBuffer`, `RegisteredMemory::admit`) as the receiver reads them; accept and reply headers as the sender does | re-encoding gives the same bytes; preamble answered by the model; op list within the limit and the budget, memory following the bytes that arrive, admitted only inside the grant with lengths adding up |
+//! | [`quic_dataplane`] | QUIC endpoint details, hellos, a batch stream, verdicts | re-encoding gives the same bytes; errors name what they found; the op list as on TCP |
+//! | [`rdma_control`] | RDMA control replies and requests (`read_reply`, `read_request`), the handshake (`read_message`), endpoint details | the stream readers agree with the decoders; round trips; heap bounded by the bytes read, not the counts claimed; limits kept |
+//! | [`bench_control`] | the bench control connection: its length-delimited codecs, `decode_client_msg` / `decode_server_msg`, `check_shape` | no frame over the bound; heap bounded; decoded messages round-trip; admitted shapes within bounds |
 //! | [`cores`] | `ConnectorScheduler`, `SenderCore`, `ReceiverCore` event sequences | each agrees with a model; every pull reported (or cancelled) exactly once and only once fenced; a cancelled pull never reported, its grant revoked or refused; blocks freed once per hold; no external count without a pull |
 
 mod alloc_meter;
 mod arb;
 mod auth;
+mod control;
 mod cores;
 mod dataplane;
 mod frame;
 mod json;
 mod message;
+mod op_list;
+mod quic;
+mod rdma;
 mod registered;
+mod tcp;
 
 pub use auth::auth;
+pub use control::bench_control;
 pub use cores::cores;
 pub use dataplane::dataplane;
 pub use frame::side_channel_frame;
 pub use json::{transfer_config_json, transfer_params_json};
 pub use message::side_channel_message;
+pub use quic::quic_dataplane;
+pub use rdma::rdma_control;
 pub use registered::registered_memory;
+pub use tcp::tcp_dataplane;
 
 /// A fuzz target: checks one input, panics when a check fails.
 pub type Target = fn(&[u8]);
@@ -50,4 +63,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("registered_memory", registered_memory),
     ("dataplane", dataplane),
     ("cores", cores),
+    ("tcp_dataplane", tcp_dataplane),
+    ("quic_dataplane", quic_dataplane),
+    ("rdma_control", rdma_control),
+    ("bench_control", bench_control),
 ];

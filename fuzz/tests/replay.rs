@@ -82,4 +82,8 @@ replay_tests!(
     registered_memory,
     dataplane,
     cores,
+    tcp_dataplane,
+    quic_dataplane,
+    rdma_control,
+    bench_control,
 );
