@@ -71,6 +71,9 @@ pub enum Channel {
     DataTcp,
     /// The QUIC data plane: a prefill worker (client) writes into a decode worker (server).
     DataQuic,
+    /// The RDMA data plane's control connection (TCP): a prefill worker
+    /// (client) asks a decode worker (server) to open grants for its writes.
+    DataRdma,
     /// The bench's control channel between two `kvlink` processes.
     Control,
 }
@@ -81,6 +84,7 @@ impl Channel {
             Channel::SideChannel => b"side-channel: decode asks prefill",
             Channel::DataTcp => b"data-plane/tcp: prefill writes into decode",
             Channel::DataQuic => b"data-plane/quic: prefill writes into decode",
+            Channel::DataRdma => b"data-plane/rdma: prefill writes into decode",
             Channel::Control => b"bench control",
         }
     }
@@ -168,6 +172,7 @@ mod tests {
         for other in [
             t(Channel::DataTcp, &a, &b, b"hello"),
             t(Channel::DataQuic, &a, &b, b"hello"),
+            t(Channel::DataRdma, &a, &b, b"hello"),
             t(Channel::Control, &a, &b, b"hello"),
             t(Channel::SideChannel, &b, &a, b"hello"),
             t(Channel::SideChannel, &a, &b, b"hellO"),
@@ -178,6 +183,13 @@ mod tests {
         assert!(!verify_server_proof(&secret, &base, &p[..31]), "a truncated proof never verifies");
         assert!(!verify_server_proof(&secret, &base, &[0; 32]));
         assert!(verify_client_proof(&secret, &base, &client_proof(&secret, &base)));
+    }
+
+    #[test]
+    fn every_channel_has_its_own_label() {
+        let all = [Channel::SideChannel, Channel::DataTcp, Channel::DataQuic, Channel::DataRdma, Channel::Control];
+        let labels: std::collections::HashSet<&[u8]> = all.iter().map(|c| c.label()).collect();
+        assert_eq!(labels.len(), all.len());
     }
 
     #[test]

@@ -18,11 +18,13 @@
 //! It is also where the checks that keep peers out of memory live, once:
 //! [`RegisteredMemory`] (sources, destinations, write grants and their fence)
 //! and [`dataplane`] (the op list and verdict every data-plane wire shares),
-//! and the bound on memory peers make a transport hold, [`MemoryBudget`].
+//! the bound on memory peers make a transport hold, [`MemoryBudget`], and
+//! the bound on connections still in their handshake, [`HandshakePlaces`].
 //!
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
 
+mod admission;
 pub mod auth;
 mod bounded;
 mod budget;
@@ -42,6 +44,9 @@ mod throttle;
 mod wire;
 mod writer;
 
+pub use admission::{
+    HandshakePlace, HandshakePlaces, NoPlace, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST,
+};
 pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
 pub use budget::{Charge, MemoryBudget};
 pub use codec::{CodecError, MAX_DECODE_BYTES};
