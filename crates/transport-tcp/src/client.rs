@@ -23,8 +23,9 @@ use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{is_closed_error, Progress, Sources};
 use crate::transport::Shared;
 use crate::wire::{
-    auth_context, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, AUTH_OK, AUTH_TAG_LEN,
-    BATCH_FLAG_PRECHECK, BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN, REPLY_HEADER_LEN, VERSION,
+    auth_context, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, AUTH_BUSY, AUTH_OK,
+    AUTH_TAG_LEN, BATCH_FLAG_PRECHECK, BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN,
+    REPLY_HEADER_LEN, VERSION,
 };
 
 /// Header-and-op-list buffer capacity kept on a pooled connection; a larger
@@ -371,6 +372,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
                 "peer has no data-plane shared secret; refusing to write to an unauthenticated peer".to_owned(),
             ))
         }
+        AcceptStatus::Busy => return Err(busy(peer)),
         AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}"))),
     }
     if let Some(secret) = secret {
@@ -393,8 +395,10 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         write_all(&mut stream, &proof, io_timeout, "authentication proof").await.map_err(wire)?;
         let mut verdict = [0u8; 1];
         read_exact(&mut stream, &mut verdict, io_timeout, "authentication verdict").await.map_err(wire)?;
-        if verdict[0] != AUTH_OK {
-            return Err(connect_error("peer refused our data-plane authentication".to_owned()));
+        match verdict[0] {
+            AUTH_OK => {}
+            AUTH_BUSY => return Err(busy(peer)),
+            _ => return Err(connect_error("peer refused our data-plane authentication".to_owned())),
         }
     }
     Ok(Conn {
@@ -404,6 +408,15 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         last_used: Instant::now(),
         buf: Vec::new(),
     })
+}
+
+/// The receiver serves its most connections already.
+fn busy(peer: &str) -> TransportError {
+    TransportError::Connect {
+        peer: peer.to_owned(),
+        reason: "the receiver serves its maximum of data-plane connections (TcpConfig::max_connections) already"
+            .to_owned(),
+    }
 }
 
 fn wire_error(peer: &str, error: WireError) -> TransportError {

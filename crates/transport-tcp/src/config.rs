@@ -4,6 +4,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
+use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
 
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
@@ -36,7 +37,7 @@ pub struct TcpConfig {
     /// accept reply and authentication together, from the moment the
     /// connection is accepted (default 10 s). It does not restart on
     /// progress, so a peer dribbling its handshake byte by byte holds a
-    /// connection slot for at most this long. (The sending side bounds its
+    /// handshake place for at most this long. (The sending side bounds its
     /// whole set-up by [`TcpConfig::connect_timeout`].)
     pub handshake_timeout: Duration,
     /// How long the receiver keeps a connection on which no batch is in
@@ -92,10 +93,21 @@ pub struct TcpConfig {
     /// prove it (transcript-bound challenge–response at connection set-up,
     /// see the crate docs).
     pub auth_secret: Option<AuthSecret>,
-    /// Bound on concurrently served incoming connections (default 1024);
-    /// connections past it are closed at once. A connection holds its slot
-    /// during the handshake for at most [`TcpConfig::handshake_timeout`].
+    /// Bound on established incoming connections (default 1024): a
+    /// connection takes its place only once its handshake (and, with a
+    /// secret, its proof) succeeded, so peers that never finish one cannot
+    /// take these. A connection past it is told so (accept status 5, or
+    /// verdict 2 after the proof) and closed.
     pub max_connections: usize,
+    /// Bound on incoming connections still in their handshake (default
+    /// [`DEFAULT_MAX_HANDSHAKES`]), each for at most
+    /// [`TcpConfig::handshake_timeout`]; connections past it are closed at
+    /// accept.
+    pub max_handshakes: usize,
+    /// Bound on the handshakes in progress from one source address (default
+    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
+    /// handshake place.
+    pub max_handshakes_per_host: usize,
 }
 
 impl TcpConfig {
@@ -131,6 +143,8 @@ impl Default for TcpConfig {
             op_list_timeout: Duration::from_secs(10),
             max_idle_conns_per_peer: 4,
             max_connections: 1024,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
             auth_secret: None,
             parallel_streams: 2,
             parallel_min_bytes: 16 << 20,

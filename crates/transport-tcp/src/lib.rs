@@ -34,8 +34,12 @@
 //! - let a peer's input panic the process, grow memory beyond the configured
 //!   bounds (op lists: one budget for all connections), or affect more than
 //!   its own connection;
-//! - let a peer hold a connection slot through a slow handshake: the whole
-//!   handshake has one deadline ([`TcpConfig::handshake_timeout`]);
+//! - let peers that do not finish their handshake crowd out those that did:
+//!   a connection in its handshake holds a handshake place (bounded in
+//!   total, [`TcpConfig::max_handshakes`], and per source host,
+//!   [`TcpConfig::max_handshakes_per_host`]) for at most one deadline
+//!   ([`TcpConfig::handshake_timeout`]), and takes an established place
+//!   ([`TcpConfig::max_connections`]) only once the handshake succeeded;
 //! - wait without a bound ([`TcpConfig`] holds every timeout);
 //! - touch registered memory after [`BatchWriter::close`],
 //!   [`BatchWriter::shutdown`] or the drop of the transport has returned.
@@ -59,13 +63,15 @@
 //!  | KVLT | version | status | max_ops_per_batch | idle_timeout_ms |
 //!           u16       u16      u64                 u64
 //!  status: 0 accepted, 1 unsupported version, 2 unsupported flags,
-//!  3 the receiver requires the secret, 4 the receiver has no secret (the
-//!  receiver closes after a non-zero status; a bad magic is closed unanswered)
+//!  3 the receiver requires the secret, 4 the receiver has no secret,
+//!  5 the receiver serves its most connections already (the receiver
+//!  closes after a non-zero status; a bad magic is closed unanswered)
 //!
 //! authentication (only when both hold a secret, before any batch)
 //!  receiver → sender: server_nonce (32) | server_proof (32)
 //!  sender → receiver: client_proof (32)     (after checking server_proof)
-//!  receiver → sender: verdict u8 (0 ok; 1 refused, then close)
+//!  receiver → sender: verdict u8 (0 ok; 1 refused, 2 proved but the
+//!                     receiver serves its most connections; then close)
 //! ```
 //!
 //! The proofs are [`kv_proto::auth`]'s HMAC-SHA-256 over the whole

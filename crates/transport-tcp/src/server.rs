@@ -1,7 +1,9 @@
 //! The receiving side: the accept loop and one task per incoming connection.
 //!
 //! A connection's life: the handshake (preamble → accept reply →
-//! authentication, all within one overall `handshake_timeout`), then batches
+//! authentication, all within one overall `handshake_timeout`, holding a
+//! handshake place taken at accept), then, holding an established place
+//! taken only once the handshake succeeded, batches
 //! until the peer closes, the connection idles past `idle_timeout`, the peer
 //! breaks the protocol, or the transport shuts down. Each batch's op list is
 //! admitted against the grant it names before a payload byte is read, and
@@ -19,9 +21,10 @@ use std::time::{Duration, Instant};
 use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
-use kv_proto::{LogThrottle, Revoked};
+use kv_proto::{HandshakePlace, LogThrottle, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, warn};
 
 use crate::budget::{NoRoom, Share};
@@ -29,8 +32,8 @@ use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
 use crate::wire::{
-    auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN,
-    BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
+    auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_BUSY, AUTH_FAILED, AUTH_OK,
+    AUTH_TAG_LEN, BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
 };
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
@@ -66,6 +69,8 @@ enum ConnError {
     OpListTimeout { batch_id: u64, after: Duration },
     #[error("data-plane authentication failed: {0}")]
     AuthFailed(&'static str),
+    #[error("{0} established connections already; told the peer so")]
+    Busy(usize),
     #[error("the sender abandoned admitted batch {0} before its payload (another part of it was refused)")]
     Abandoned(u64),
     #[error("the transport is shut down")]
@@ -104,19 +109,18 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         };
         match accepted {
             Ok((stream, peer)) => {
-                let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-                    if let Some(suppressed) = refusals.allow(Instant::now()) {
-                        warn!(%peer, limit = shared.config.max_connections, suppressed,
-                            "connection limit reached, closing new connections");
+                let place = match shared.handshakes.enter(peer.ip()) {
+                    Ok(place) => place,
+                    Err(no_place) => {
+                        if let Some(suppressed) = refusals.allow(Instant::now()) {
+                            warn!(%peer, reason = %no_place, suppressed, "handshake limit reached, closing new connections");
+                        }
+                        continue;
                     }
-                    continue;
                 };
                 shared.accepted.fetch_add(1, Ordering::Relaxed);
                 let task_shared = Arc::clone(&shared);
-                shared.tracker.spawn(async move {
-                    serve(&task_shared, stream, peer).await;
-                    drop(permit);
-                });
+                shared.tracker.spawn(async move { serve(&task_shared, stream, peer, place).await });
             }
             Err(error) => {
                 if let Some(suppressed) = accept_errors.allow(Instant::now()) {
@@ -133,7 +137,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     debug!(listener = ?local, "data-plane listener stopped");
 }
 
-async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
+async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: HandshakePlace) {
     if let Err(error) = stream.set_nodelay(true) {
         debug!(%peer, %error, "cannot set TCP_NODELAY");
     }
@@ -141,7 +145,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     let outcome = tokio::select! {
         biased;
         () = shared.token.cancelled() => Ok(End::Shutdown),
-        outcome = conn.run(&mut stream) => outcome,
+        outcome = conn.run(&mut stream, place) => outcome,
     };
     match outcome {
         Ok(end) => debug!(%peer, ?end, "data-plane connection closed"),
@@ -150,17 +154,26 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     }
 }
 
+/// What follows an accept reply that accepts.
+enum AfterAccept<'a> {
+    /// Nothing: the connection is established (no secret configured).
+    Established(OwnedSemaphorePermit),
+    /// The sender proves the secret.
+    Authenticate(&'a AuthSecret),
+}
+
 struct Connection<'s> {
     shared: &'s Shared,
     peer: SocketAddr,
 }
 
 impl Connection<'_> {
-    async fn run(mut self, stream: &mut TcpStream) -> Result<End, ConnError> {
+    async fn run(mut self, stream: &mut TcpStream, place: HandshakePlace) -> Result<End, ConnError> {
         let deadline = self.shared.config.handshake_timeout;
-        tokio::time::timeout(deadline, self.handshake(stream))
+        let _established = tokio::time::timeout(deadline, self.handshake(stream))
             .await
             .map_err(|_| ConnError::HandshakeTimeout(deadline))??;
+        drop(place);
 
         let config = &self.shared.config;
         loop {
@@ -177,45 +190,71 @@ impl Connection<'_> {
         }
     }
 
-    /// Preamble, accept reply and (with a secret) authentication. The caller
-    /// bounds the whole of it by `handshake_timeout`.
-    async fn handshake(&self, stream: &mut TcpStream) -> Result<(), ConnError> {
+    /// Preamble, accept reply and (with a secret) authentication; returns the
+    /// connection's established place, taken once all of that succeeded
+    /// (a peer past the limit is told so). The caller bounds the whole of it
+    /// by `handshake_timeout`.
+    async fn handshake(&self, stream: &mut TcpStream) -> Result<OwnedSemaphorePermit, ConnError> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;
         let mut preamble_bytes = [0u8; PREAMBLE_LEN];
         read_exact(stream, &mut preamble_bytes, io_timeout, "preamble").await?;
         let preamble = Preamble::decode(&preamble_bytes).map_err(ConnError::BadMagic)?;
-        let announced_auth = preamble.announces_auth();
-        let status = preamble.answer(config.auth_secret.is_some());
-        let refusal = match status {
-            AcceptStatus::Accepted => None,
-            AcceptStatus::UnsupportedVersion => Some(ConnError::UnsupportedVersion(preamble.version)),
-            AcceptStatus::AuthRequired => Some(ConnError::AuthFailed("the sender has no shared secret")),
-            AcceptStatus::AuthUnavailable => Some(ConnError::AuthFailed("no shared secret is configured here")),
-            AcceptStatus::UnsupportedFlags | AcceptStatus::Unknown(_) => {
-                Some(ConnError::UnsupportedFlags(preamble.flags))
+        let next = match preamble.answer(config.auth_secret.is_some()) {
+            AcceptStatus::Accepted => match &config.auth_secret {
+                Some(secret) => Ok(AfterAccept::Authenticate(secret)),
+                // Without a secret the handshake ends with the accept reply:
+                // the established place is taken before it is written.
+                None => match self.establish() {
+                    Ok(place) => Ok(AfterAccept::Established(place)),
+                    Err(busy) => Err((AcceptStatus::Busy, busy)),
+                },
+            },
+            status @ AcceptStatus::UnsupportedVersion => Err((status, ConnError::UnsupportedVersion(preamble.version))),
+            status @ AcceptStatus::AuthRequired => {
+                Err((status, ConnError::AuthFailed("the sender has no shared secret")))
+            }
+            status @ AcceptStatus::AuthUnavailable => {
+                Err((status, ConnError::AuthFailed("no shared secret is configured here")))
+            }
+            status @ (AcceptStatus::UnsupportedFlags | AcceptStatus::Busy | AcceptStatus::Unknown(_)) => {
+                Err((status, ConnError::UnsupportedFlags(preamble.flags)))
             }
         };
         let mut client_nonce: Nonce = [0u8; AUTH_TAG_LEN];
-        if refusal.is_none() && announced_auth {
+        if let Ok(AfterAccept::Authenticate(_)) = next {
             read_exact(stream, &mut client_nonce, io_timeout, "authentication nonce").await?;
         }
         let accept = Accept {
             version: VERSION,
-            status,
+            status: next.as_ref().map_or_else(|(status, _)| *status, |_| AcceptStatus::Accepted),
             max_ops_per_batch: config.max_ops_in_force(),
             idle_timeout_ms: u64::try_from(config.idle_timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .encode();
         write_all(stream, &accept, io_timeout, "accept reply").await?;
-        if let Some(refusal) = refusal {
-            return Err(refusal);
+        match next {
+            Err((_, refusal)) => Err(refusal),
+            Ok(AfterAccept::Established(place)) => Ok(place),
+            Ok(AfterAccept::Authenticate(secret)) => {
+                let context = auth_context(&preamble_bytes, &accept);
+                authenticate(stream, secret, &client_nonce, &context, io_timeout, || self.establish()).await
+            }
         }
-        if let Some(secret) = &config.auth_secret {
-            let context = auth_context(&preamble_bytes, &accept);
-            authenticate(stream, secret, &client_nonce, &context, io_timeout).await?;
-        }
-        Ok(())
+    }
+
+    /// An established place, or the error that tells why there is none
+    /// (rate-limited log line).
+    fn establish(&self) -> Result<OwnedSemaphorePermit, ConnError> {
+        let shared = self.shared;
+        Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
+            let allowed = shared.busy_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+            if let Some(suppressed) = allowed {
+                warn!(peer = %self.peer, limit = shared.config.max_connections, suppressed,
+                    "connection limit reached, refusing a peer that finished its handshake");
+            }
+            ConnError::Busy(shared.config.max_connections)
+        })
     }
 
     async fn batch(&mut self, stream: &mut TcpStream, header: BatchHeader) -> Result<(), ConnError> {
@@ -392,15 +431,18 @@ impl Connection<'_> {
 }
 
 /// Proves the shared secret to the sender and checks its proof, both bound
-/// to the whole transcript (this channel, both nonces, `context`); nothing
-/// of a batch is read before this returns `Ok`.
+/// to the whole transcript (this channel, both nonces, `context`); then
+/// takes the connection's established place with `establish` (a sender
+/// past the limit is told so). Nothing of a batch is read before this
+/// returns `Ok`.
 async fn authenticate(
     stream: &mut TcpStream,
     secret: &AuthSecret,
     client_nonce: &Nonce,
     context: &[u8],
     io_timeout: Duration,
-) -> Result<(), ConnError> {
+    establish: impl FnOnce() -> Result<OwnedSemaphorePermit, ConnError>,
+) -> Result<OwnedSemaphorePermit, ConnError> {
     let server_nonce = auth::fresh_nonce().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
     let transcript = Transcript { channel: Channel::DataTcp, client_nonce, server_nonce: &server_nonce, context };
     let mut challenge = [0u8; CHALLENGE_LEN];
@@ -410,13 +452,18 @@ async fn authenticate(
     write_all(stream, &challenge, io_timeout, "authentication challenge").await?;
     let mut proof = [0u8; AUTH_TAG_LEN];
     read_exact(stream, &mut proof, io_timeout, "authentication proof").await?;
-    let ok = auth::verify_client_proof(secret, &transcript, &proof);
-    write_all(stream, &[if ok { AUTH_OK } else { AUTH_FAILED }], io_timeout, "authentication verdict").await?;
-    if ok {
-        Ok(())
+    let verdict = if auth::verify_client_proof(secret, &transcript, &proof) {
+        establish()
     } else {
         Err(ConnError::AuthFailed("the sender's proof does not match this connection's transcript and secret"))
-    }
+    };
+    let byte = match &verdict {
+        Ok(_) => AUTH_OK,
+        Err(ConnError::Busy(_)) => AUTH_BUSY,
+        Err(_) => AUTH_FAILED,
+    };
+    write_all(stream, &[byte], io_timeout, "authentication verdict").await?;
+    verdict
 }
 
 fn is_revoked(error: &io::Error) -> bool {

@@ -34,11 +34,16 @@ pub(crate) struct Shared {
     pub(crate) token: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) pool: Pool,
+    /// Places for established incoming connections.
     pub(crate) conn_limit: Arc<Semaphore>,
+    /// Places for incoming connections in their handshake.
+    pub(crate) handshakes: kv_proto::HandshakePlaces,
     /// Op lists all incoming connections hold at once.
     pub(crate) op_lists: OpListBudget,
     /// Log lines about batches refused for want of op-list room.
     pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// Log lines about peers refused for want of an established place.
+    pub(crate) busy_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     pub(crate) next_batch_id: AtomicU64,
@@ -88,8 +93,10 @@ impl TcpTransport {
             tracker: TaskTracker::new(),
             pool: Pool::new(config.max_idle_conns_per_peer),
             conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            handshakes: kv_proto::HandshakePlaces::new(config.max_handshakes, config.max_handshakes_per_host),
             op_lists: OpListBudget::new(config.op_list_budget_in_force()),
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            busy_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             next_batch_id: AtomicU64::new(0),

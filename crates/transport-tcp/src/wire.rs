@@ -28,6 +28,9 @@ pub const AUTH_TAG_LEN: usize = kv_proto::auth::AUTH_TAG_LEN;
 pub const AUTH_OK: u8 = 0;
 /// Verdict byte after the sender's proof: refused (the receiver then closes).
 pub const AUTH_FAILED: u8 = 1;
+/// Verdict byte after the sender's proof: proved, but the receiver serves
+/// its most connections already (it then closes).
+pub const AUTH_BUSY: u8 = 2;
 
 /// Batch flag: the sender asks for an admission verdict before it sends
 /// the payload (used for each part of a batch spread over several
@@ -133,6 +136,8 @@ pub enum AcceptStatus {
     /// The sender announced the shared secret but the receiver has none; it
     /// closes (a sender with a secret writes only to authenticated peers).
     AuthUnavailable,
+    /// The receiver serves its most connections already; it closes.
+    Busy,
     /// A status this build does not know.
     Unknown(u16),
 }
@@ -146,6 +151,7 @@ impl AcceptStatus {
             AcceptStatus::UnsupportedFlags => 2,
             AcceptStatus::AuthRequired => 3,
             AcceptStatus::AuthUnavailable => 4,
+            AcceptStatus::Busy => 5,
             AcceptStatus::Unknown(c) => c,
         }
     }
@@ -158,6 +164,7 @@ impl AcceptStatus {
             2 => AcceptStatus::UnsupportedFlags,
             3 => AcceptStatus::AuthRequired,
             4 => AcceptStatus::AuthUnavailable,
+            5 => AcceptStatus::Busy,
             c => AcceptStatus::Unknown(c),
         }
     }

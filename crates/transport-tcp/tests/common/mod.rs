@@ -187,6 +187,16 @@ impl RawClient {
         Self { stream }
     }
 
+    /// Connects to `node` from the loopback address `source` (any of
+    /// 127.0.0.0/8 is a host of its own to the receiver).
+    pub async fn connect_from(node: &Node, source: std::net::Ipv4Addr) -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(SocketAddr::from((source, 0))).unwrap();
+        let stream = socket.connect(node.transport.local_addr()).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        Self { stream }
+    }
+
     /// Connects and completes the preamble exchange.
     pub async fn handshaken(node: &Node) -> (Self, Accept) {
         Self::handshaken_to(node.transport.local_addr()).await
