@@ -4,6 +4,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
+use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
 
 /// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
 pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
@@ -84,9 +85,22 @@ pub struct QuicConfig {
     /// bidirectional stream limit; default 64). A sender past it waits for a
     /// stream to finish, within [`QuicConfig::io_timeout`].
     pub max_concurrent_streams: u32,
-    /// Bound on concurrently served incoming connections (default 1024);
-    /// handshakes past it are refused.
+    /// Bound on established incoming connections (default 1024): a
+    /// connection takes its place only once its QUIC/TLS handshake and its
+    /// hello (with the proof of the secret, if one is configured)
+    /// succeeded, so peers that never finish one cannot take these. A
+    /// connection past it is closed with code `CLOSE_BUSY` and the reason,
+    /// in place of the hello's last answer.
     pub max_connections: usize,
+    /// Bound on incoming connections still in their handshake or hello
+    /// (default [`DEFAULT_MAX_HANDSHAKES`]), each for at most
+    /// [`QuicConfig::connect_timeout`]; connections past it are refused at
+    /// once (QUIC `CONNECTION_REFUSED`).
+    pub max_handshakes: usize,
+    /// Bound on the handshakes in progress from one source address (default
+    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
+    /// handshake place.
+    pub max_handshakes_per_host: usize,
     /// Flow-control window of one stream (default 16 MiB).
     pub stream_receive_window: u32,
     /// Flow-control window of one connection, over all its streams
@@ -141,6 +155,8 @@ impl Default for QuicConfig {
             op_list_timeout: Duration::from_secs(10),
             max_concurrent_streams: 64,
             max_connections: 1024,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
             stream_receive_window: 16 << 20,
             receive_window: 64 << 20,
             send_window: 64 << 20,

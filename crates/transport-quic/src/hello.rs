@@ -18,7 +18,7 @@ use kv_proto::dataplane::{bounded_reason, decode_verdict_header, put_verdict, Re
 use quinn::{Connection, ConnectionError, ReadError, ReadExactError, RecvStream, VarInt, WriteError};
 
 use crate::wire::{
-    transcript_context, ClientHello, HelloError, ServerHello, CLIENT_HELLO_LEN, CLOSE_AUTH, CLOSE_PROTOCOL,
+    transcript_context, ClientHello, HelloError, ServerHello, CLIENT_HELLO_LEN, CLOSE_AUTH, CLOSE_BUSY, CLOSE_PROTOCOL,
     EXPORTER_LABEL, EXPORTER_LEN, SERVER_HELLO_LEN,
 };
 
@@ -40,6 +40,10 @@ pub(crate) enum HelloFailure {
     /// The peer refused this side (it closed the connection with a reason).
     #[error("the peer refused the hello: {0}")]
     Refused(String),
+    /// The hello succeeded, but this side serves its most connections
+    /// already (the peer was told so).
+    #[error("{0}")]
+    Busy(String),
     /// The peer's hello is malformed.
     #[error("malformed hello: {0}")]
     Malformed(#[from] HelloError),
@@ -66,7 +70,9 @@ fn refuse(conn: &Connection, reason: &str, failure: HelloFailure) -> HelloFailur
 
 fn connection_failure(error: ConnectionError) -> HelloFailure {
     match error {
-        ConnectionError::ApplicationClosed(close) if close.error_code == VarInt::from_u32(CLOSE_AUTH) => {
+        ConnectionError::ApplicationClosed(close)
+            if close.error_code == VarInt::from_u32(CLOSE_AUTH) || close.error_code == VarInt::from_u32(CLOSE_BUSY) =>
+        {
             HelloFailure::Refused(bounded_reason(&String::from_utf8_lossy(&close.reason)).to_owned())
         }
         other => HelloFailure::Connection(format!("connection lost during the hello: {other}")),
@@ -168,8 +174,15 @@ async fn read_verdict(recv: &mut RecvStream) -> Result<(), HelloFailure> {
 }
 
 /// The receiver's side: accepts the first stream, answers the hello,
-/// authenticates the sender if this side holds a secret.
-pub(crate) async fn server(conn: &Connection, secret: Option<&AuthSecret>) -> Result<(), HelloFailure> {
+/// authenticates the sender if this side holds a secret. Once all of that
+/// succeeded, and before the answer that ends the hello, takes the
+/// connection's established place with `establish`; without one, closes the
+/// connection with [`CLOSE_BUSY`] and the reason `establish` gives.
+pub(crate) async fn server<P>(
+    conn: &Connection,
+    secret: Option<&AuthSecret>,
+    establish: impl FnOnce() -> Result<P, String>,
+) -> Result<P, HelloFailure> {
     let (mut send, mut recv) = conn.accept_bi().await.map_err(connection_failure)?;
     let mut hello = [0u8; CLIENT_HELLO_LEN];
     recv.read_exact(&mut hello).await.map_err(read_failure)?;
@@ -182,11 +195,12 @@ pub(crate) async fn server(conn: &Connection, secret: Option<&AuthSecret>) -> Re
     };
     let secret = match (secret, client.auth) {
         (None, _) => {
+            let place = established(conn, establish)?;
             // A client with a secret refuses this answer and closes.
             let answer = ServerHello { auth: false, nonce: [0; AUTH_TAG_LEN], proof: [0; AUTH_TAG_LEN] };
             send.write_all(&answer.encode()).await.map_err(write_failure)?;
             let _ = send.finish();
-            return Ok(());
+            return Ok(place);
         }
         (Some(_), false) => {
             return Err(refuse(
@@ -209,9 +223,19 @@ pub(crate) async fn server(conn: &Connection, secret: Option<&AuthSecret>) -> Re
         let reason = "authentication failed: the sender's proof does not verify";
         return Err(refuse(conn, reason, HelloFailure::BadProof));
     }
+    let place = established(conn, establish)?;
     let mut verdict = Vec::with_capacity(VERDICT_HEADER_LEN);
     put_verdict(&mut verdict, ReplyStatus::Ok, "");
     send.write_all(&verdict).await.map_err(write_failure)?;
     let _ = send.finish();
-    Ok(())
+    Ok(place)
+}
+
+/// The established place `establish` gives, or the connection closed with
+/// [`CLOSE_BUSY`] and its reason.
+fn established<P>(conn: &Connection, establish: impl FnOnce() -> Result<P, String>) -> Result<P, HelloFailure> {
+    establish().map_err(|reason| {
+        conn.close(VarInt::from_u32(CLOSE_BUSY), reason.as_bytes());
+        HelloFailure::Busy(reason)
+    })
 }

@@ -112,7 +112,10 @@
 //!          server_nonce, context = TLS exporter(EXPORTER_LABEL, 32 bytes)
 //!          ‖ client hello as sent }
 //!  refusals close the connection with CLOSE_AUTH and a reason the peer logs
-//!  (no secret here, none there, a proof that does not verify, the deadline)
+//!  (no secret here, none there, a proof that does not verify, the deadline);
+//!  a receiver serving its most connections closes with CLOSE_BUSY and the
+//!  reason in place of its last answer (the no-secret server hello, or the
+//!  verdict)
 //!
 //! batch request (sender → receiver, one stream per batch)
 //!  0         16         24            32

@@ -15,6 +15,15 @@
 //! logged; the connection and its other streams go on. A failed handshake or
 //! hello, or a connection that breaks the QUIC protocol, costs only that
 //! connection.
+//!
+//! Admission: an incoming connection holds a handshake place (bounded in
+//! total and per source address) from accept until its hello ends, all of
+//! it within one deadline (`connect_timeout`), and takes an established
+//! place only once its hello (and proof) succeeded; past `max_connections`
+//! it is closed with `CLOSE_BUSY` and the reason. quinn's endpoint has no
+//! accept errors to back off from (a failed incoming connection is that
+//! connection's alone); after the hello, QUIC's idle timeout ends a
+//! connection that carries nothing.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -23,8 +32,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kv_proto::dataplane::{put_verdict, Cursor, OpListBuffer, ReplyStatus};
-use kv_proto::{DestinationError, GrantId};
+use kv_proto::{DestinationError, GrantId, HandshakePlace};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, trace, warn};
 
 use crate::budget::NoRoom;
@@ -89,25 +99,54 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
             },
         };
         let peer = incoming.remote_address();
-        let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-            let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
-            if let Some(suppressed) = allowed {
-                warn!(%peer, limit = shared.config.max_connections, suppressed, "connection limit reached, refusing");
+        let place = match shared.handshakes.enter(peer.ip()) {
+            Ok(place) => place,
+            Err(no_place) => {
+                let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+                if let Some(suppressed) = allowed {
+                    warn!(%peer, reason = %no_place, suppressed, "handshake limit reached, refusing");
+                }
+                incoming.refuse();
+                continue;
             }
-            incoming.refuse();
-            continue;
         };
         let task_shared = Arc::clone(&shared);
-        shared.tracker.spawn(async move {
-            serve_connection(&task_shared, incoming, peer).await;
-            drop(permit);
-        });
+        shared.tracker.spawn(async move { serve_connection(&task_shared, incoming, peer, place).await });
     }
     debug!(local_addr = ?endpoint.local_addr().ok(), "data-plane listener stopped");
 }
 
-/// Handshake, ALPN and hello of an incoming connection, within one deadline.
-async fn establish(shared: &Shared, incoming: Incoming, peer: SocketAddr) -> Option<quinn::Connection> {
+/// Handshake, ALPN and hello of an incoming connection, within one
+/// deadline; then its established place (the handshake place is given back
+/// either way).
+async fn establish(
+    shared: &Shared,
+    incoming: Incoming,
+    peer: SocketAddr,
+    place: HandshakePlace,
+) -> Option<(quinn::Connection, OwnedSemaphorePermit)> {
+    let established = establish_within_deadline(shared, incoming, peer).await;
+    drop(place);
+    established
+}
+
+/// An established place, or why there is none (rate-limited log line).
+fn established_place(shared: &Shared, peer: SocketAddr) -> Result<OwnedSemaphorePermit, String> {
+    Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
+        let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+        if let Some(suppressed) = allowed {
+            warn!(%peer, limit = shared.config.max_connections, suppressed,
+                "connection limit reached, refusing a peer that finished its hello");
+        }
+        "the receiver serves its maximum of data-plane connections (QuicConfig::max_connections) already".to_owned()
+    })
+}
+
+async fn establish_within_deadline(
+    shared: &Shared,
+    incoming: Incoming,
+    peer: SocketAddr,
+) -> Option<(quinn::Connection, OwnedSemaphorePermit)> {
     let connecting = match incoming.accept() {
         Ok(connecting) => connecting,
         Err(error) => {
@@ -145,7 +184,10 @@ async fn establish(shared: &Shared, incoming: Incoming, peer: SocketAddr) -> Opt
     let greeted = tokio::select! {
         biased;
         () = shared.token.cancelled() => return None,
-        greeted = tokio::time::timeout_at(deadline, hello::server(&conn, shared.config.auth_secret.as_ref())) => greeted,
+        greeted = tokio::time::timeout_at(
+            deadline,
+            hello::server(&conn, shared.config.auth_secret.as_ref(), || established_place(shared, peer)),
+        ) => greeted,
     };
     match greeted {
         Err(_) => {
@@ -153,6 +195,8 @@ async fn establish(shared: &Shared, incoming: Incoming, peer: SocketAddr) -> Opt
             conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello timed out");
             None
         }
+        // Logged (rate-limited) where it was refused.
+        Ok(Err(hello::HelloFailure::Busy(_))) => None,
         Ok(Err(error)) => {
             warn!(%peer, %error, "data-plane hello failed, closing");
             if conn.close_reason().is_none() {
@@ -160,12 +204,12 @@ async fn establish(shared: &Shared, incoming: Incoming, peer: SocketAddr) -> Opt
             }
             None
         }
-        Ok(Ok(())) => Some(conn),
+        Ok(Ok(permit)) => Some((conn, permit)),
     }
 }
 
-async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: SocketAddr) {
-    let Some(conn) = establish(shared, incoming, peer).await else { return };
+async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: SocketAddr, place: HandshakePlace) {
+    let Some((conn, _established)) = establish(shared, incoming, peer, place).await else { return };
     shared.accepted.fetch_add(1, Ordering::Relaxed);
     debug!(%peer, authenticated = shared.config.auth_secret.is_some(), "data-plane connection accepted");
     loop {

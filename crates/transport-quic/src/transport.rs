@@ -45,7 +45,10 @@ pub(crate) struct Shared {
     /// streams on them).
     pub(crate) client_transport_config: Arc<TransportConfig>,
     pub(crate) connections: Connections,
+    /// Places for established incoming connections.
     pub(crate) conn_limit: Arc<Semaphore>,
+    /// Places for incoming connections in their handshake and hello.
+    pub(crate) handshakes: kv_proto::HandshakePlaces,
     /// Op lists all incoming streams hold at once.
     pub(crate) op_lists: OpListBudget,
     /// Log lines a peer can provoke (connections over the limit, batches
@@ -150,6 +153,7 @@ impl QuicTransport {
             client_transport_config,
             connections: Connections::default(),
             conn_limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            handshakes: kv_proto::HandshakePlaces::new(config.max_handshakes, config.max_handshakes_per_host),
             op_lists: OpListBudget::new(config.op_list_budget_in_force()),
             over_limit: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),

@@ -53,6 +53,9 @@ pub const CLOSE_BAD_ALPN: u32 = 4;
 pub const CLOSE_AUTH: u32 = 5;
 /// `CONNECTION_CLOSE` code: a malformed hello.
 pub const CLOSE_PROTOCOL: u32 = 6;
+/// `CONNECTION_CLOSE` code: the receiver serves its most connections
+/// already; the close reason says so.
+pub const CLOSE_BUSY: u32 = 8;
 /// `RESET_STREAM` / `STOP_SENDING` code: the sender abandoned the batch
 /// (its `batch_write` future was dropped, or a bound ran out).
 pub const RESET_CANCELLED: u32 = 7;

@@ -233,16 +233,22 @@ impl RawClient {
 
     /// Connects (TLS only, no hello yet).
     pub async fn handshake(node: &Node) -> Self {
-        let endpoint = client_endpoint();
+        Self::handshake_from(node, std::net::Ipv4Addr::LOCALHOST).await.unwrap()
+    }
+
+    /// Connects from the loopback address `source` (any of 127.0.0.0/8 is a
+    /// host of its own to the receiver), TLS only, no hello yet; the error
+    /// if the handshake fails.
+    pub async fn handshake_from(node: &Node, source: std::net::Ipv4Addr) -> Result<Self, quinn::ConnectionError> {
+        let endpoint = quinn::Endpoint::client(SocketAddr::from((source, 0))).unwrap();
         let config = pinned_client_config(node.transport.fingerprint()).unwrap();
         let conn = tokio::time::timeout(
             BOUND,
             endpoint.connect_with(config, node.transport.local_addr(), SERVER_NAME).unwrap(),
         )
         .await
-        .unwrap()
-        .unwrap();
-        Self { endpoint, conn }
+        .unwrap()?;
+        Ok(Self { endpoint, conn })
     }
 
     /// The hello, as the client, by hand.

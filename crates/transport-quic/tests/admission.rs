@@ -1,0 +1,174 @@
+//! Admission of incoming connections: a connection in its handshake and
+//! hello holds a handshake place (bounded in total and per source host),
+//! and takes an established place only once its hello (and proof of the
+//! secret) succeeded. Peers that never finish a hello cannot crowd out an
+//! honest, authenticated sender, one host cannot take every handshake
+//! place, and a peer past the established limit is told why it is closed.
+//! Hostile connections come from 127.0.0.2, honest senders from 127.0.0.1.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use common::{check, fill, isolated, HelloOutcome, Node, Proving, RawClient, BOUND, RIGHT_SECRET};
+use kv_proto::auth::{AuthSecret, Channel};
+use kv_proto::{BatchWriter, TransportError, WriteOp};
+use quinn::{RecvStream, SendStream};
+use rstest::rstest;
+use transport_quic::wire::{ClientHello, ServerHello, CLOSE_BUSY, SERVER_HELLO_LEN};
+use transport_quic::QuicConfig;
+
+const HOSTILE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+
+/// Longer than any test here: a hostile hello ends only when the test
+/// closes it (or when the receiver refuses it).
+const LONG: Duration = Duration::from_secs(120);
+
+/// How a hostile connection holds its handshake place.
+#[derive(Clone, Copy, Debug)]
+enum Stall {
+    /// Completes the QUIC/TLS handshake and never says hello (no secret
+    /// configured).
+    Silent,
+    /// Says hello announcing the secret, reads the challenge, never proves it.
+    NeverProves,
+}
+
+impl Stall {
+    fn secret(self) -> Option<AuthSecret> {
+        match self {
+            Stall::Silent => None,
+            Stall::NeverProves => Some(AuthSecret::new(RIGHT_SECRET)),
+        }
+    }
+
+    /// A connection from [`HOSTILE`] holding a handshake place (once this
+    /// returns, the receiver has accepted it), with its hello's stream.
+    async fn open(self, victim: &Node) -> (RawClient, Option<(SendStream, RecvStream)>) {
+        let client = RawClient::handshake_from(victim, HOSTILE).await.expect("refused a connection within its share");
+        let mut hello = None;
+        if let Stall::NeverProves = self {
+            let (mut send, mut recv) = client.stream().await;
+            send.write_all(&ClientHello { auth: true, nonce: [0x5a; 32] }.encode()).await.unwrap();
+            let mut answer = [0u8; SERVER_HELLO_LEN];
+            tokio::time::timeout(BOUND, recv.read_exact(&mut answer)).await.unwrap().unwrap();
+            assert!(ServerHello::decode(&answer).unwrap().auth);
+            // The hello's stream stays open: the receiver waits for the proof.
+            hello = Some((send, recv));
+        }
+        (client, hello)
+    }
+}
+
+/// An honest sender (from 127.0.0.1) writes a batch into `victim`.
+async fn honest_batch(victim: &Node, secret: Option<AuthSecret>) -> Result<(), TransportError> {
+    let mut sender = Node::new(QuicConfig { auth_secret: secret, ..QuicConfig::default() }, 1 << 16).await;
+    let ops: Vec<WriteOp> = (0..8)
+        .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + k * 1024, len: 1024 })
+        .collect();
+    fill(&mut sender.buf, &ops);
+    let grant = victim.grant(0, 8 * 1024).await;
+    let written = tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
+        .await
+        .expect("the honest batch was not answered in time");
+    victim.transport.revoke(&grant.id).await;
+    if written.is_ok() {
+        check(&victim.buf, &ops);
+    }
+    written
+}
+
+/// As many stalled hellos as the receiver has established places (so one
+/// pool for both would be full), from one host up to its share: an honest
+/// sender still connects, proves the secret and writes its batch.
+#[rstest]
+fn stalled_hellos_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, Stall::NeverProves)] stall: Stall) {
+    isolated(async move {
+        const PLACES: usize = 4;
+        let config = QuicConfig {
+            auth_secret: stall.secret(),
+            max_connections: PLACES,
+            max_handshakes_per_host: PLACES,
+            connect_timeout: LONG,
+            ..QuicConfig::default()
+        };
+        let victim = Node::new(config, 1 << 16).await;
+        let mut stalled = Vec::new();
+        for _ in 0..PLACES {
+            stalled.push(stall.open(&victim).await);
+        }
+        // One more from that host is refused at once: every place before it
+        // was taken.
+        assert!(RawClient::handshake_from(&victim, HOSTILE).await.is_err(), "a host over its share was served");
+        honest_batch(&victim, stall.secret()).await.expect("the honest sender was refused");
+        drop(stalled);
+    });
+}
+
+/// A host over its share of handshake places is refused at accept, while
+/// another host is still served.
+#[test]
+fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
+    isolated(async move {
+        let config = QuicConfig { max_handshakes_per_host: 2, connect_timeout: LONG, ..QuicConfig::default() };
+        let victim = Node::new(config, 1 << 16).await;
+        let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
+        let over = RawClient::handshake_from(&victim, HOSTILE).await;
+        assert!(
+            matches!(over, Err(quinn::ConnectionError::ConnectionClosed(_))),
+            "a host over its share: {:?}",
+            over.map(|_| ())
+        );
+        honest_batch(&victim, None).await.expect("another host was refused");
+        drop(held);
+    });
+}
+
+/// A peer that finished its hello when every established place is taken is
+/// told so, then closed; the established connection goes on.
+#[rstest]
+fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(RIGHT_SECRET))] secret: Option<&str>) {
+    isolated(async move {
+        let secret = secret.map(AuthSecret::new);
+        let config = QuicConfig { auth_secret: secret.clone(), max_connections: 1, ..QuicConfig::default() };
+        let victim = Node::new(config, 1 << 16).await;
+        // A sender whose connection holds the one place.
+        let mut first = Node::new(QuicConfig { auth_secret: secret.clone(), ..QuicConfig::default() }, 1 << 16).await;
+        let ops: Vec<WriteOp> = (0..2)
+            .map(|k| WriteOp {
+                src: first.buf.addr() + k * 512,
+                dst: victim.buf.addr() + 32 * 1024 + k * 512,
+                len: 512,
+            })
+            .collect();
+        fill(&mut first.buf, &ops);
+        let grant = victim.grant(32 * 1024, 1024).await;
+        first.transport.batch_write(&victim.transport.endpoint(), &grant, &ops).await.unwrap();
+
+        let refused = honest_batch(&victim, secret.clone()).await.expect_err("a second connection was served");
+        assert!(matches!(refused, TransportError::Connect { .. }), "{refused:?}");
+        assert!(refused.to_string().contains("max_connections"), "{refused}");
+
+        // On the wire: the connection closed with CLOSE_BUSY and the reason,
+        // in place of the hello's last answer.
+        let raw = RawClient::handshake(&victim).await;
+        let proving = match &secret {
+            None => Proving::NoSecret,
+            Some(secret) => Proving::Secret { secret: secret.clone(), channel: Channel::DataQuic, exporter_of: None },
+        };
+        match raw.hello(&proving).await {
+            HelloOutcome::Closed(code, reason) => {
+                assert_eq!(code, u64::from(CLOSE_BUSY));
+                assert!(reason.contains("max_connections"), "{reason}");
+            }
+            other => panic!("a peer past the limit saw {other:?}"),
+        }
+
+        // The established connection still carries batches.
+        first.transport.batch_write(&victim.transport.endpoint(), &grant, &ops).await.unwrap();
+        victim.transport.revoke(&grant.id).await;
+        check(&victim.buf, &ops);
+    });
+}
