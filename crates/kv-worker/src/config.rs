@@ -53,11 +53,11 @@ pub struct WorkerConfig {
     pub data_advertise_host: Option<String>,
     /// Data-plane bound on one stalled read, write or acknowledgement.
     pub data_io_timeout: Duration,
-    /// Shared secret of the side channel and the TCP data plane. When set,
-    /// each connection starts with a mutual challenge–response (see
-    /// `kv_proto::auth`); a peer without the secret is refused before any
-    /// transfer request or batch is read. (QUIC's data plane relies on its
-    /// pinned certificate instead: P only writes to the D it was told of.)
+    /// Shared secret of the side channel and of every data plane (TCP, QUIC
+    /// and RDMA's control connection). When set, each connection starts with
+    /// a mutual challenge–response (see `kv_proto::auth`); a peer without
+    /// the secret is refused before any transfer request or batch is read,
+    /// or (RDMA) any queue pair is made or grant opened for it.
     pub auth_secret: Option<AuthSecret>,
     /// Which data endpoints P writes to (default: only one on the host the
     /// side-channel peer connected from).

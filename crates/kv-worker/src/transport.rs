@@ -52,6 +52,7 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 advertise_host: config.data_advertise_host.clone(),
                 connect_timeout: config.connect_timeout,
                 io_timeout: config.data_io_timeout,
+                auth_secret: config.auth_secret.clone(),
                 ..transport_rdma::RdmaConfig::default()
             }
             .with_env(|name| std::env::var(name).ok())
@@ -61,12 +62,6 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                     source: std::io::Error::new(std::io::ErrorKind::InvalidInput, err),
                 })
             })?;
-            if config.auth_secret.is_some() {
-                tracing::warn!(
-                    "auth_secret covers the side channel only with mooncake_protocol = \"rdma\": \
-                     the RDMA data plane admits a writer by its grant (a 128-bit capability) alone"
-                );
-            }
             let writer: Arc<dyn BatchWriter> =
                 transport_rdma::RdmaTransport::bind(rdma).await.map_err(WorkerError::Transport)?;
             Ok(writer)

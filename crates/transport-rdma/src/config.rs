@@ -4,6 +4,9 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_proto::auth::AuthSecret;
+use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
+
 /// Environment variable naming the RDMA device (e.g. `rxe0`, `mlx5_0`).
 pub const ENV_DEVICE: &str = "KVLINK_RDMA_DEVICE";
 /// Environment variable naming the device port (default 1).
@@ -30,7 +33,9 @@ pub struct RdmaConfig {
     /// address, else its first IPv4-mapped GID: RoCE v2 over that interface).
     pub gid_index: Option<u8>,
     /// Bound on connecting to a peer: TCP connect, handshake and queue-pair
-    /// set-up (default 5 s).
+    /// set-up (default 5 s). On the receiving side, one overall bound on an
+    /// incoming control connection's opening, authentication and queue-pair
+    /// exchange together, from accept (not one per read).
     pub connect_timeout: Duration,
     /// Bound on any single wait once connected (default 30 s): a control
     /// reply, a completion (progress restarts the clock, so a large batch on
@@ -55,12 +60,31 @@ pub struct RdmaConfig {
     /// allocating one is a system call, binding a free one only a work
     /// request.
     pub window_pool: usize,
-    /// Incoming control connections served at once (default 1024); more are
-    /// closed at accept.
+    /// Established incoming control connections (default 1024): a
+    /// connection takes its place only once its opening (and, with a
+    /// secret, its proof) succeeded, before any queue pair is made for it,
+    /// so peers that never finish one cannot take these. One past it is
+    /// told so (status 5, or verdict 2 after the proof) and closed.
     pub max_connections: usize,
+    /// Incoming control connections still in their handshake (default
+    /// [`DEFAULT_MAX_HANDSHAKES`]), each for at most
+    /// [`RdmaConfig::connect_timeout`]; more are closed at accept.
+    pub max_handshakes: usize,
+    /// Handshakes in progress from one source address (default
+    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
+    /// handshake place.
+    pub max_handshakes_per_host: usize,
+    /// The data plane's shared secret (default none). When set, the
+    /// receiver serves only senders that prove it on the control connection
+    /// (before any queue pair is made or grant opened for them), and the
+    /// sender connects only to receivers that prove it; a side with a
+    /// secret refuses a peer without one.
+    pub auth_secret: Option<AuthSecret>,
     /// Opened grants a sender caches per peer (default 256).
     pub max_cached_grants: usize,
-    /// A sender drops its connection to a peer unused this long (default 300 s).
+    /// A sender drops its connection to a peer unused this long (default
+    /// 300 s). A receiver closes a control connection on which no grant
+    /// was opened for twice this long and no window of a grant is bound.
     pub idle_timeout: Duration,
 }
 
@@ -81,6 +105,9 @@ impl Default for RdmaConfig {
             max_windows_per_grant: 1 << 20,
             window_pool: 65536,
             max_connections: 1024,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
+            auth_secret: None,
             max_cached_grants: 256,
             idle_timeout: Duration::from_secs(300),
         }

@@ -191,6 +191,11 @@ impl<W, K: Clone> FenceBook<W, K> {
         self.grants.drain().flat_map(|(_, entry)| entry.bound).flat_map(|(_, windows)| windows).collect()
     }
 
+    /// Whether any window is bound on `link`.
+    pub fn has_windows_on(&self, link: LinkId) -> bool {
+        self.by_link.get(&link).is_some_and(|grants| !grants.is_empty())
+    }
+
     /// Grants in the book.
     pub fn grants(&self) -> usize {
         self.grants.len()

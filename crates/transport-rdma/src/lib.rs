@@ -28,6 +28,14 @@
 //!   `LOCAL_WRITE | MW_BIND` and without `REMOTE_WRITE`: their own rkeys open
 //!   nothing, and a peer writes only through a window. Sources are registered
 //!   with local access only. A sender's queue pair accepts no writes at all.
+//! - **Admission.** A control connection first goes through its opening
+//!   ([`handshake::opening`]): with [`RdmaConfig::auth_secret`] both sides
+//!   prove the shared secret ([`kv_proto::auth`], `Channel::DataRdma`)
+//!   before the receiver makes a queue pair or opens a grant for the
+//!   sender. The receiver holds a connection in its handshake in a
+//!   handshake place (bounded in total and per source host, one deadline
+//!   for the whole set-up) and gives it an established place
+//!   ([`RdmaConfig::max_connections`]) only once the opening succeeded.
 //! - **Grants.** [`BatchWriter::grant`](kv_proto::BatchWriter::grant) issues
 //!   the grant in [`kv_proto::RegisteredMemory`] (the one copy of the grant
 //!   bookkeeping: id, ranges, expiry) and returns `Grant::plain(id)`: the

@@ -1,4 +1,5 @@
-//! The connection handshake: each side tells the other how to reach its
+//! The connection handshake. First the [`opening`]: versions, the shared
+//! secret proved both ways, the receiver's admission. Then each side tells the other how to reach its
 //! queue pair (GID, QPN, PSN) and which of its regions the other may write
 //! (address, length, rkey), over a TCP connection set up by the caller.
 //!
@@ -24,6 +25,7 @@
 
 pub mod codec;
 pub mod exchange;
+pub mod opening;
 
 use std::time::Duration;
 

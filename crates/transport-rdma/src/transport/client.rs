@@ -15,6 +15,7 @@ use super::{lock, server, Shared};
 use crate::control::{self, ControlError, Reply, Request};
 use crate::details::EndpointDetails;
 use crate::fence::GrantCache;
+use crate::handshake::opening;
 use crate::plan::{plan_batch, Plan, PlanError, WriteSpan};
 use crate::region::{LocalRegion, RegionTable, RemoteRegion};
 use crate::verbs::WcStatus;
@@ -184,7 +185,12 @@ async fn connect(shared: &Shared, address: &str, instance: u64, label: &str) -> 
         Ok(Err(err)) => return Err(failed(err.to_string())),
         Err(_) => return Err(failed(format!("no connection within {bound:?}"))),
     };
-    let link = match tokio::time::timeout(bound, server::set_up(shared, &mut stream, false)).await {
+    let opened = async {
+        server::tune(&stream);
+        opening::client(&mut stream, shared.config.auth_secret.as_ref()).await.map_err(|e| e.to_string())?;
+        server::set_up(shared, &mut stream, false).await
+    };
+    let link = match tokio::time::timeout(bound, opened).await {
         Ok(Ok(link)) => link,
         Ok(Err(reason)) => return Err(failed(reason)),
         Err(_) => return Err(failed(format!("no handshake within {bound:?}"))),

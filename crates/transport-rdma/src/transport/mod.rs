@@ -82,7 +82,12 @@ pub(crate) struct Shared {
     capacity: QpCapacity,
     queue: SendQueueConfig,
     control: ControlLimits,
+    /// Places for established incoming control connections.
     conn_limit: Arc<Semaphore>,
+    /// Places for incoming control connections in their handshake.
+    handshakes: kv_proto::HandshakePlaces,
+    /// Log lines about peers refused for want of an established place.
+    busy_refusals: Mutex<kv_proto::LogThrottle>,
     next_link: AtomicU64,
 }
 
@@ -246,6 +251,8 @@ impl RdmaTransport {
             queue,
             control,
             conn_limit: Arc::new(Semaphore::new(config.max_connections.clamp(1, Semaphore::MAX_PERMITS))),
+            handshakes: kv_proto::HandshakePlaces::new(config.max_handshakes, config.max_handshakes_per_host),
+            busy_refusals: Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             next_link: AtomicU64::new(1),
             config,
         });

@@ -1,26 +1,41 @@
 //! The receiver's side: the control listener, one task per connection
 //! (handshake, queue pair, then "open grant" requests), window binding, and
 //! the fence (revocation and expiry invalidate every window of the grant).
+//!
+//! Admission: a connection holds a handshake place (bounded in total and
+//! per source address) from accept until its queue pair is connected, all
+//! of it within one deadline (`connect_timeout`); it takes an established
+//! place once its opening (and proof of the secret) succeeded, before a
+//! queue pair is made for it. A connection idle past twice `idle_timeout`
+//! with no window bound on it is closed. Accept errors are backed off, their
+//! log lines rate-limited.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_proto::{DestinationError, GrantId, LogThrottle};
+use kv_proto::{DestinationError, GrantId, HandshakePlace, LogThrottle};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::link::{signaled, ChainError, Link};
-use super::Shared;
+use super::{lock, Shared};
 use crate::control::{self, ControlLimits, Reply, Request};
-use crate::handshake::{self, ConnectionInfo, HandshakeLimits};
+use crate::handshake::{self, opening, ConnectionInfo, HandshakeLimits};
 use crate::region::{RegionTable, RemoteRegion};
 use crate::verbs::{BindWindow, MemoryWindow};
 
+/// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
+/// does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// At most one line per this interval for log lines a peer can provoke.
+const LOG_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Accepts control connections until the transport is shut down.
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let mut throttle = LogThrottle::new(Duration::from_secs(10));
+    let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
+    let mut refusals = LogThrottle::new(LOG_INTERVAL);
     loop {
         let accepted = tokio::select! {
             biased;
@@ -29,19 +44,26 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         };
         match accepted {
             Ok((stream, peer)) => {
-                let Ok(permit) = Arc::clone(&shared.conn_limit).try_acquire_owned() else {
-                    if throttle.allow(Instant::now()).is_some() {
-                        tracing::warn!(%peer, max = shared.config.max_connections, "rdma control connection refused: too many");
+                let place = match shared.handshakes.enter(peer.ip()) {
+                    Ok(place) => place,
+                    Err(no_place) => {
+                        if let Some(suppressed) = refusals.allow(Instant::now()) {
+                            tracing::warn!(%peer, reason = %no_place, suppressed, "rdma control connection refused: handshake limit reached");
+                        }
+                        continue;
                     }
-                    continue;
                 };
-                shared.tracker.spawn(serve(Arc::clone(&shared), stream, peer, permit));
+                shared.tracker.spawn(serve(Arc::clone(&shared), stream, peer, place));
             }
             Err(err) => {
-                if throttle.allow(Instant::now()).is_some() {
-                    tracing::warn!(error = %err, "rdma control listener: accept failed");
+                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
+                    tracing::warn!(error = %err, suppressed, "rdma control listener: accept failed");
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::select! {
+                    biased;
+                    () = shared.token.cancelled() => return,
+                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                }
             }
         }
     }
@@ -59,7 +81,6 @@ pub(super) fn tune(stream: &TcpStream) {
 /// Makes a link for `stream`, exchanges queue-pair addresses over it and
 /// connects the queue pair, within the connect timeout.
 pub(super) async fn set_up(shared: &Shared, stream: &mut TcpStream, remote_write: bool) -> Result<Arc<Link>, String> {
-    tune(stream);
     let link = shared.new_link().map_err(|e| format!("cannot create a queue pair: {e}"))?;
     let limits = HandshakeLimits { max_regions: 0, timeout: shared.config.connect_timeout };
     let ours = ConnectionInfo { qp: link.endpoint(), regions: Vec::new() };
@@ -68,28 +89,70 @@ pub(super) async fn set_up(shared: &Shared, stream: &mut TcpStream, remote_write
     Ok(link)
 }
 
+/// The opening (with the proof of the secret, if one is configured), then
+/// the established place, then the queue pair: all of an incoming control
+/// connection's set-up, within one deadline from accept.
+async fn accept_connection(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+) -> Result<(Arc<Link>, OwnedSemaphorePermit), String> {
+    let deadline = shared.config.connect_timeout;
+    let set_up = async {
+        tune(stream);
+        let establish = || {
+            let place = Arc::clone(&shared.conn_limit).try_acquire_owned().ok();
+            if place.is_none() {
+                let allowed = lock(&shared.busy_refusals).allow(Instant::now());
+                if let Some(suppressed) = allowed {
+                    tracing::warn!(%peer, limit = shared.config.max_connections, suppressed,
+                        "rdma control connection refused: connection limit reached");
+                }
+            }
+            place
+        };
+        let place =
+            opening::server(stream, shared.config.auth_secret.as_ref(), establish).await.map_err(|e| e.to_string())?;
+        let link = set_up(shared, stream, true).await?;
+        Ok((link, place))
+    };
+    tokio::time::timeout(deadline, set_up).await.map_err(|_| format!("set-up not completed within {deadline:?}"))?
+}
+
 /// Serves one control connection: handshake, then "open grant" requests
-/// until the peer closes it or the transport shuts down; then the link is
-/// destroyed and its windows freed.
-async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, _permit: OwnedSemaphorePermit) {
-    let link = tokio::select! {
+/// until the peer closes it, it idles, or the transport shuts down; then the
+/// link is destroyed and its windows freed.
+async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, place: HandshakePlace) {
+    let (link, _established) = tokio::select! {
         biased;
         () = shared.token.cancelled() => return,
-        link = set_up(&shared, &mut stream, true) => match link {
-            Ok(link) => link,
+        set_up = accept_connection(&shared, &mut stream, peer) => match set_up {
+            Ok(set_up) => set_up,
             Err(reason) => {
                 tracing::debug!(%peer, %reason, "rdma control connection: set-up failed");
                 return;
             }
         },
     };
+    drop(place);
     tracing::debug!(%peer, link = link.id, "rdma control connection up");
+    let idle = shared.config.idle_timeout.saturating_mul(2);
     loop {
         let request = tokio::select! {
             biased;
             () = shared.token.cancelled() => break,
             () = link.died() => break,
-            request = control::read_request(&mut stream) => request,
+            request = tokio::time::timeout(idle, control::read_request(&mut stream)) => request,
+        };
+        let request = match request {
+            Ok(request) => request,
+            // Idle: closed unless a window is bound on it (a sender may be
+            // writing through it without a word on the control connection).
+            Err(_) if shared.fence().book.has_windows_on(link.id) => continue,
+            Err(_) => {
+                tracing::debug!(%peer, link = link.id, ?idle, "rdma control connection idle, closing");
+                break;
+            }
         };
         let grant = match request {
             Ok(Some(Request::Open(grant))) => grant,
