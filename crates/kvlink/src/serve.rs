@@ -25,7 +25,7 @@
 //! endpoint) is advertised as the address the client connected to, so a
 //! wildcard `listen` works across hosts without further flags.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -34,7 +34,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
-use kv_proto::{KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
+use kv_proto::{HandshakePlace, HandshakePlaces, KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
 use kv_worker::{AuthSecret, CacheDims, CacheShape, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -284,8 +284,7 @@ impl Server {
     {
         let Self { listener, opts, .. } = self;
         let limit = opts.sessions;
-        let handshakes = Arc::new(Semaphore::new(opts.max_handshakes.clamp(1, Semaphore::MAX_PERMITS)));
-        let per_host = PerHost::new(opts.max_handshakes_per_host.max(1));
+        let handshakes = HandshakePlaces::new(opts.max_handshakes, opts.max_handshakes_per_host);
         let opts = Arc::new(opts);
         let cancel = CancellationToken::new();
         let mut connections = JoinSet::new();
@@ -313,8 +312,7 @@ impl Server {
             };
             match accepted {
                 Ok((stream, peer)) => {
-                    let place = per_host.enter(peer.ip()).zip(handshakes.clone().try_acquire_owned().ok());
-                    let Some(place) = place else {
+                    let Ok(place) = handshakes.enter(peer.ip()) else {
                         // Tell the client why with one write that never
                         // waits (best effort), then close.
                         let _ = stream.try_write(&over_limit_reply);
@@ -351,52 +349,6 @@ impl Server {
             ended(joined, connections.is_empty(), &mut summary, &mut on_session).await;
         }
         summary
-    }
-}
-
-/// Handshakes in progress per source host.
-struct PerHost {
-    limit: usize,
-    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
-}
-
-/// A connection's handshake place: one of its host's and one of the
-/// server's; both given back on drop.
-type HandshakePlace = (HostPlace, OwnedSemaphorePermit);
-
-/// One host's handshake place; given back on drop.
-struct HostPlace {
-    host: IpAddr,
-    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
-}
-
-impl PerHost {
-    fn new(limit: usize) -> Self {
-        Self { limit, counts: Arc::default() }
-    }
-
-    /// A place for `host`, unless it holds `limit` already.
-    fn enter(&self, host: IpAddr) -> Option<HostPlace> {
-        let host = canonical(host);
-        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = counts.entry(host).or_insert(0);
-        if *count >= self.limit {
-            return None;
-        }
-        *count += 1;
-        Some(HostPlace { host, counts: Arc::clone(&self.counts) })
-    }
-}
-
-impl Drop for HostPlace {
-    fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(count) = counts.get_mut(&self.host) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.host);
-            }
-        }
     }
 }
 

@@ -2,7 +2,6 @@
 //! transfer requests on a bounded queue and answers each with one outcome per
 //! request, and applies D's renewals of the requests it still means to pull.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,11 +9,11 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{
-    BlockId, Endpoint, FrameCodec, FrameError, Grant, Hello, HelloReply, LogThrottle, Outcome, RequestOutcome,
-    SideMessage, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
+    BlockId, Endpoint, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply, LogThrottle,
+    Outcome, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
@@ -40,8 +39,10 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// then an established place; the two pools are separate, so connections
 /// that never finish a hello cannot crowd out those that did.
 pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
-    let handshakes = Arc::new(Semaphore::new(shared.config.side_channel_max_handshakes.max(1)));
-    let per_host = PerHost::new(shared.config.side_channel_max_handshakes_per_host.max(1));
+    let handshakes = HandshakePlaces::new(
+        shared.config.side_channel_max_handshakes,
+        shared.config.side_channel_max_handshakes_per_host,
+    );
     let mut accept_errors = LogThrottle::new(Duration::from_secs(1));
     let mut refusals = LogThrottle::new(Duration::from_secs(1));
     loop {
@@ -51,12 +52,14 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
         };
         match accepted {
             Ok((stream, peer)) => {
-                let place = per_host.enter(peer.ip()).zip(handshakes.clone().try_acquire_owned().ok());
-                let Some(handshake) = place else {
-                    if let Some(suppressed) = refusals.allow(Instant::now()) {
-                        tracing::warn!(%peer, limit = shared.config.side_channel_max_handshakes, per_host = shared.config.side_channel_max_handshakes_per_host, suppressed, "side-channel handshake limit reached, closing new connections");
+                let handshake = match handshakes.enter(peer.ip()) {
+                    Ok(place) => place,
+                    Err(no_place) => {
+                        if let Some(suppressed) = refusals.allow(Instant::now()) {
+                            tracing::warn!(%peer, reason = %no_place, suppressed, "side-channel handshake limit reached, closing new connections");
+                        }
+                        continue;
                     }
-                    continue;
                 };
                 let _ = stream.set_nodelay(true);
                 let conn_shared = shared.clone();
@@ -94,49 +97,6 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("incompatible peers ({})", mismatches.join("; ")))
-    }
-}
-
-/// Handshakes in progress per source host.
-#[derive(Clone)]
-struct PerHost {
-    limit: usize,
-    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
-}
-
-/// One host's handshake place; given back on drop.
-struct HostPlace {
-    host: IpAddr,
-    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
-}
-
-impl PerHost {
-    fn new(limit: usize) -> Self {
-        Self { limit, counts: Arc::default() }
-    }
-
-    /// A place for `host`, unless it holds `limit` already.
-    fn enter(&self, host: IpAddr) -> Option<HostPlace> {
-        let host = host.to_canonical();
-        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let count = counts.entry(host).or_insert(0);
-        if *count >= self.limit {
-            return None;
-        }
-        *count += 1;
-        Some(HostPlace { host, counts: Arc::clone(&self.counts) })
-    }
-}
-
-impl Drop for HostPlace {
-    fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(count) = counts.get_mut(&self.host) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.host);
-            }
-        }
     }
 }
 
@@ -182,7 +142,7 @@ async fn serve_connection(
     shared: Arc<Shared>,
     stream: TcpStream,
     peer: SocketAddr,
-    handshake_place: (HostPlace, OwnedSemaphorePermit),
+    handshake_place: HandshakePlace,
 ) -> Result<(), String> {
     let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
     let deadline = shared.config.connect_timeout;
