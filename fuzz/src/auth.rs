@@ -11,6 +11,7 @@ enum ArbChannel {
     SideChannel,
     DataTcp,
     DataQuic,
+    DataRdma,
     Control,
 }
 
@@ -20,6 +21,7 @@ impl From<ArbChannel> for Channel {
             ArbChannel::SideChannel => Channel::SideChannel,
             ArbChannel::DataTcp => Channel::DataTcp,
             ArbChannel::DataQuic => Channel::DataQuic,
+            ArbChannel::DataRdma => Channel::DataRdma,
             ArbChannel::Control => Channel::Control,
         }
     }
