@@ -143,7 +143,10 @@
 //! ```
 //!
 //! The receiver allows [`QuicConfig::max_concurrent_streams`] streams per
-//! connection, no unidirectional streams and no datagrams; a sender's
+//! connection once its hello succeeded (before: the hello's stream only,
+//! and 64 KiB of unread data instead of [`QuicConfig::receive_window`], so
+//! peers that never prove the secret cannot make it buffer much), no
+//! unidirectional streams and no datagrams; a sender's
 //! connections allow the peer no streams at all (a peer that opens them
 //! breaks QUIC's limits and loses its connection). The op list is buffered
 //! as it arrives (so an announced count costs memory only once its bytes

@@ -210,6 +210,9 @@ async fn establish_within_deadline(
 
 async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: SocketAddr, place: HandshakePlace) {
     let Some((conn, _established)) = establish(shared, incoming, peer, place).await else { return };
+    // Proven: the full window and stream limit (see `PRE_HELLO_RECEIVE_WINDOW`).
+    conn.set_receive_window(VarInt::from_u32(shared.config.receive_window));
+    conn.set_max_concurrent_bi_streams(VarInt::from_u32(shared.config.max_concurrent_streams));
     shared.accepted.fetch_add(1, Ordering::Relaxed);
     debug!(%peer, authenticated = shared.config.auth_secret.is_some(), "data-plane connection accepted");
     loop {

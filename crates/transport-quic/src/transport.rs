@@ -75,6 +75,13 @@ pub struct QuicTransport {
     fingerprint: Fingerprint,
 }
 
+/// How many bytes a peer may have sent on a connection and not yet had read
+/// before its hello succeeded (quinn buffers them): peers that never prove
+/// the secret hold at most this each, times the handshake places, instead of
+/// a full receive window each. Raised to [`QuicConfig::receive_window`],
+/// with the stream limit, once the hello succeeds.
+pub(crate) const PRE_HELLO_RECEIVE_WINDOW: u32 = 64 * 1024;
+
 /// quinn's transport parameters from the configuration; `incoming_streams`
 /// is how many bidirectional streams the peer may have open at once.
 fn transport_config(config: &QuicConfig, incoming_streams: u32) -> TransportConfig {
@@ -117,7 +124,11 @@ impl QuicTransport {
         tokio::runtime::Handle::try_current().map_err(|e| bind_error(io::Error::other(e)))?;
         let identity = tls::generate_identity().map_err(|e| bind_error(io::Error::other(e)))?;
         let provider = tls::provider();
-        let server_transport = Arc::new(transport_config(&config, config.max_concurrent_streams));
+        // Until its hello (and proof) succeeds, a peer may open only the
+        // hello's stream and have little in flight: see `PRE_HELLO_RECEIVE_WINDOW`.
+        let mut server_transport = transport_config(&config, 1);
+        server_transport.receive_window(VarInt::from_u32(PRE_HELLO_RECEIVE_WINDOW.min(config.receive_window)));
+        let server_transport = Arc::new(server_transport);
         let client_transport_config = Arc::new(transport_config(&config, 0));
         let crypto =
             tls::server_crypto(Arc::clone(&provider), &identity).map_err(|e| bind_error(io::Error::other(e)))?;

@@ -107,6 +107,37 @@ fn stalled_hellos_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, Stal
     });
 }
 
+/// Before its hello succeeds, a peer can make the receiver buffer little:
+/// only the hello's stream opens, and that stream takes only a small
+/// window of unread bytes (not a full receive window per connection).
+#[rstest]
+fn a_peer_before_its_hello_opens_one_stream_and_sends_little(
+    #[values(Stall::Silent, Stall::NeverProves)] stall: Stall,
+) {
+    isolated(async move {
+        let config = QuicConfig { auth_secret: stall.secret(), connect_timeout: LONG, ..QuicConfig::default() };
+        let victim = Node::new(config, 1 << 16).await;
+        let (client, hello) = stall.open(&victim).await;
+        let (mut send, _recv) = match hello {
+            Some(stream) => stream,
+            None => client.stream().await,
+        };
+        // Neither completes, ever: the bound only ends the test.
+        let patience = Duration::from_millis(500);
+        let second = tokio::time::timeout(patience, client.conn.open_bi()).await;
+        assert!(second.is_err(), "a second stream opened before the hello succeeded");
+        // The flood stalls at the small window (or the receiver, reading
+        // garbage where the hello or proof belongs, closes the connection):
+        // never are all 4 MiB taken.
+        let flood = vec![0u8; 4 << 20];
+        let sent = tokio::time::timeout(patience, send.write_all(&flood)).await;
+        assert!(!matches!(sent, Ok(Ok(()))), "the receiver took 4 MiB from a peer that has not finished its hello");
+        // Once a peer has proven itself it gets the full window: an honest
+        // sender's batch goes through alongside.
+        honest_batch(&victim, stall.secret()).await.expect("the honest sender was refused");
+    });
+}
+
 /// A host over its share of handshake places is refused at accept, while
 /// another host is still served.
 #[test]
