@@ -15,8 +15,8 @@ use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{
-    ServeOptions, Server, ShapePins, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_HANDSHAKES,
-    DEFAULT_MAX_HANDSHAKES_PER_HOST,
+    ServeOptions, Server, ShapePins, WorkerBounds, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST,
 };
 use kvlink::stats::ProcessFigures;
 use kvlink::BlockPattern;
@@ -237,6 +237,13 @@ struct ServeArgs {
     /// One bound on a connection's hello and authentication, seconds.
     #[arg(long, value_name = "SECS", default_value_t = Secs(DEFAULT_HANDSHAKE_TIMEOUT))]
     handshake_timeout: Secs,
+    /// Consumer: bound on one pull, from asking prefill to its reply, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(WorkerBounds::default().transfer_timeout))]
+    transfer_timeout: Secs,
+    /// Producer: how long prefilled blocks are held for decode to pull (and
+    /// the bound on waiting for a request decode asks for), seconds.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(WorkerBounds::default().lease))]
+    lease: Secs,
     /// Connections in their handshake at once; more are closed at once.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES)]
     max_handshakes: usize,
@@ -451,6 +458,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
         },
         idle_timeout: args.idle_timeout.0,
         handshake_timeout: args.handshake_timeout.0,
+        worker_bounds: WorkerBounds { transfer_timeout: args.transfer_timeout.0, lease: args.lease.0 },
         max_handshakes: args.max_handshakes.max(1),
         max_handshakes_per_host: args.max_handshakes_per_host.max(1),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,

@@ -148,6 +148,9 @@ pub struct ServeOptions {
     /// One bound on a connection's whole handshake (hello, shared-secret
     /// exchange, checks and the refusal if any), from accept.
     pub handshake_timeout: Duration,
+    /// The instance's bounds on a pull (consumer: its transfer timeout) and
+    /// on holding prefilled blocks for decode (producer: its lease).
+    pub worker_bounds: WorkerBounds,
     /// Bound on connections in their handshake at once; past it a new
     /// connection is closed at once.
     pub max_handshakes: usize,
@@ -158,6 +161,23 @@ pub struct ServeOptions {
     /// the server does anything for them) and of the worker's side channel
     /// and data plane.
     pub auth_secret: Option<AuthSecret>,
+}
+
+/// The worker bounds a server's instances run with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerBounds {
+    /// D's bound on one pull ([`WorkerConfig::transfer_timeout`]).
+    pub transfer_timeout: Duration,
+    /// P's lease on a prefilled request's blocks, and its bound on waiting
+    /// for a request to be ready ([`WorkerConfig::abort_request_timeout`]).
+    pub lease: Duration,
+}
+
+impl Default for WorkerBounds {
+    fn default() -> Self {
+        let defaults = WorkerConfig::loopback(KvRole::Producer, "defaults");
+        Self { transfer_timeout: defaults.transfer_timeout, lease: defaults.abort_request_timeout }
+    }
 }
 
 /// Why the server could not start.
@@ -663,6 +683,7 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.side_channel_base_port = opts.side_channel_port;
             config.auth_secret = opts.auth_secret.clone();
             config.data_listen = SocketAddr::new(opts.listen, 0);
+            config.abort_request_timeout = opts.worker_bounds.lease;
             let mut p = PrefillInstance::start_advertising(config, shape, pattern, 1, Some(local_ip))
                 .await
                 .map_err(|e| format!("prefill: {e}"))?;
@@ -675,6 +696,7 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.data_listen = SocketAddr::new(opts.listen, 0);
             config.data_advertise_host = Some(local_ip.to_string());
             config.auth_secret = opts.auth_secret.clone();
+            config.transfer_timeout = opts.worker_bounds.transfer_timeout;
             let mut d = DecodeInstance::start(config, shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
             d.set_verify(verify);
             Instance::Decode(d)

@@ -222,6 +222,7 @@ async fn serve_connection(
                 },
             }
         };
+        tracing::debug!(%peer, xfer_id = request.xfer_id, requests = request.requests.len(), "transfer request admitted");
         let received_at = Instant::now();
         let job_shared = shared.clone();
         let job_sink = sink.clone();
