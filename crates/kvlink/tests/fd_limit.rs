@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{assert_all_verified, hello_json, reply_within, send_frame, try_connect_from, Proc, BOUND, KVLINK};
+use common::{
+    assert_all_verified, hello_json, open_fds, reply_within, send_frame, try_connect_from, Proc, BOUND, KVLINK,
+};
 
 /// The serve process's descriptor limit: room for its runtime, listeners and
 /// one bench session (about 30), far less than its handshake places (64 on
@@ -45,10 +47,6 @@ fn cpu_time(pid: u32) -> Duration {
     // SAFETY: sysconf has no memory effects.
     let per_sec = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap();
     Duration::from_secs_f64(ticks as f64 / per_sec as f64)
-}
-
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
 }
 
 /// Opens connections to `to` from 127.0.0.2..=127.0.0.17 in turn until

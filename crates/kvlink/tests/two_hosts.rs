@@ -7,77 +7,12 @@ mod common;
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::process::Command;
 
+use common::netns::Namespaces;
 use common::{
     assert_all_verified, assert_one_line_error, assert_refused_and_closed, assert_served, bench, frame, loopback_bench,
     loopback_serve, reply, serve, Proc, SecretFile, SHAPE,
 };
-
-/// Two network namespaces joined by a veth pair, removed on drop (also on
-/// panic). Addresses are 10.201.N.1 and .2/24, inside these namespaces only.
-struct Namespaces {
-    names: Vec<String>,
-    subnet: String,
-}
-
-impl Namespaces {
-    fn ip(args: &[&str]) -> Result<(), String> {
-        let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-        }
-    }
-
-    /// `None` (after a skip message) when namespaces cannot be made here;
-    /// panics if making them fails half-way.
-    fn create(tag: &str) -> Option<Self> {
-        let pid = std::process::id();
-        let a = format!("kvl-{tag}-a-{pid}");
-        if let Err(e) = Self::ip(&["netns", "add", &a]) {
-            eprintln!("SKIPPED: cannot create network namespaces (needs root and iproute2): {e}");
-            return None;
-        }
-        let mut ns = Self { names: vec![a.clone()], subnet: format!("10.201.{}", pid % 200 + 1) };
-        let b = format!("kvl-{tag}-b-{pid}");
-        Self::ip(&["netns", "add", &b]).unwrap();
-        ns.names.push(b.clone());
-        // Interface names are at most 15 bytes.
-        let (va, vb) = (format!("kv{tag}a{}", pid % 1_000_000), format!("kv{tag}b{}", pid % 1_000_000));
-        Self::ip(&["link", "add", &va, "netns", &a, "type", "veth", "peer", "name", &vb, "netns", &b]).unwrap();
-        for (ns_name, dev, host) in [(&a, &va, 1), (&b, &vb, 2)] {
-            let addr = format!("{}.{host}/24", ns.subnet);
-            Self::ip(&["-n", ns_name, "addr", "add", &addr, "dev", dev]).unwrap();
-            Self::ip(&["-n", ns_name, "link", "set", dev, "up"]).unwrap();
-            Self::ip(&["-n", ns_name, "link", "set", "lo", "up"]).unwrap();
-        }
-        Some(ns)
-    }
-
-    fn a(&self) -> &str {
-        &self.names[0]
-    }
-
-    fn b(&self) -> &str {
-        &self.names[1]
-    }
-
-    fn host(&self, n: u8) -> String {
-        format!("{}.{n}", self.subnet)
-    }
-}
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        for name in &self.names {
-            if let Err(e) = Self::ip(&["netns", "del", name]) {
-                eprintln!("cannot remove network namespace {name}: {e}");
-            }
-        }
-    }
-}
 
 #[test]
 fn producer_in_one_namespace_decode_in_another() {

@@ -11,11 +11,26 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub mod netns;
+pub mod proxy;
+
 pub const KVLINK: &str = env!("CARGO_BIN_EXE_kvlink");
 /// Bound on every wait: readiness, a bench run, an exit.
 pub const BOUND: Duration = Duration::from_secs(90);
 /// A small cache: 4 layers, K/V split, 2 KiB blocks.
 pub const SHAPE: &[&str] = &["--layers", "4", "--heads", "1", "--head-dim", "64", "--blocks-per-request", "8"];
+
+/// `kvlink`, in network namespace `netns` when given.
+fn kvlink_command(netns: Option<&str>) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns, KVLINK]);
+            cmd
+        }
+        None => Command::new(KVLINK),
+    }
+}
 
 /// A child process, killed (and reaped) on drop unless it already exited.
 pub struct Proc {
@@ -24,18 +39,13 @@ pub struct Proc {
     lines: mpsc::Receiver<String>,
     stdout: Vec<String>,
     stderr: Option<JoinHandle<String>>,
+    /// Stderr lines as they come (the whole of it is also kept for `finish`).
+    log: mpsc::Receiver<String>,
 }
 
 impl Proc {
     pub fn spawn(name: &'static str, netns: Option<&str>, args: &[&str]) -> Self {
-        let mut cmd = match netns {
-            Some(ns) => {
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", ns, KVLINK]);
-                cmd
-            }
-            None => Command::new(KVLINK),
-        };
+        let mut cmd = kvlink_command(netns);
         cmd.args(args);
         Self::spawn_command(name, cmd)
     }
@@ -57,13 +67,19 @@ impl Proc {
                 }
             }
         });
-        let mut err = child.stderr.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let (log_tx, log) = mpsc::channel();
         let stderr = Some(std::thread::spawn(move || {
             let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let line = without_colors(&line);
+                s.push_str(&line);
+                s.push('\n');
+                let _ = log_tx.send(line);
+            }
             s
         }));
-        Self { name, child, lines, stdout: Vec::new(), stderr }
+        Self { name, child, lines, stdout: Vec::new(), stderr, log }
     }
 
     /// The next stdout line (bounded).
@@ -102,9 +118,67 @@ impl Proc {
 
     /// Sends SIGTERM (the child is ours and not yet reaped).
     pub fn terminate(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    /// Sends `signal` (the child is ours and not yet reaped).
+    pub fn signal(&self, signal: libc::c_int) {
         let pid = i32::try_from(self.child.id()).unwrap();
         // SAFETY: kill(2) has no memory effects; the pid is our unreaped child.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    }
+
+    /// SIGKILL, then reaps it: no goodbye on any of its connections.
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// The first stderr line from now on containing `needle`, within
+    /// `within`; panics with what it logged otherwise.
+    pub fn wait_log(&self, needle: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        let mut seen = Vec::new();
+        loop {
+            match self.log.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(line) => seen.push(line),
+                Err(e) => panic!(
+                    "{}: no log line containing {needle:?} within {within:?} ({e}); it logged:\n{}",
+                    self.name,
+                    seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Waits (bounded) until, for each of `subjects`, a stderr line from now
+    /// on contains every one of `needles` and that subject followed by a
+    /// space (a field value); panics naming those without one.
+    pub fn wait_log_each(&self, needles: &[&str], subjects: &[&str], within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut missing: Vec<&str> = subjects.to_vec();
+        let mut seen = Vec::new();
+        while !missing.is_empty() {
+            match self.log.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) => {
+                    if needles.iter().all(|n| line.contains(n)) {
+                        missing.retain(|s| !line.contains(&format!("{s} ")));
+                    }
+                    seen.push(line);
+                }
+                Err(e) => panic!(
+                    "{}: no line with {needles:?} within {within:?} ({e}) for {missing:?}; it logged:\n{}",
+                    self.name,
+                    seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Stderr lines logged since the last look, without waiting.
+    pub fn logged(&self) -> Vec<String> {
+        self.log.try_iter().collect()
     }
 }
 
@@ -117,11 +191,47 @@ impl Drop for Proc {
     }
 }
 
+/// `line` without ANSI color sequences (`ESC [ ... m`), as log lines are
+/// matched on their text.
+fn without_colors(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Open file descriptors of process `pid`.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+/// Resident set of process `pid`, bytes.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
 /// Starts `kvlink serve` and reads its ready line; returns it and the control address.
 pub fn serve(netns: Option<&str>, args: &[&str]) -> (Proc, String, SocketAddr) {
-    let mut all = vec!["serve"];
-    all.extend_from_slice(args);
-    let mut p = Proc::spawn("kvlink serve", netns, &all);
+    serve_logging(netns, args, None)
+}
+
+/// Like [`serve`], with `RUST_LOG` set to `filter` (when given), for tests
+/// that wait on the server's log lines.
+pub fn serve_logging(netns: Option<&str>, args: &[&str], filter: Option<&str>) -> (Proc, String, SocketAddr) {
+    let mut cmd = kvlink_command(netns);
+    cmd.arg("serve").args(args);
+    if let Some(filter) = filter {
+        cmd.env("RUST_LOG", filter);
+    }
+    let mut p = Proc::spawn_command("kvlink serve", cmd);
     let ready = p.line();
     assert!(ready.starts_with("listening control="), "unexpected first line: {ready:?}");
     let control = ready
