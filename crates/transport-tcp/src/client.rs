@@ -113,7 +113,10 @@ impl Pool {
         }
     }
 
-    /// Keeps `conn` for reuse if `peer` has room.
+    /// Keeps `conn` for reuse if `peer` has room. Idle connections of every
+    /// peer that closed or outlived their use are dropped meanwhile: a peer
+    /// that went away (its process died, its port changed) is never asked
+    /// for again, and its connections must not stay open.
     fn put(&self, peer: &str, mut conn: Conn) {
         if self.max_per_peer == 0 {
             return;
@@ -123,8 +126,11 @@ impl Pool {
         }
         conn.last_used = Instant::now();
         let mut idle = self.lock();
+        idle.retain(|_, conns| {
+            conns.retain(Conn::is_reusable);
+            !conns.is_empty()
+        });
         let conns = idle.entry(peer.to_owned()).or_default();
-        conns.retain(|c| c.last_used.elapsed() < c.retire_after);
         if conns.len() < self.max_per_peer {
             conns.push(conn);
         }

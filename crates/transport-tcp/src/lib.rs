@@ -148,7 +148,9 @@
 //! peek) before reuse and retired after half the receiver's idle timeout; if
 //! it still turns out closed by the peer, the batch is sent once more on a
 //! new connection (writes are idempotent). A connection that failed in any
-//! other way is dropped, and the next batch reconnects.
+//! other way is dropped, and the next batch reconnects. Whenever a
+//! connection is pooled, the idle ones of every peer are probed the same
+//! way: those of a peer that went away for good are closed then, not kept.
 //!
 //! A batch of at least [`TcpConfig::parallel_min_bytes`] is cut into
 //! [`TcpConfig::parallel_streams`] parts of about equal bytes, each on its

@@ -118,6 +118,36 @@ async fn reconnects_after_the_peer_restarted_on_the_same_port() {
     drop(restarted);
 }
 
+/// A peer that went away for good (its process died, or it came back on
+/// another port) is never written to again: its pooled connection is closed
+/// when the sender pools one of another peer, not kept open forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gone_peers_pooled_connection_is_closed_when_another_peer_is_served() {
+    let mut a = Node::with_defaults(1 << 16).await;
+    let gone = Node::with_defaults(1 << 16).await;
+    let other = Node::with_defaults(1 << 16).await;
+    let to_gone = ops(&a.buf, &gone.buf, 4, 256);
+    fill(&mut a.buf, &to_gone);
+    let grant = gone.grant_all().await;
+    a.transport.batch_write(&gone.transport.endpoint(), &grant, &to_gone).await.unwrap();
+    assert_eq!(a.transport.idle_connections(), 1);
+    gone.transport.shutdown().await;
+
+    let to_other = ops(&a.buf, &other.buf, 4, 256);
+    fill(&mut a.buf, &to_other);
+    let grant = other.grant_all().await;
+    // Each batch pools its connection, looking over the others: bounded
+    // rounds, as the gone peer's close may still be on its way.
+    for _ in 0..100 {
+        a.transport.batch_write(&other.transport.endpoint(), &grant, &to_other).await.unwrap();
+        if a.transport.idle_connections() == 1 {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("{} idle connections: the gone peer's is still pooled", a.transport.idle_connections());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_name_the_bound_or_advertised_host() {
     let plain = TcpTransport::bind(TcpConfig::default()).await.unwrap();
