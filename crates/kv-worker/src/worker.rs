@@ -86,6 +86,12 @@ impl Shared {
 
     pub(crate) fn client(self: &Arc<Self>, peer: &SideChannelAddr) -> Arc<SideChannelClient> {
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if !clients.contains_key(peer) {
+            // Prefill workers come and go (restarts, other ports): forget
+            // those whose connection is gone rather than keep one per peer
+            // ever pulled from.
+            clients.retain(|_, client| !client.is_dead());
+        }
         clients
             .entry(peer.clone())
             .or_insert_with(|| {

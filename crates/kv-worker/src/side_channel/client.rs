@@ -19,7 +19,15 @@ use crate::config::AuthSecret;
 use crate::receiver::SideChannelAddr;
 use crate::side_channel::SideChannelCodec;
 
-type Pending = oneshot::Sender<Result<XferReply, String>>;
+type Pending = oneshot::Sender<Result<XferReply, Unanswered>>;
+
+/// Why a transfer request got no reply.
+enum Unanswered {
+    /// P refused it (the reason is P's).
+    Refused(String),
+    /// The connection ended first.
+    ConnectionLost(String),
+}
 
 /// How long a prefill worker's refusal (incompatible cache or protocol, a
 /// secret that does not match) is taken as its answer without asking again:
@@ -70,7 +78,9 @@ type Sink = SplitSink<Framed<TcpStream, SideChannelCodec>, SideMessage>;
 /// One live connection: requests are written by the requesting task itself
 /// (no hand-off to a writer task), replies are routed by a reader task.
 struct Connection {
-    sink: Mutex<Sink>,
+    /// `None` once the reader has ended: the socket is closed then, not
+    /// kept open (half-closed by a dead peer) until the next request.
+    sink: Mutex<Option<Sink>>,
     /// Replies awaited, by `xfer_id`; `None` once the reader has ended.
     pending: std::sync::Mutex<Option<HashMap<u64, Pending>>>,
     /// When a request was last sent or a reply last received.
@@ -115,38 +125,69 @@ impl SideChannelClient {
     }
 
     /// Sends one transfer request and waits for its reply (unbounded here:
-    /// the caller bounds it with the transfer timeout).
+    /// the caller bounds it with the transfer timeout; dropping the future
+    /// forgets the request).
     pub(crate) async fn request(&self, request: XferRequest) -> Result<XferReply, String> {
         let xfer_id = request.xfer_id;
-        // A reused connection may have died since its last use: retry once on a fresh one.
+        // A reused connection may have died since its last use, also without
+        // this end knowing (P's end reset, ours not): retry once on a fresh
+        // one. Safe even if P read the first copy: a request P already
+        // claimed fails on the second (in flight, or no longer known), both
+        // name the same grant, and the outcome is fenced.
         for attempt in 0..2 {
-            let conn = self.connection(attempt > 0).await?;
+            let (conn, reused) = self.connection(attempt > 0).await?;
             let (tx, rx) = oneshot::channel();
             match conn.lock_pending().as_mut() {
                 Some(pending) => pending.insert(xfer_id, tx),
                 None => continue, // its reader ended: the connection is gone
             };
+            let _waiting = Waiting { conn: &conn, xfer_id };
             conn.touch();
-            if let Err(e) = conn.sink.lock().await.send(SideMessage::XferRequest(request)).await {
-                if let Some(pending) = conn.lock_pending().as_mut() {
-                    pending.remove(&xfer_id);
+            let mut guard = conn.sink.lock().await;
+            let Some(sink) = guard.as_mut() else { continue };
+            if let Err(e) = sink.send(SideMessage::XferRequest(request.clone())).await {
+                if reused && attempt == 0 {
+                    continue;
                 }
                 return Err(format!("sending to {}: {e}", self.peer));
             }
-            return rx.await.unwrap_or_else(|_| Err(format!("connection to {} closed", self.peer)));
+            drop(guard);
+            return match rx.await {
+                Ok(Ok(reply)) => Ok(reply),
+                Ok(Err(Unanswered::Refused(reason))) => Err(reason),
+                Ok(Err(Unanswered::ConnectionLost(reason))) if reused && attempt == 0 => {
+                    tracing::debug!(peer = %self.peer, xfer_id, %reason, "reused side-channel connection lost; retrying on a new one");
+                    continue;
+                }
+                Ok(Err(Unanswered::ConnectionLost(reason))) => Err(reason),
+                Err(_) => Err(format!("connection to {} closed", self.peer)),
+            };
         }
         Err(format!("connection to {} keeps closing", self.peer))
+    }
+
+    /// Whether no one uses this client now, it holds no live connection
+    /// (never connected, or its peer went away) and remembers no refusal:
+    /// it may be forgotten.
+    pub(crate) fn is_dead(&self) -> bool {
+        match self.conn.try_lock() {
+            Err(_) => false, // connecting or in use
+            Ok(slot) => {
+                slot.as_ref().is_none_or(|conn| conn.lock_pending().is_none()) && self.recent_refusal().is_none()
+            }
+        }
     }
 
     /// Renews P's hold on `req_ids` (no reply), in as many messages as
     /// frames need. Returns how long P holds them from now (zero: P takes
     /// no renewals, and nothing was sent).
     pub(crate) async fn keep_alive(&self, req_ids: &[ReqId]) -> Result<Duration, String> {
-        let conn = self.connection(false).await?;
+        let (conn, _) = self.connection(false).await?;
         if conn.lease_renewal.is_zero() {
             return Ok(Duration::ZERO);
         }
-        let mut sink = conn.sink.lock().await;
+        let mut guard = conn.sink.lock().await;
+        let Some(sink) = guard.as_mut() else { return Err(format!("connection to {} closed", self.peer)) };
         for chunk in keep_alive_chunks(req_ids, self.settings.max_frame_len) {
             conn.touch();
             sink.send(SideMessage::KeepAlive(KeepAlive { req_ids: chunk.to_vec() }))
@@ -156,12 +197,13 @@ impl SideChannelClient {
         Ok(conn.lease_renewal)
     }
 
-    async fn connection(&self, fresh: bool) -> Result<Arc<Connection>, String> {
+    /// The live connection (and `true`: reused), or a new one.
+    async fn connection(&self, fresh: bool) -> Result<(Arc<Connection>, bool), String> {
         let mut slot = self.conn.lock().await;
         if let Some(conn) = slot.take() {
             if !fresh && conn.usable() {
                 *slot = Some(conn.clone());
-                return Ok(conn);
+                return Ok((conn, true));
             }
             conn.retired.cancel();
         }
@@ -186,7 +228,7 @@ impl SideChannelClient {
         let (sink, stream) = framed.split();
         let retired = self.cancel.child_token();
         let conn = Arc::new(Connection {
-            sink: Mutex::new(sink),
+            sink: Mutex::new(Some(sink)),
             pending: std::sync::Mutex::new(Some(HashMap::new())),
             last_active: std::sync::Mutex::new(Instant::now()),
             retire_after: idle_timeout / 2,
@@ -195,7 +237,7 @@ impl SideChannelClient {
         });
         self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), retired));
         *slot = Some(conn.clone());
-        Ok(conn)
+        Ok((conn, false))
     }
 
     /// P's refusal, if it came less than [`REFUSAL_MEMORY`] ago.
@@ -310,8 +352,23 @@ fn keep_alive_chunks(req_ids: &[ReqId], max_frame_len: usize) -> impl Iterator<I
     })
 }
 
+/// A request awaiting its reply; forgotten when its waiter gives up (the
+/// transfer timeout), so a peer that never answers leaves nothing behind.
+struct Waiting<'a> {
+    conn: &'a Connection,
+    xfer_id: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(pending) = self.conn.lock_pending().as_mut() {
+            pending.remove(&self.xfer_id);
+        }
+    }
+}
+
 /// Routes replies to their waiters until the connection ends, then fails
-/// every request still waiting on it.
+/// every request still waiting on it and closes the socket.
 async fn read_replies(
     peer: SideChannelAddr,
     mut stream: SplitStream<Framed<TcpStream, SideChannelCodec>>,
@@ -326,7 +383,7 @@ async fn read_replies(
         let (xfer_id, result) = match frame {
             Some(Ok(SideMessage::XferReply(reply))) => (reply.xfer_id, Ok(reply)),
             Some(Ok(SideMessage::XferRefused { xfer_id, reason })) => {
-                (xfer_id, Err(format!("{peer} refused the transfer request: {reason}")))
+                (xfer_id, Err(Unanswered::Refused(format!("{peer} refused the transfer request: {reason}"))))
             }
             Some(Ok(_)) => break "unexpected message from prefill".to_owned(),
             Some(Err(e)) => break format!("bad frame from prefill: {e}"),
@@ -344,8 +401,11 @@ async fn read_replies(
     let pending = conn.lock_pending().take().unwrap_or_default();
     tracing::debug!(%peer, %reason, pending = pending.len(), "side-channel connection ended");
     for (_, waiter) in pending {
-        let _ = waiter.send(Err(format!("{peer}: {reason}")));
+        let _ = waiter.send(Err(Unanswered::ConnectionLost(format!("{peer}: {reason}"))));
     }
+    // Both halves gone: the socket closes now, not when the next request
+    // finds the connection dead (a peer that went away is never asked again).
+    drop(conn.sink.lock().await.take());
 }
 
 #[cfg(test)]
