@@ -14,30 +14,14 @@
 mod common;
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use common::proxy::{runtime, tally, Proxy, BATCH, BLOCKS_PER_REQUEST};
-use common::{open_fds, rss_bytes, serve_logging, Proc, BOUND};
-
-/// D's bound on one pull (`--transfer-timeout`), where a test relies on it.
-const TRANSFER_TIMEOUT: Duration = Duration::from_secs(2);
-/// Longer than [`TRANSFER_TIMEOUT`]: how long a stopped process stays stopped.
-const STOP: Duration = Duration::from_secs(3);
-/// Grace on top of a bound for a loaded machine (process scheduling, a
-/// debug build); far below the bounds a missed event would fall back to
-/// (60 s default transfer timeout, 480 s lease).
-const SLACK: Duration = Duration::from_secs(5);
-/// `RUST_LOG` of the servers: P's admission of a transfer request is a
-/// debug line.
-const LOG: &str = "info,kv_worker=debug";
-/// Descriptors a survivor may hold above its baseline (a data-plane
-/// connection being replaced).
-const FD_SLACK: usize = 2;
-/// Resident memory a survivor may hold above its baseline.
-const RSS_SLACK: u64 = 16 << 20;
-/// Payload D must have read of a batch (32 MiB) for it to count as
-/// moving: two blocks.
-const PART_OF_A_BATCH: u64 = 512 << 10;
+use common::faults::{
+    assert_back_to, assert_p_failed_sending, footprint, send_and_stall, stay_stopped, LOG, SLACK, TRANSFER_TIMEOUT,
+};
+use common::proxy::{runtime, tally, Proxy};
+use common::{serve_logging, Proc, BOUND};
+use rstest::rstest;
 
 fn producer(side_channel_port: u16, extra: &[&str]) -> (Proc, SocketAddr) {
     let port = side_channel_port.to_string();
@@ -64,79 +48,12 @@ fn free_port() -> u16 {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port()
 }
 
-/// A process's descriptors and resident set.
-#[derive(Clone, Copy, Debug)]
-struct Footprint {
-    fds: usize,
-    rss: u64,
-}
-
-fn footprint(p: &Proc) -> Footprint {
-    Footprint { fds: open_fds(p.pid()), rss: rss_bytes(p.pid()) }
-}
-
-/// Waits (bounded) until `p` is back near `base`.
-fn assert_back_to(p: &Proc, base: Footprint) {
-    let deadline = Instant::now() + SLACK;
-    loop {
-        let now = footprint(p);
-        if now.fds <= base.fds + FD_SLACK && now.rss <= base.rss + RSS_SLACK {
-            eprintln!("survivor {base:?} before, {now:?} after");
-            return;
-        }
-        assert!(Instant::now() < deadline, "survivor leaks: {base:?} before the fault, {now:?} {SLACK:?} after");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Bytes process `pid` has read through system calls (D's `readv` of the
-/// payload included).
-fn read_bytes(pid: u32) -> u64 {
-    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
-    io.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
-}
-
-/// Sends a batch and stops it half-way: once D read part of its payload, D
-/// is stopped (it can neither read the rest nor acknowledge it). If D had
-/// read the whole payload already, that batch ends normally and another is
-/// tried. Returns the stalled batch's requests, D left stopped.
-fn send_and_stall(rt: &tokio::runtime::Runtime, proxy: &mut Proxy, d: &Proc) -> Vec<kv_proto::ReqId> {
-    let shape = common::proxy::shape();
-    let batch_bytes = (BATCH * BLOCKS_PER_REQUEST) as u64 * shape.block_len() * u64::from(shape.region_count());
-    for _ in 0..5 {
-        let before = read_bytes(d.pid());
-        let ids = rt.block_on(proxy.send());
-        let deadline = Instant::now() + BOUND;
-        // Polled without pause: the batch takes milliseconds.
-        while read_bytes(d.pid()) < before + PART_OF_A_BATCH {
-            assert!(Instant::now() < deadline, "D read no payload within {BOUND:?}");
-        }
-        d.signal(libc::SIGSTOP);
-        if read_bytes(d.pid()) < before + batch_bytes {
-            return ids;
-        }
-        eprintln!("D read the whole batch before it stopped; another one");
-        d.signal(libc::SIGCONT);
-        let ended = rt.block_on(proxy.outcomes(&ids, BOUND));
-        assert_eq!(tally(&ended), (ids.len(), 0, 0), "{ended:?}");
-    }
-    panic!("every batch went through before D stopped")
-}
-
-/// Waits (bounded) for P's log line about failing to send each of `ids`
-/// with `reason`.
-fn assert_p_failed_sending(p: &Proc, ids: &[kv_proto::ReqId], reason: &str) {
-    let ids: Vec<&str> = ids.iter().map(|id| id.as_str()).collect();
-    p.wait_log_each(&["sending KV failed", reason], &ids, SLACK);
-}
-
-/// Sleeps out the rest of a stop: the fault itself, not a wait for an event.
-fn stay_stopped(since: Instant) {
-    std::thread::sleep(STOP.saturating_sub(since.elapsed()));
-}
-
-#[test]
-fn p_killed_mid_batch_fails_its_pulls_and_the_same_d_pulls_from_the_restarted_p() {
+/// The new P listens on the dead one's side-channel port (a restart), or on
+/// another (the dead one is gone for good; D must not keep anything of it).
+#[rstest]
+#[case::restarted_on_the_same_port(true)]
+#[case::another_p_on_another_port(false)]
+fn p_killed_mid_batch_fails_its_pulls_and_the_same_d_pulls_from_a_new_p(#[case] same_port: bool) {
     let port = free_port();
     let (mut p, p_control) = producer(port, &[]);
     let timeout = transfer_timeout_arg();
@@ -154,8 +71,8 @@ fn p_killed_mid_batch_fails_its_pulls_and_the_same_d_pulls_from_the_restarted_p(
     eprintln!("P killed: {:?} (received, failed, corrupt) after {:?}", tally(&ended), killed.elapsed());
     assert_eq!(tally(&ended), (0, ids.len(), 0), "{ended:?}");
 
-    // A new P process on the same side-channel port; D is not restarted.
-    let (p2, p2_control) = producer(port, &[]);
+    // A new P process; D is not restarted.
+    let (p2, p2_control) = producer(if same_port { port } else { 0 }, &[]);
     rt.block_on(proxy.reconnect_p(p2_control));
     rt.block_on(proxy.round(BOUND));
     rt.block_on(proxy.round(BOUND));

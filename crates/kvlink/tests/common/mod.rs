@@ -11,6 +11,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub mod faults;
 pub mod netns;
 pub mod proxy;
 
@@ -187,6 +188,12 @@ impl Drop for Proc {
         if matches!(self.child.try_wait(), Ok(None)) {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        // A failing test shows what its processes logged.
+        if std::thread::panicking() {
+            if let Some(stderr) = self.stderr.take().and_then(|h| h.join().ok()) {
+                eprintln!("--- {} (pid {}) logged:\n{stderr}", self.name, self.child.id());
+            }
         }
     }
 }

@@ -68,6 +68,12 @@ impl Namespaces {
         }
     }
 
+    /// Sets `key` to `value` with sysctl(8) inside namespace `ns` (the
+    /// network settings are the namespace's own).
+    pub fn sysctl(ns: &str, key: &str, value: &str) {
+        run("ip", &["netns", "exec", ns, "sysctl", "-qw", &format!("{key}={value}")]).unwrap();
+    }
+
     /// Runs `f` on a thread of its own whose sockets live in namespace `ns`
     /// (setns(2) moves only the calling thread); returns its result.
     pub fn within<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kv_proto::{LayoutKind, Protocol, ReqId};
+use kv_proto::{KvTransferParams, LayoutKind, Protocol, ReqId};
 use kv_worker::{CacheDims, CacheShape};
 use kvlink::control::{check_shape, ControlClient, RemoteDecode, RemotePrefill};
 use kvlink::{BlockPattern, Completion, PromptSpec, PullSpec};
@@ -120,6 +120,33 @@ impl Proxy {
             .collect();
         self.d.schedule(&pulls).await.unwrap();
         prompts.into_iter().map(|p| p.id).collect()
+    }
+
+    /// Starts [`BATCH`] pulls on D in one step from a side channel at
+    /// `host:port` that is not P's (a silent or unreachable peer); returns
+    /// their ids.
+    pub async fn pull_from(&mut self, host: &str, port: u16) -> Vec<ReqId> {
+        let block_size = shape().block_size() as usize;
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            remote_host: Some(host.to_owned()),
+            remote_port: Some(port),
+            ..KvTransferParams::default()
+        };
+        let pulls: Vec<PullSpec> = (0..BATCH)
+            .map(|_| {
+                self.next += 1;
+                PullSpec {
+                    id: ReqId::new(format!("{}-{}", self.tag, self.next)),
+                    prompt_len: BLOCKS_PER_REQUEST * block_size,
+                    seed: self.next,
+                    params: params.clone(),
+                    prefix_hit_tokens: 0,
+                }
+            })
+            .collect();
+        self.d.schedule(&pulls).await.unwrap();
+        pulls.into_iter().map(|p| p.id).collect()
     }
 
     /// How each of `ids` ended on D, waiting up to `within` for all of
