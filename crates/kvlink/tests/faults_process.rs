@@ -146,7 +146,7 @@ fn p_stopped_past_ds_transfer_timeout_d_fails_in_time_and_p_recovers() {
     let (base_p, base_d) = (footprint(&p), footprint(&d));
 
     let ids = send_and_stall(&rt, &mut proxy, &d);
-    p.signal(libc::SIGSTOP);
+    p.stop();
     d.signal(libc::SIGCONT);
     let stopped = Instant::now();
     let ended = rt.block_on(proxy.outcomes(&ids, TRANSFER_TIMEOUT + SLACK));
@@ -155,10 +155,12 @@ fn p_stopped_past_ds_transfer_timeout_d_fails_in_time_and_p_recovers() {
     stay_stopped(stopped);
     p.signal(libc::SIGCONT);
 
-    // P wakes past D's budget with the rest of the batch to write: D
-    // revoked the grant, so none of it may land; P fails and frees.
+    // P wakes past D's budget, mostly with the rest of the batch to write:
+    // D revoked the grant, so none of it may land, and P fails. (If the
+    // rest was in socket buffers already, D took it inside the grant before
+    // failing the pull, and P finds the batch acknowledged.) Either way P
+    // frees the requests.
     rt.block_on(proxy.assert_p_drained(SLACK));
-    assert_p_failed_sending(&p, &ids, "reason=");
     rt.block_on(proxy.round(BOUND));
     rt.block_on(proxy.round(BOUND));
     assert_back_to(&p, base_p);

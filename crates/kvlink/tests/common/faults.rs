@@ -82,7 +82,7 @@ pub fn send_and_stall(rt: &tokio::runtime::Runtime, proxy: &mut Proxy, d: &Proc)
         while read_bytes(d.pid()) < before + PART_OF_A_BATCH {
             assert!(Instant::now() < deadline, "D read no payload within {BOUND:?}");
         }
-        d.signal(libc::SIGSTOP);
+        d.stop();
         if read_bytes(d.pid()) < before + batch_bytes {
             return ids;
         }

@@ -129,6 +129,24 @@ impl Proc {
         assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     }
 
+    /// SIGSTOP, then waits (bounded) until every thread of it is stopped:
+    /// kill(2) returns before the process has stopped running.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let deadline = Instant::now() + BOUND;
+        let all_stopped = || {
+            std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap().all(|task| {
+                let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+                // The state follows the command name in parentheses.
+                stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+            })
+        };
+        while !all_stopped() {
+            assert!(Instant::now() < deadline, "{} did not stop within {BOUND:?}", self.name);
+            std::thread::yield_now();
+        }
+    }
+
     /// SIGKILL, then reaps it: no goodbye on any of its connections.
     pub fn kill(&mut self) {
         self.child.kill().unwrap();
