@@ -185,6 +185,9 @@ impl SenderCore {
         let mut renewed = 0;
         for req in reqs {
             if let Some(slot) = self.entries.get_mut(req).and_then(SendEntry::renewal_mut) {
+                if slot.is_none() {
+                    tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
+                }
                 *slot = Some(Renewal { until, by: by.clone() });
                 renewed += 1;
             }

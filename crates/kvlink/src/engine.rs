@@ -385,6 +385,26 @@ impl DecodeInstance {
         self.pool.free_count()
     }
 
+    /// One engine step in which `pulls` are seen and wait (no room yet): the
+    /// scheduler counts their external tokens, and the worker renews P's
+    /// hold on them until [`DecodeInstance::schedule`] pulls them.
+    pub fn watch(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
+        if let Some(p) = pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
+            return Err(EngineError::NoRemote(p.id.clone()));
+        }
+        for p in pulls {
+            let req = EngineRequest {
+                request_id: p.id.clone(),
+                prompt_len: p.prompt_len,
+                status: RequestStatus::Waiting,
+                kv_transfer_params: Some(p.params.clone()),
+            };
+            self.sched.get_num_new_matched_tokens(&req, p.prefix_hit_tokens);
+        }
+        self.worker.start_load_kv(&self.sched.build_connector_meta());
+        Ok(())
+    }
+
     /// One engine step in which `pulls` are scheduled: blocks allocated for
     /// what the prefix cache lacks, pulls started.
     pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {

@@ -244,6 +244,10 @@ struct ServeArgs {
     /// the bound on waiting for a request decode asks for), seconds.
     #[arg(long, value_name = "SECS", default_value_t = Secs(WorkerBounds::default().lease))]
     lease: Secs,
+    /// Producer: once decode renews a request it will pull, the blocks are
+    /// held this long past its last renewal (within --lease), seconds.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(WorkerBounds::default().lease_renewal))]
+    lease_renewal: Secs,
     /// Connections in their handshake at once; more are closed at once.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES)]
     max_handshakes: usize,
@@ -458,7 +462,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
         },
         idle_timeout: args.idle_timeout.0,
         handshake_timeout: args.handshake_timeout.0,
-        worker_bounds: WorkerBounds { transfer_timeout: args.transfer_timeout.0, lease: args.lease.0 },
+        worker_bounds: WorkerBounds {
+            transfer_timeout: args.transfer_timeout.0,
+            lease: args.lease.0,
+            lease_renewal: args.lease_renewal.0,
+        },
         max_handshakes: args.max_handshakes.max(1),
         max_handshakes_per_host: args.max_handshakes_per_host.max(1),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,

@@ -171,12 +171,19 @@ pub struct WorkerBounds {
     /// P's lease on a prefilled request's blocks, and its bound on waiting
     /// for a request to be ready ([`WorkerConfig::abort_request_timeout`]).
     pub lease: Duration,
+    /// P's hold on a request past a decode instance's last renewal of it
+    /// ([`WorkerConfig::lease_renewal`]).
+    pub lease_renewal: Duration,
 }
 
 impl Default for WorkerBounds {
     fn default() -> Self {
         let defaults = WorkerConfig::loopback(KvRole::Producer, "defaults");
-        Self { transfer_timeout: defaults.transfer_timeout, lease: defaults.abort_request_timeout }
+        Self {
+            transfer_timeout: defaults.transfer_timeout,
+            lease: defaults.abort_request_timeout,
+            lease_renewal: defaults.lease_renewal,
+        }
     }
 }
 
@@ -684,6 +691,7 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.auth_secret = opts.auth_secret.clone();
             config.data_listen = SocketAddr::new(opts.listen, 0);
             config.abort_request_timeout = opts.worker_bounds.lease;
+            config.lease_renewal = opts.worker_bounds.lease_renewal;
             let mut p = PrefillInstance::start_advertising(config, shape, pattern, 1, Some(local_ip))
                 .await
                 .map_err(|e| format!("prefill: {e}"))?;
@@ -764,10 +772,15 @@ impl Served {
                 self.requests += n;
                 Ok(reply)
             }
+            (ClientMsg::Watch { pulls }, Instance::Decode(d)) => {
+                let specs = pull_specs(pulls, peer_ip)?;
+                d.watch(&specs).map_err(|e| e.to_string())?;
+                Ok(ServerMsg::Watching { requests: specs.len() })
+            }
             (ClientMsg::Complete { timeout_ms }, Instance::Decode(d)) => {
                 Ok(ServerMsg::Completions { items: d.complete(wait_of(timeout_ms)).await })
             }
-            (ClientMsg::Schedule { .. } | ClientMsg::Complete { .. }, _) => {
+            (ClientMsg::Schedule { .. } | ClientMsg::Watch { .. } | ClientMsg::Complete { .. }, _) => {
                 Err(format!("this server is a {role}: it does not decode (run the bench's decode side here)"))
             }
             _ => Err(format!("this server is a {role}: it does not prefill (run the bench's prefill side here)")),
@@ -818,29 +831,24 @@ async fn prefill(p: &mut PrefillInstance, shape: &CacheShape, prompts: &[PromptS
     Ok(ServerMsg::Prefilled { items })
 }
 
-fn schedule(
-    d: &mut DecodeInstance,
-    shape: &CacheShape,
-    pulls: Vec<crate::control::WirePull>,
-    peer_ip: IpAddr,
-) -> Result<ServerMsg, String> {
+/// The pulls a client asks for, checked: well-formed, no duplicate, and
+/// params that point at the client itself (a consumer server pulls only
+/// from the host that drives it).
+fn pull_specs(pulls: Vec<crate::control::WirePull>, peer_ip: IpAddr) -> Result<Vec<PullSpec>, String> {
     if pulls.len() > MAX_REQUESTS_PER_CALL {
         return Err(format!("{} requests in one call, more than {MAX_REQUESTS_PER_CALL}", pulls.len()));
     }
     let mut seen = HashSet::with_capacity(pulls.len());
-    let mut needed = 0usize;
     let mut specs = Vec::with_capacity(pulls.len());
     for w in pulls {
         let id = &w.id;
         if w.prompt_len == 0 || w.prefix_hit_tokens > w.prompt_len {
             return Err(format!("request {id}: prompt of {} tokens with {} cached", w.prompt_len, w.prefix_hit_tokens));
         }
-        if !seen.insert(id.clone()) || d.blocks_of(id).is_some() {
+        if !seen.insert(id.clone()) {
             return Err(format!("request {id}: duplicate id"));
         }
         let params = KvTransferParams::from_value(&w.params).map_err(|e| format!("request {id}: {e}"))?;
-        // A consumer server pulls only from the host that drives it: the
-        // params cannot send it anywhere else.
         let host = params.remote().map(|(host, _)| host.to_owned()).unwrap_or_default();
         if !params.do_remote_prefill || host.parse::<IpAddr>().ok().map(canonical) != Some(peer_ip) {
             return Err(format!(
@@ -848,7 +856,6 @@ fn schedule(
                 params.to_json()
             ));
         }
-        needed = needed.saturating_add(blocks_needed(shape, w.prompt_len));
         specs.push(PullSpec {
             id: w.id,
             prompt_len: w.prompt_len,
@@ -857,6 +864,20 @@ fn schedule(
             prefix_hit_tokens: w.prefix_hit_tokens,
         });
     }
+    Ok(specs)
+}
+
+fn schedule(
+    d: &mut DecodeInstance,
+    shape: &CacheShape,
+    pulls: Vec<crate::control::WirePull>,
+    peer_ip: IpAddr,
+) -> Result<ServerMsg, String> {
+    let specs = pull_specs(pulls, peer_ip)?;
+    if let Some(spec) = specs.iter().find(|s| d.blocks_of(&s.id).is_some()) {
+        return Err(format!("request {}: duplicate id", spec.id));
+    }
+    let needed = specs.iter().fold(0usize, |sum, s| sum.saturating_add(blocks_needed(shape, s.prompt_len)));
     if needed > d.free_blocks() {
         return Err(format!("no room for {needed} blocks: {} free", d.free_blocks()));
     }

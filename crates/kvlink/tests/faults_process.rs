@@ -17,7 +17,8 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::time::Instant;
 
 use common::faults::{
-    assert_back_to, assert_p_failed_sending, footprint, send_and_stall, stay_stopped, LOG, SLACK, TRANSFER_TIMEOUT,
+    assert_back_to, assert_p_failed_sending, footprint, send_and_stall, stay_renewed, stay_stopped, LOG, SLACK,
+    TRANSFER_TIMEOUT,
 };
 use common::proxy::{runtime, tally, Proxy};
 use common::{serve_logging, Proc, BOUND};
@@ -103,6 +104,39 @@ fn d_killed_mid_batch_p_frees_at_once_and_serves_another_d() {
     rt.block_on(proxy.round(BOUND));
     rt.block_on(proxy.round(BOUND));
     assert_back_to(&p, base);
+}
+
+/// D has seen a batch and will pull it (it renews P's hold on it), then
+/// dies before pulling: P frees the blocks a renewal period after the
+/// renewals stop, not at its lease (an hour here); a live D that renews
+/// keeps them past many renewal periods and then pulls them.
+#[test]
+fn d_killed_before_pulling_p_frees_within_a_renewal_not_its_lease() {
+    let (p, p_control) = producer(0, &["--lease", "3600", "--lease-renewal", "1"]);
+    let (mut d1, d1_control) = consumer(&[]);
+    let (_d2, d2_control) = consumer(&[]);
+    let rt = runtime();
+    let mut proxy = rt.block_on(Proxy::start(p_control, d1_control, "d-gone"));
+    rt.block_on(proxy.round(BOUND));
+
+    let watched = rt.block_on(proxy.send_to_watch());
+    let ids: Vec<&str> = watched.iter().map(|pull| pull.id.as_str()).collect();
+    p.wait_log_each(&["request held for a decode instance renewing it"], &ids, SLACK);
+    d1.kill();
+    let killed = Instant::now();
+    rt.block_on(proxy.assert_p_drained(SLACK));
+    eprintln!("D killed before pulling: P freed every request after {:?}", killed.elapsed());
+
+    // A live D renews: its requests outlive many renewal periods, then land.
+    rt.block_on(proxy.reconnect_d(d2_control));
+    let pulls = rt.block_on(proxy.send_to_watch());
+    let ids: Vec<&str> = pulls.iter().map(|pull| pull.id.as_str()).collect();
+    p.wait_log_each(&["request held for a decode instance renewing it"], &ids, SLACK);
+    stay_renewed(Instant::now());
+    rt.block_on(proxy.d.schedule(&pulls)).unwrap();
+    let ids: Vec<_> = pulls.into_iter().map(|pull| pull.id).collect();
+    let ended = rt.block_on(proxy.outcomes(&ids, BOUND));
+    assert_eq!(tally(&ended), (ids.len(), 0, 0), "{ended:?}");
 }
 
 #[test]

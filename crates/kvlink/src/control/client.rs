@@ -356,21 +356,21 @@ impl RemoteDecode {
         self.pulling.len()
     }
 
+    /// Tells the server its engine has seen `pulls` and will pull them later.
+    pub async fn watch(&mut self, pulls: &[PullSpec]) -> Result<(), ControlError> {
+        let c = &mut self.client;
+        let wire = pulls.iter().map(wire_pull).collect();
+        match c.call(&ClientMsg::Watch { pulls: wire }, "watch", c.call_timeout).await? {
+            ServerMsg::Watching { requests } if requests == pulls.len() => Ok(()),
+            other => Err(c.unexpected("watching", &other)),
+        }
+    }
+
     /// Starts `pulls` in one step on the server; returns the server's blocks
     /// per pull.
     pub async fn schedule(&mut self, pulls: &[PullSpec]) -> Result<Vec<Vec<BlockId>>, ControlError> {
         let c = &mut self.client;
-        let wire = pulls
-            .iter()
-            .map(|p| WirePull {
-                id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                seed: p.seed,
-                // Serializing plain bools, strings and integers cannot fail.
-                params: serde_json::to_value(&p.params).unwrap_or_default(),
-                prefix_hit_tokens: p.prefix_hit_tokens,
-            })
-            .collect();
+        let wire = pulls.iter().map(wire_pull).collect();
         let blocks = match c.call(&ClientMsg::Schedule { pulls: wire }, "schedule", c.call_timeout).await? {
             ServerMsg::Scheduled { blocks } => blocks,
             other => return Err(c.unexpected("scheduled", &other)),
@@ -402,6 +402,18 @@ impl RemoteDecode {
             }
         }
         Ok(out)
+    }
+}
+
+/// A pull as the control channel carries it.
+fn wire_pull(p: &PullSpec) -> WirePull {
+    WirePull {
+        id: p.id.clone(),
+        prompt_len: p.prompt_len,
+        seed: p.seed,
+        // Serializing plain bools, strings and integers cannot fail.
+        params: serde_json::to_value(&p.params).unwrap_or_default(),
+        prefix_hit_tokens: p.prefix_hit_tokens,
     }
 }
 

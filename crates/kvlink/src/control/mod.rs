@@ -285,6 +285,12 @@ pub enum ClientMsg {
         /// The pulls.
         pulls: Vec<WirePull>,
     },
+    /// Consumer: the engine has seen these requests and will pull them
+    /// later (its worker renews P's hold on them until then).
+    Watch {
+        /// The pulls to come.
+        pulls: Vec<WirePull>,
+    },
     /// Consumer: wait (bounded) for pulls to finish.
     Complete {
         /// Bound, milliseconds.
@@ -334,6 +340,11 @@ pub enum ServerMsg {
         /// Blocks per pull.
         blocks: Vec<Vec<BlockId>>,
     },
+    /// Reply to `watch`.
+    Watching {
+        /// Requests now watched.
+        requests: usize,
+    },
     /// Reply to `complete` (possibly empty).
     Completions {
         /// What finished.
@@ -368,6 +379,7 @@ impl ServerMsg {
             ServerMsg::Prefilled { .. } => "prefilled",
             ServerMsg::Drained { .. } => "drained",
             ServerMsg::Scheduled { .. } => "scheduled",
+            ServerMsg::Watching { .. } => "watching",
             ServerMsg::Completions { .. } => "completions",
             ServerMsg::Stats { .. } => "stats",
             ServerMsg::Pong => "pong",

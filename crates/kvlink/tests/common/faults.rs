@@ -101,6 +101,16 @@ pub fn assert_p_failed_sending(p: &Proc, ids: &[ReqId], reason: &str) {
     p.wait_log_each(&["sending KV failed", reason], &ids, SLACK);
 }
 
+/// How long a watched request waits before D pulls it: several of P's
+/// renewal periods (1 s in the tests that use it).
+pub const WATCHED_FOR: Duration = Duration::from_secs(4);
+
+/// Sleeps out the rest of [`WATCHED_FOR`]: time passing is what is under
+/// test, not a wait for an event.
+pub fn stay_renewed(since: Instant) {
+    std::thread::sleep(WATCHED_FOR.saturating_sub(since.elapsed()));
+}
+
 /// Sleeps out the rest of a stop: the fault itself, not a wait for an event.
 pub fn stay_stopped(since: Instant) {
     std::thread::sleep(STOP.saturating_sub(since.elapsed()));

@@ -93,8 +93,16 @@ impl Proxy {
     /// Prefills [`BATCH`] requests on P in one step, then starts their pulls
     /// on D in one step (one transfer request); returns their ids.
     pub async fn send(&mut self) -> Vec<ReqId> {
+        let prompts = self.prompts();
+        let pulls = self.prefilled(&prompts).await;
+        self.d.schedule(&pulls).await.unwrap();
+        prompts.into_iter().map(|p| p.id).collect()
+    }
+
+    /// The next [`BATCH`] prompts.
+    fn prompts(&mut self) -> Vec<PromptSpec> {
         let block_size = shape().block_size() as usize;
-        let prompts: Vec<PromptSpec> = (0..BATCH)
+        (0..BATCH)
             .map(|_| {
                 self.next += 1;
                 PromptSpec {
@@ -103,10 +111,13 @@ impl Proxy {
                     seed: self.next,
                 }
             })
-            .collect();
-        let pulls: Vec<PullSpec> = self
-            .p
-            .prefill(&prompts)
+            .collect()
+    }
+
+    /// Prefills `prompts` on P in one step; the pulls that point D at them.
+    async fn prefilled(&mut self, prompts: &[PromptSpec]) -> Vec<PullSpec> {
+        self.p
+            .prefill(prompts)
             .await
             .unwrap()
             .into_iter()
@@ -117,9 +128,17 @@ impl Proxy {
                 params,
                 prefix_hit_tokens: 0,
             })
-            .collect();
-        self.d.schedule(&pulls).await.unwrap();
-        prompts.into_iter().map(|p| p.id).collect()
+            .collect()
+    }
+
+    /// Prefills [`BATCH`] requests on P in one step, then has D see them
+    /// without pulling yet (no room: they wait in its queue); returns the
+    /// pulls to come.
+    pub async fn send_to_watch(&mut self) -> Vec<PullSpec> {
+        let prompts = self.prompts();
+        let pulls = self.prefilled(&prompts).await;
+        self.d.watch(&pulls).await.unwrap();
+        pulls
     }
 
     /// Starts [`BATCH`] pulls on D in one step from a side channel at
