@@ -8,18 +8,14 @@
 //! elsewhere it passes vacuously.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
 
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, LayoutKind, Protocol, RecvReqMeta, ReqId, SendUpdate};
-use kv_worker::{pattern, CacheDims, CacheShape, Finished, OwnedKvCache, Worker, WorkerConfig};
-
-/// Upper bound on any wait here (never reached when things work).
-const BOUND: Duration = Duration::from_secs(60);
+use common::*;
+use kv_proto::{BlockId, KvRole, LayoutKind, Protocol, ReqId};
+use kv_worker::{CacheDims, CacheShape, Finished, Worker, WorkerConfig};
 
 /// 8 layers, K/V split: 16 regions of 64 blocks of 4 KiB.
-fn shape() -> CacheShape {
+fn rdma_shape() -> CacheShape {
     CacheShape::try_new(CacheDims {
         kind: LayoutKind::SplitKv,
         num_layers: 8,
@@ -36,79 +32,23 @@ fn enabled() -> bool {
     cfg!(feature = "rdma") && std::env::var_os("KVLINK_RDMA_DEVICE").is_some()
 }
 
-struct Instance {
-    worker: Worker,
-    cache: Arc<OwnedKvCache>,
-}
-
-async fn start(role: KvRole, name: &str) -> Instance {
-    let cache = Arc::new(OwnedKvCache::allocate(shape()).unwrap());
+async fn start_rdma(role: KvRole, name: &str) -> Instance {
     let config = WorkerConfig { protocol: Protocol::Rdma, ..WorkerConfig::loopback(role, name) };
-    let worker = Worker::start(config, Arc::clone(&cache)).await.unwrap();
-    assert_eq!(worker.data_endpoint().protocol, Protocol::Rdma);
-    Instance { worker, cache }
-}
-
-/// Writes request `seed`'s KV into `blocks` of every region.
-fn fill(cache: &OwnedKvCache, seed: u64, blocks: &[BlockId]) {
-    let mut buf = vec![0u8; cache.block_len()];
-    for region in 0..cache.shape().region_count() {
-        for (position, &block) in blocks.iter().enumerate() {
-            pattern::fill(&mut buf, pattern::block_seed(seed, region, position as u32));
-            // SAFETY: no transfer reads or writes these blocks while the test fills them.
-            unsafe { cache.write_block(region as usize, block, &buf) }.unwrap();
-        }
-    }
-}
-
-/// Whether `blocks` hold request `seed`'s KV in every region.
-fn holds(cache: &OwnedKvCache, seed: u64, blocks: &[BlockId]) -> bool {
-    let mut buf = vec![0u8; cache.block_len()];
-    (0..cache.shape().region_count()).all(|region| {
-        blocks.iter().enumerate().all(|(position, &block)| {
-            // SAFETY: the test reads only blocks whose pull was reported received.
-            unsafe { cache.read_block(region as usize, block, &mut buf) }.unwrap();
-            pattern::matches(&buf, pattern::block_seed(seed, region, position as u32))
-        })
-    })
-}
-
-fn ready(p: &Instance, req: &str, blocks: &[BlockId]) {
-    let mut meta = ConnectorMetadata::default();
-    meta.reqs_to_send.insert(ReqId::new(req), SendUpdate::Ready { block_ids: blocks.to_vec() });
-    p.worker.start_load_kv(&meta);
+    let instance = start_owned(config, rdma_shape()).await;
+    assert_eq!(instance.worker.data_endpoint().protocol, Protocol::Rdma);
+    instance
 }
 
 /// D pulls `pulls` (request, D's blocks) from P's side channel, in one step.
-fn pull(d: &Instance, p: &Instance, pulls: &[(String, Vec<BlockId>)]) {
-    let addr = p.worker.side_channel_addr().unwrap();
-    let reqs_to_recv = pulls
-        .iter()
-        .map(|(req, blocks)| {
-            let meta = RecvReqMeta {
-                local_block_ids: blocks.clone(),
-                remote_host: addr.ip().to_string(),
-                remote_port: addr.port(),
-            };
-            (ReqId::new(req.as_str()), meta)
-        })
-        .collect::<BTreeMap<_, _>>();
-    d.worker.start_load_kv(&ConnectorMetadata { reqs_to_recv, ..ConnectorMetadata::default() });
+fn pull_from(d: &Instance, p: &Instance, pulls: &[(String, Vec<BlockId>)]) {
+    let (host, port) = side_channel(p);
+    let pulls: Vec<(&str, &[BlockId])> = pulls.iter().map(|(req, blocks)| (req.as_str(), blocks.as_slice())).collect();
+    pull(d, &host, port, &pulls);
 }
 
 /// Collects what `worker` reports until `n` requests finished receiving (or failed).
 async fn received(worker: &Worker, n: usize) -> Finished {
-    let deadline = Instant::now() + BOUND;
-    let mut all = Finished::default();
-    while all.receiving.len() + all.failed_receiving.len() < n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "only {all:?} within {BOUND:?}");
-        let f = worker.next_finished(left).await;
-        all.sending.extend(f.sending);
-        all.receiving.extend(f.receiving);
-        all.failed_receiving.extend(f.failed_receiving);
-    }
-    all
+    until(worker, |f| f.receiving.len() + f.failed_receiving.len() >= n).await
 }
 
 /// Block lists of each round, (P's blocks, D's blocks) per request:
@@ -138,8 +78,8 @@ async fn pulls_over_rdma_move_every_byte() {
     if !enabled() {
         return;
     }
-    let p = start(KvRole::Producer, "p-rdma").await;
-    let d = start(KvRole::Consumer, "d-rdma").await;
+    let p = start_rdma(KvRole::Producer, "p-rdma").await;
+    let d = start_rdma(KvRole::Consumer, "d-rdma").await;
     let mut seed = 100u64;
     for (round, transfers) in rounds().into_iter().enumerate() {
         let mut expected = Vec::new();
@@ -154,8 +94,8 @@ async fn pulls_over_rdma_move_every_byte() {
         }
         // Half the requests in one transfer request, half in another.
         let half = pulls.len() / 2;
-        pull(&d, &p, &pulls[..half]);
-        pull(&d, &p, &pulls[half..]);
+        pull_from(&d, &p, &pulls[..half]);
+        pull_from(&d, &p, &pulls[half..]);
         let finished = received(&d.worker, expected.len()).await;
         assert!(finished.failed_receiving.is_empty(), "round {round}: {finished:?}");
         for (req, seed, blocks) in &expected {
@@ -174,14 +114,14 @@ async fn both_ways_at_once() {
     if !enabled() {
         return;
     }
-    let a = start(KvRole::Both, "a-rdma").await;
-    let b = start(KvRole::Both, "b-rdma").await;
+    let a = start_rdma(KvRole::Both, "a-rdma").await;
+    let b = start_rdma(KvRole::Both, "b-rdma").await;
     fill(&a.cache, 7, &[0, 1, 2, 3]);
     fill(&b.cache, 9, &[10, 11, 12]);
     ready(&a, "from-a", &[0, 1, 2, 3]);
     ready(&b, "from-b", &[10, 11, 12]);
-    pull(&b, &a, &[("from-a".to_owned(), vec![20, 21, 22, 23])]);
-    pull(&a, &b, &[("from-b".to_owned(), vec![30, 31, 32])]);
+    pull_from(&b, &a, &[("from-a".to_owned(), vec![20, 21, 22, 23])]);
+    pull_from(&a, &b, &[("from-b".to_owned(), vec![30, 31, 32])]);
     let (at_b, at_a) = tokio::join!(received(&b.worker, 1), received(&a.worker, 1));
     assert!(at_b.failed_receiving.is_empty() && at_a.failed_receiving.is_empty(), "{at_b:?} {at_a:?}");
     assert!(holds(&b.cache, 7, &[20, 21, 22, 23]));

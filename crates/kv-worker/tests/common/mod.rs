@@ -14,8 +14,9 @@ use kv_proto::{
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{pattern, CacheDims, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
 use tokio::sync::Semaphore;
-/// Upper bound on any wait here (never reached when things work).
-pub const BOUND: Duration = Duration::from_secs(20);
+/// Upper bound on any wait here (never reached when things work; generous
+/// for the RDMA tests' emulated device).
+pub const BOUND: Duration = Duration::from_secs(60);
 
 pub fn shape() -> CacheShape {
     CacheShape::try_new(CacheDims {
@@ -42,6 +43,14 @@ pub async fn start(config: WorkerConfig, writer: Arc<dyn BatchWriter>) -> Instan
     // first, which closes the writer), and the test reads blocks only after
     // they were reported.
     let worker = unsafe { Worker::start_with_writer(config, cache.registered().clone(), writer) }.await.unwrap();
+    Instance { worker, cache }
+}
+
+/// A worker over a cache of `shape` it allocates itself, with the transport
+/// `config` names.
+pub async fn start_owned(config: WorkerConfig, shape: CacheShape) -> Instance {
+    let cache = Arc::new(OwnedKvCache::allocate(shape).unwrap());
+    let worker = Worker::start(config, Arc::clone(&cache)).await.unwrap();
     Instance { worker, cache }
 }
 
