@@ -95,7 +95,10 @@ pub struct QuicConfig {
     /// Bound on incoming connections still in their handshake or hello
     /// (default [`DEFAULT_MAX_HANDSHAKES`]), each for at most
     /// [`QuicConfig::connect_timeout`]; connections past it are refused at
-    /// once (QUIC `CONNECTION_REFUSED`).
+    /// once (QUIC `CONNECTION_REFUSED`). Once half of them are taken, a
+    /// connection from an address not yet proven is first sent a QUIC retry
+    /// (it proves its source address with one more round trip), so forged
+    /// source addresses cannot fill them.
     pub max_handshakes: usize,
     /// Bound on the handshakes in progress from one source address (default
     /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every

@@ -99,6 +99,17 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
             },
         };
         let peer = incoming.remote_address();
+        // Once half the handshake places are taken, a source address must
+        // prove it is real before it may take one (a QUIC retry costs it a
+        // round trip): a flood from forged addresses cannot fill them.
+        let pressed = shared.handshakes.taken().saturating_mul(2) >= shared.handshakes.limit();
+        if pressed && !incoming.remote_address_validated() && incoming.may_retry() {
+            shared.retried.fetch_add(1, Ordering::Relaxed);
+            if let Err(error) = incoming.retry() {
+                error.into_incoming().ignore();
+            }
+            continue;
+        }
         let place = match shared.handshakes.enter(peer.ip()) {
             Ok(place) => place,
             Err(no_place) => {

@@ -57,6 +57,8 @@ pub(crate) struct Shared {
     pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
+    /// Incoming connections asked to prove their source address first.
+    pub(crate) retried: AtomicU64,
     /// Payload bytes peers wrote into this transport's memory.
     pub(crate) bytes_received: AtomicU64,
 }
@@ -170,6 +172,7 @@ impl QuicTransport {
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
             config,
         });
@@ -203,6 +206,12 @@ impl QuicTransport {
     /// and its hello, authentication included).
     pub fn connections_accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Incoming connections asked to prove their source address (a QUIC
+    /// retry) before they could take a handshake place, so far.
+    pub fn connections_retried(&self) -> u64 {
+        self.shared.retried.load(Ordering::Relaxed)
     }
 
     /// Payload bytes peers have written into this transport's memory so far

@@ -138,6 +138,31 @@ fn a_peer_before_its_hello_opens_one_stream_and_sends_little(
     });
 }
 
+/// Once half the handshake places are taken, a new source must prove its
+/// address (a QUIC retry) before it takes one, so forged source addresses
+/// cannot fill them; an honest sender gets through, a round trip later.
+#[test]
+fn under_pressure_a_new_source_proves_its_address_first() {
+    isolated(async move {
+        const PLACES: usize = 4;
+        let config = QuicConfig {
+            max_handshakes: PLACES,
+            max_handshakes_per_host: PLACES,
+            connect_timeout: LONG,
+            ..QuicConfig::default()
+        };
+        let victim = Node::new(config, 1 << 16).await;
+        let mut stalled = Vec::new();
+        for _ in 0..PLACES / 2 {
+            stalled.push(Stall::Silent.open(&victim).await);
+        }
+        assert_eq!(victim.transport.connections_retried(), 0, "asked for proof of address without pressure");
+        honest_batch(&victim, None).await.expect("the honest sender was refused");
+        assert!(victim.transport.connections_retried() >= 1, "a new source under pressure took a place unproven");
+        drop(stalled);
+    });
+}
+
 /// A host over its share of handshake places is refused at accept, while
 /// another host is still served.
 #[test]
