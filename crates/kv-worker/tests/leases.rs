@@ -13,12 +13,12 @@ use kv_proto::{ConnectorMetadata, KvRole, RemotePrefill, ReqId};
 use kv_worker::{Worker, WorkerConfig};
 
 /// P's renewal period here (D renews every third of it).
-const RENEWAL: Duration = Duration::from_millis(200);
+const RENEWAL: Duration = Duration::from_millis(500);
 /// P's abort timeout here: far beyond any bound of these tests, so a request
 /// freed within them was freed by a renewal running out.
 const ABORT: Duration = Duration::from_secs(3600);
 /// Time that passes while a request is watched: many renewal periods.
-const MANY_RENEWALS: Duration = Duration::from_millis(2000);
+const MANY_RENEWALS: Duration = Duration::from_millis(2500);
 
 fn prefill_config(net: &Net) -> WorkerConfig {
     WorkerConfig { lease_renewal: RENEWAL, abort_request_timeout: ABORT, ..net.config(KvRole::Producer, "p") }
