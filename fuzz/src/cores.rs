@@ -653,8 +653,7 @@ impl Sender {
         let got = self.core.renew_all_by(by, now);
         let mut expected = 0;
         if !self.renewal.is_zero() {
-            for (until, who) in self.renewals.values_mut().filter(|(_, who)| who == by) {
-                let _ = who;
+            for (until, _) in self.renewals.values_mut().filter(|(_, who)| who == by) {
                 *until = (*until).max(now + self.renewal);
                 expected += 1;
             }

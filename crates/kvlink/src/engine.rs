@@ -389,17 +389,9 @@ impl DecodeInstance {
     /// scheduler counts their external tokens, and the worker renews P's
     /// hold on them until [`DecodeInstance::schedule`] pulls them.
     pub fn watch(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
-        if let Some(p) = pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
-            return Err(EngineError::NoRemote(p.id.clone()));
-        }
+        refuse_without_remote(pulls)?;
         for p in pulls {
-            let req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::Waiting,
-                kv_transfer_params: Some(p.params.clone()),
-            };
-            self.sched.get_num_new_matched_tokens(&req, p.prefix_hit_tokens);
+            self.sched.get_num_new_matched_tokens(&engine_request(p, RequestStatus::Waiting), p.prefix_hit_tokens);
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
         Ok(())
@@ -409,20 +401,10 @@ impl DecodeInstance {
     /// what the prefix cache lacks, pulls started.
     pub fn schedule(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
         let block_size = self.cache.shape().block_size() as usize;
-        // The scheduler records no pull for params without a side channel
-        // (the engine computes such a request itself): refuse them here
-        // rather than wait for a report that never comes.
-        if let Some(p) = pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
-            return Err(EngineError::NoRemote(p.id.clone()));
-        }
+        refuse_without_remote(pulls)?;
         let mut started = Vec::with_capacity(pulls.len());
         for p in pulls {
-            let mut req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::Waiting,
-                kv_transfer_params: Some(p.params.clone()),
-            };
+            let mut req = engine_request(p, RequestStatus::Waiting);
             let (external, _load_async) = self.sched.get_num_new_matched_tokens(&req, p.prefix_hit_tokens);
             let total_blocks = blocks_for(p.prompt_len, block_size);
             let cached_blocks = (p.prefix_hit_tokens / block_size).min(total_blocks);
@@ -445,12 +427,7 @@ impl DecodeInstance {
     /// scheduled: P is told (empty block list) so it frees.
     pub fn abort_unscheduled(&mut self, pulls: &[PullSpec]) -> Result<(), EngineError> {
         for p in pulls {
-            let mut req = EngineRequest {
-                request_id: p.id.clone(),
-                prompt_len: p.prompt_len,
-                status: RequestStatus::FinishedAborted,
-                kv_transfer_params: Some(p.params.clone()),
-            };
+            let mut req = engine_request(p, RequestStatus::FinishedAborted);
             self.sched.request_finished(&mut req, &[])?;
             self.pulling.insert(
                 p.id.clone(),
@@ -491,5 +468,25 @@ impl DecodeInstance {
     /// Stops the worker and waits for its tasks.
     pub async fn shutdown(self) {
         self.worker.shutdown().await;
+    }
+}
+
+/// The engine's view of pull `p` in `status`.
+fn engine_request(p: &PullSpec, status: RequestStatus) -> EngineRequest {
+    EngineRequest {
+        request_id: p.id.clone(),
+        prompt_len: p.prompt_len,
+        status,
+        kv_transfer_params: Some(p.params.clone()),
+    }
+}
+
+/// The scheduler records no pull for params without a side channel (the
+/// engine computes such a request itself): refuse them here rather than
+/// wait for a report that never comes.
+fn refuse_without_remote(pulls: &[PullSpec]) -> Result<(), EngineError> {
+    match pulls.iter().find(|p| p.params.remote_host.is_none() || p.params.remote_port.is_none()) {
+        Some(p) => Err(EngineError::NoRemote(p.id.clone())),
+        None => Ok(()),
     }
 }
