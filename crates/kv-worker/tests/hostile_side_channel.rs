@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::{
-    auth, ConnectorMetadata, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KvRole, LayoutKind,
-    Protocol, RecvReqMeta, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
+    auth, ConnectorMetadata, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, KvRole,
+    LayoutKind, Protocol, RecvReqMeta, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
@@ -429,6 +429,40 @@ async fn replies_a_client_never_reads_are_bounded() {
     }
     drop(stream);
     flood.await.unwrap();
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
+/// Renewals are peer input too: a flood of renewals naming requests P does
+/// not hold renews nothing and costs the peer's connection nothing more
+/// than reading it; a renewal before the hello is refused like any other
+/// message. An honest pull still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_of_requests_p_does_not_hold_renew_nothing() {
+    let mut pair = pair(|_| {}).await;
+    let (mut raw, reply) = hello(pair.side_channel(), 64 << 20).await;
+    assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
+    let unknown: Vec<ReqId> =
+        (0..kv_proto::MAX_REQUESTS_PER_TRANSFER).map(|i| ReqId::new(format!("not-held-{i}"))).collect();
+    for _ in 0..20 {
+        raw.send(SideMessage::KeepAlive(KeepAlive { req_ids: unknown.clone() })).await.unwrap();
+    }
+    // Read in order: once a transfer request behind them is answered, every
+    // renewal before it was applied.
+    raw.send(SideMessage::XferRequest(transfer_request(1, ["unknown".to_owned()]))).await.unwrap();
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::XferReply(reply))) => assert_eq!(reply.outcomes.len(), 1),
+        other => panic!("expected a reply, got {other:?}"),
+    }
+    assert_eq!(pair.p.renewed_requests(), 0, "P renewed requests it does not hold");
+
+    let mut early = framed(connect_from(ATTACKER, pair.side_channel()).await);
+    early.send(SideMessage::KeepAlive(KeepAlive { req_ids: unknown[..1].to_vec() })).await.unwrap();
+    let answer = tokio::time::timeout(BOUND, early.next()).await.unwrap();
+    assert!(
+        matches!(answer, None | Some(Err(_)) | Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { .. })))),
+        "a renewal before the hello was served: {answer:?}"
+    );
     pair.honest_pull().await;
     pair.shutdown().await;
 }
