@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, fuzz, python, rdma_test, soak};
+use crate::{cmd, deps, fuzz, python, rdma_test, setup, soak};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -53,6 +53,8 @@ pub(crate) struct CiArgs {
 /// What a step does.
 #[derive(Debug)]
 enum Action {
+    /// `cargo xtask setup`: check the machine's tools, install what is missing as root (see [`setup`]).
+    Setup,
     /// `cargo <args>` with inherited output, plus extra environment.
     Cargo { args: Vec<&'static str>, env: Vec<(&'static str, OsString)> },
     /// The crate dependency rule (see [`deps`]).
@@ -90,6 +92,13 @@ impl Step {
                     env.iter().map(|(key, value)| format!("{key}={:?} ", value.to_string_lossy())).collect();
                 format!("{env}cargo {}", args.join(" "))
             }
+            Action::Setup => format!(
+                "cargo xtask setup ({} apt packages, rustup {}, nightly, cargo-fuzz {}; installs what is missing \
+                 as root)",
+                setup::APT_PACKAGES.len(),
+                setup::RUSTUP_COMPONENTS.join(" "),
+                fuzz::CARGO_FUZZ_VERSION
+            ),
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
             Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
                                  and end-to-end test, in a Soft-RoCE guest)"
@@ -121,6 +130,7 @@ impl Step {
                 command.envs(env.iter().map(|(key, value)| (key, value)));
                 cmd::run_inherited(command, &self.describe())
             }
+            Action::Setup => setup::ensure(root, false),
             Action::DependencyRule => deps::check(root),
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
@@ -133,6 +143,8 @@ impl Step {
 /// All steps, in run order.
 fn steps() -> Vec<Step> {
     let mut steps = vec![
+        // First, so the steps after it find their tools (a few seconds when nothing is missing).
+        Step { name: "setup".to_owned(), group: "setup", action: Action::Setup },
         Step::cargo("fmt", "fmt", vec!["fmt", "--all", "--", "--check"]),
         Step::cargo("fmt:fuzz", "fmt", vec!["fmt", "--manifest-path", "fuzz/Cargo.toml", "--", "--check"]),
         Step { name: "deps".to_owned(), group: "deps", action: Action::DependencyRule },

@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::cmd;
 
-/// The cargo-fuzz release `.ci/run` installs (`cargo install --locked`).
+/// The cargo-fuzz release `cargo xtask setup` installs (`cargo install --locked`).
 pub(crate) const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// libFuzzer's limit on the process's resident memory.
 const RSS_LIMIT_MB: u32 = 2048;

@@ -3,10 +3,13 @@
 //! Run through the alias in `.cargo/config.toml`
 //! (`cargo xtask` = `cargo run --quiet --package xtask --`).
 //!
-//! * `cargo xtask ci` runs every CI step (fmt, dependency rule, clippy per
-//!   feature set, tests, the RDMA tests in a Soft-RoCE guest, docs), keeps
-//!   going after a failure, prints a summary and exits non-zero if any step
-//!   failed.
+//! * `cargo xtask ci` runs every CI step (the machine set-up, fmt, dependency
+//!   rule, clippy per feature set, tests, the RDMA tests in a Soft-RoCE
+//!   guest, docs), keeps going after a failure, prints a summary and exits
+//!   non-zero if any step failed.
+//! * `cargo xtask setup [--check]` checks for the apt packages, rustup
+//!   components, nightly toolchain and cargo-fuzz the steps need and, as
+//!   root, installs what is missing (else prints the command that would).
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
 //! * `cargo xtask vllm-check` installs vLLM 0.14.0 in a scratch virtual
@@ -33,7 +36,7 @@
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
 //! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it, [`python`]
 //! builds and tests the `kvlink_vllm` package, [`fuzz`] runs the fuzz targets,
-//! [`soak`] runs the soak.
+//! [`soak`] runs the soak, [`setup`] checks and installs the machine's tools.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
@@ -43,6 +46,7 @@ mod deps;
 mod fuzz;
 mod python;
 mod rdma_test;
+mod setup;
 mod soak;
 mod vm;
 
@@ -65,6 +69,8 @@ struct Cli {
 enum Command {
     /// Run the CI checks: fmt, dependency rule, clippy (per feature set), tests, docs, the Python package.
     Ci(ci::CiArgs),
+    /// Check for the apt packages, rustup components, nightly and cargo-fuzz the CI steps need; install them as root.
+    Setup(setup::SetupArgs),
     /// Measure the transfer path against iperf3 on loopback (median of runs, ratios).
     Bench(bench::BenchArgs),
     /// Build the RDMA tests and run them in a Soft-RoCE QEMU guest (`--bench`: demo, bench, ib_write_bw).
@@ -86,6 +92,7 @@ fn main() -> ExitCode {
         Command::VllmCheck(args) => python::vllm_check(&args),
         Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Soak(args) => soak::run(&args),
+        Command::Setup(args) => setup::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
