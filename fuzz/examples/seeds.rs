@@ -76,8 +76,12 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 wait_budget: Duration::from_millis(1500),
                 region_base_addrs: vec![0x1000, 0x20000, 0x40000, 0x80000],
                 requests: vec![
-                    RequestBlocks { req_id: ReqId::new("req-a"), block_ids: vec![1, 2, 3] },
-                    RequestBlocks { req_id: ReqId::new("req-b"), block_ids: Vec::new() },
+                    RequestBlocks {
+                        req_id: ReqId::new("req-a"),
+                        prefill_engine_id: Some(EngineId::new("prefill-0")),
+                        block_ids: vec![1, 2, 3],
+                    },
+                    RequestBlocks { req_id: ReqId::new("req-b"), prefill_engine_id: None, block_ids: Vec::new() },
                 ],
             }),
         ),

@@ -100,6 +100,7 @@ pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
         requests: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, big| {
             Ok(RequestBlocks {
                 req_id: req_id(u)?,
+                prefill_engine_id: if u.arbitrary()? { Some(EngineId::new(text(u)?)) } else { None },
                 block_ids: vec(u, big, MAX_BLOCKS_PER_REQUEST, |u, _| u.arbitrary())?,
             })
         })?,

@@ -21,6 +21,20 @@ use kv_worker::{Claim, PullBatch, ReceiverCore, RecvFinished, SenderCore, SideCh
 const POOL: usize = 8;
 /// This instance's side channel, as the scheduler advertises it.
 const HERE: (&str, u16) = ("here", 7000);
+/// The engine id of the scheduler under test.
+const HERE_ENGINE: &str = "here-engine";
+
+/// What D's scheduler names to P for request `id` with `params`: P's id
+/// when the params carry it, else D's own; `None` without a side channel.
+fn remote_prefill(id: &ReqId, params: &KvTransferParams) -> Option<RemotePrefill> {
+    let (host, port) = params.remote()?;
+    Some(RemotePrefill {
+        remote_host: host.to_owned(),
+        remote_port: port,
+        remote_request_id: params.remote_request_id.clone().unwrap_or_else(|| id.clone()),
+        remote_engine_id: params.remote_engine_id.clone(),
+    })
+}
 
 fn pool_id(prefix: char, i: u8) -> ReqId {
     ReqId::new(format!("{prefix}{}", usize::from(i) % POOL))
@@ -280,12 +294,16 @@ impl Sched {
                     do_remote_decode: p.do_remote_decode,
                     remote_host: p.host.as_ref().map(Host::name),
                     remote_port: p.port.map(Port::get),
+                    // Half the requests carry P's id and engine (today's
+                    // prefill), half not (an older proxy: D's id is used).
+                    remote_request_id: (i % 2 == 0).then(|| ReqId::new(format!("P{i}"))),
+                    remote_engine_id: (i % 2 == 0).then(|| EngineId::new("prefill")),
                 }),
             })
             .collect();
         Self {
             role,
-            s: ConnectorScheduler::new(role, HERE.0, HERE.1),
+            s: ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE.0, HERE.1),
             reqs,
             finished: vec![false; POOL],
             recv: BTreeMap::new(),
@@ -311,11 +329,8 @@ impl Sched {
     fn record_recv(&mut self, id: &ReqId, params: &KvTransferParams, blocks: Vec<BlockId>) {
         // The pull holds the request on P from now on.
         self.end_watch(id);
-        if let Some((host, port)) = params.remote() {
-            self.recv.insert(
-                id.clone(),
-                RecvReqMeta { local_block_ids: blocks, remote_host: host.to_owned(), remote_port: port },
-            );
+        if let Some(remote) = remote_prefill(id, params) {
+            self.recv.insert(id.clone(), RecvReqMeta { local_block_ids: blocks, remote });
         }
     }
 
@@ -370,9 +385,8 @@ impl Sched {
         };
         assert_eq!(external, expected, "{id}: external tokens with params {:?}", before.kv_transfer_params);
         // A decode instance watches a request it will pull from a named side channel.
-        if let Some((host, port)) = pull_params.and_then(KvTransferParams::remote) {
+        if let Some(remote) = pull_params.and_then(|p| remote_prefill(&id, p)) {
             if self.role != KvRole::Producer && self.watching.insert(id.clone()) {
-                let remote = RemotePrefill { remote_host: host.to_owned(), remote_port: port };
                 self.watch.insert(id.clone(), remote);
             }
         }
@@ -475,6 +489,8 @@ impl Sched {
             do_remote_decode: false,
             remote_host: Some(HERE.0.to_owned()),
             remote_port: Some(HERE.1),
+            remote_request_id: Some(id.clone()),
+            remote_engine_id: Some(EngineId::new(HERE_ENGINE)),
         };
         assert_eq!(result, Ok((delay, Some(points_here))));
     }
@@ -757,6 +773,11 @@ impl Sender {
 
 // ----------------------------------------------------------------- receiver
 
+/// P's id of D's request `id` (engines never share ids).
+fn on_prefill(id: &ReqId) -> ReqId {
+    ReqId::new(format!("P{id}"))
+}
+
 #[derive(Debug, Clone)]
 enum Decided {
     Replied(XferReply),
@@ -767,8 +788,10 @@ enum Decided {
 struct Pull {
     /// The requests still pulled (cancelled ones leave).
     reqs: Vec<(ReqId, Vec<BlockId>)>,
-    /// Every request the transfer request names (P answers for these).
+    /// Every request the transfer request names, by P's id (P answers for these).
     named: Vec<ReqId>,
+    /// P's id of each of D's requests in it.
+    remote: HashMap<ReqId, ReqId>,
     deadline: Instant,
     grant: Option<GrantId>,
     decided: Option<Decided>,
@@ -828,36 +851,57 @@ impl Receiver {
 
     fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) {
         let got = self.core.start(reqs, now);
-        let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
+        // (D's id, D's blocks), and what is named to P: its id and engine.
+        type Named = (ReqId, Vec<BlockId>, ReqId, Option<EngineId>);
+        let mut groups: BTreeMap<SideChannelAddr, Vec<Named>> = BTreeMap::new();
         for (id, meta) in reqs {
             if self.state.contains_key(id) {
                 continue; // pulled again before its first was reported: ignored
             }
             *self.started.entry(id.clone()).or_default() += 1;
-            match meta.remote_port.checked_add(self.tp_rank) {
+            match meta.remote.remote_port.checked_add(self.tp_rank) {
                 None => {
                     // No pull can be made: failed at once (no grant exists).
                     self.done.failed.insert(id.clone(), meta.local_block_ids.clone());
                     self.state.insert(id.clone(), ReqState::Reportable);
                 }
                 Some(port) => {
+                    let peer = SideChannelAddr { host: meta.remote.remote_host.clone(), port };
+                    let group = groups.entry(peer).or_default();
+                    let remote = &meta.remote.remote_request_id;
+                    if group.iter().any(|(_, _, r, _)| r == remote) {
+                        // Two of D's requests name one of P's: the later fails at once.
+                        self.done.failed.insert(id.clone(), meta.local_block_ids.clone());
+                        self.state.insert(id.clone(), ReqState::Reportable);
+                        continue;
+                    }
                     self.state.insert(id.clone(), ReqState::InFlight);
-                    let peer = SideChannelAddr { host: meta.remote_host.clone(), port };
-                    groups.entry(peer).or_default().push((id.clone(), meta.local_block_ids.clone()));
+                    let engine = meta.remote.remote_engine_id.clone();
+                    group.push((id.clone(), meta.local_block_ids.clone(), remote.clone(), engine));
                 }
             }
         }
         let deadline = now + self.timeout;
         let mut expected = Vec::new();
-        for (peer, reqs) in groups {
+        for (peer, group) in groups {
             let xfer_id = self.next_xfer_id;
             self.next_xfer_id += 1;
             self.xfer_ids.push(xfer_id);
-            let requests =
-                reqs.iter().map(|(r, b)| RequestBlocks { req_id: r.clone(), block_ids: b.clone() }).collect();
+            // P is asked for its own id of each request.
+            let requests = group
+                .iter()
+                .map(|(_, b, remote, engine)| RequestBlocks {
+                    req_id: remote.clone(),
+                    prefill_engine_id: engine.clone(),
+                    block_ids: b.clone(),
+                })
+                .collect();
             expected.push(PullBatch { xfer_id, peer, requests, deadline });
-            let named = reqs.iter().map(|(r, _)| r.clone()).collect();
-            self.pulls.insert(xfer_id, Pull { reqs, named, deadline, grant: None, decided: None, lost: false });
+            let named = group.iter().map(|(_, _, remote, _)| remote.clone()).collect();
+            let remote = group.iter().map(|(id, _, remote, _)| (id.clone(), remote.clone())).collect();
+            let reqs = group.into_iter().map(|(id, blocks, _, _)| (id, blocks)).collect();
+            let pull = Pull { reqs, named, remote, deadline, grant: None, decided: None, lost: false };
+            self.pulls.insert(xfer_id, pull);
         }
         assert_eq!(got, expected, "the pulls started");
         self.check();
@@ -969,7 +1013,13 @@ impl Receiver {
                 let done = match &p.decided {
                     // The last outcome the reply gives for the request decides.
                     Some(Decided::Replied(reply)) => {
-                        reply.outcomes.iter().rev().find(|o| o.req_id == id).is_some_and(|o| o.outcome == Outcome::Done)
+                        let on_p = p.remote.get(&id);
+                        reply
+                            .outcomes
+                            .iter()
+                            .rev()
+                            .find(|o| Some(&o.req_id) == on_p)
+                            .is_some_and(|o| o.outcome == Outcome::Done)
                     }
                     Some(Decided::Failed) | None => false,
                 };
@@ -1129,12 +1179,14 @@ pub fn cores(data: &[u8]) {
                 let reqs: BTreeMap<ReqId, RecvReqMeta> = reqs
                     .iter()
                     .map(|(i, host, port, blocks)| {
-                        let meta = RecvReqMeta {
-                            local_block_ids: blocks.clone(),
+                        let id = pool_id('d', *i);
+                        let remote = RemotePrefill {
                             remote_host: host.name(),
                             remote_port: port.get(),
+                            remote_request_id: on_prefill(&id),
+                            remote_engine_id: None,
                         };
-                        (pool_id('d', *i), meta)
+                        (id, RecvReqMeta { local_block_ids: blocks.clone(), remote })
                     })
                     .collect();
                 receiver.start(&reqs, now);

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{BlockId, ReqId};
+use crate::ids::{BlockId, EngineId, ReqId};
 
 /// A request whose KV this (decode) instance must pull from a prefill instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -12,19 +12,24 @@ pub struct RecvReqMeta {
     /// Local blocks the KV lands in. Empty on a full prefix-cache hit or an
     /// abort before scheduling: P is still told, so it frees its blocks.
     pub local_block_ids: Vec<BlockId>,
-    /// P's side-channel host.
-    pub remote_host: String,
-    /// P's side-channel base port (each worker adds its tensor-parallel rank).
-    pub remote_port: u16,
+    /// Where the request is pulled from, and what P calls it.
+    pub remote: RemotePrefill,
 }
 
-/// The prefill side channel a decode instance will pull a request from.
+/// The prefill instance a decode instance pulls a request from, and P's
+/// names for it. The map key beside it is D's own request id (what D
+/// reports to its engine); everything D sends to P names
+/// [`RemotePrefill::remote_request_id`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemotePrefill {
     /// P's side-channel host.
     pub remote_host: String,
     /// P's side-channel base port (each worker adds its tensor-parallel rank).
     pub remote_port: u16,
+    /// P's id of the request.
+    pub remote_request_id: ReqId,
+    /// P's engine id, when P named it: P refuses a pull naming another.
+    pub remote_engine_id: Option<EngineId>,
 }
 
 /// What the worker must do with its send entry for a request (prefill side).

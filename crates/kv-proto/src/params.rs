@@ -2,6 +2,9 @@
 
 use serde::Serialize;
 
+use crate::bounded::MAX_TEXT_LEN;
+use crate::ids::{EngineId, ReqId};
+
 /// The per-request transfer parameters, serde-compatible with the dict vLLM
 /// keeps in `request.kv_transfer_params` (same field names as the reference).
 ///
@@ -20,6 +23,16 @@ pub struct KvTransferParams {
     /// is added by each D worker).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_port: Option<u16>,
+    /// P's own id of the request (set by P's `request_finished`; vLLM's NIXL
+    /// connector uses the same key). Each engine names a request with its
+    /// own internal id, so D names the request to P by this one, and by its
+    /// own id to its engine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<ReqId>,
+    /// P's engine id (set by P's `request_finished`). P refuses a pull that
+    /// names another engine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<EngineId>,
 }
 
 /// Transfer params that could not be parsed.
@@ -45,6 +58,10 @@ pub enum ParamsError {
         got: String,
     },
 }
+
+/// What a text field of the params accepts.
+const TEXT_EXPECTED: &str = "a string of at most 1024 bytes";
+const _: () = assert!(MAX_TEXT_LEN == 1024, "TEXT_EXPECTED names the bound");
 
 fn json_type(v: &serde_json::Value) -> &'static str {
     match v {
@@ -81,10 +98,22 @@ impl KvTransferParams {
                 Some(v) => v.as_bool().ok_or_else(|| wrong(name, "a boolean", v)),
             }
         };
-        let remote_host = match field("remote_host") {
-            None => None,
-            Some(v) => Some(v.as_str().ok_or_else(|| wrong("remote_host", "a string", v))?.to_owned()),
+        // Ids travel in side-channel frames, which bound every text.
+        let text = |name: &'static str| -> Result<Option<String>, ParamsError> {
+            match field(name) {
+                None => Ok(None),
+                Some(v) => match v.as_str() {
+                    Some(s) if s.len() <= MAX_TEXT_LEN => Ok(Some(s.to_owned())),
+                    Some(s) => Err(ParamsError::WrongType {
+                        field: name,
+                        expected: TEXT_EXPECTED,
+                        got: format!("a string of {} bytes", s.len()),
+                    }),
+                    None => Err(wrong(name, TEXT_EXPECTED, v)),
+                },
+            }
         };
+        let remote_host = text("remote_host")?;
         let remote_port = match field("remote_port") {
             None => None,
             Some(v) => Some(
@@ -98,6 +127,8 @@ impl KvTransferParams {
             do_remote_decode: flag("do_remote_decode")?,
             remote_host,
             remote_port,
+            remote_request_id: text("remote_request_id")?.map(ReqId::new),
+            remote_engine_id: text("remote_engine_id")?.map(EngineId::new),
         })
     }
 
@@ -105,6 +136,13 @@ impl KvTransferParams {
     pub fn to_json(&self) -> String {
         // Serializing plain bools, strings and integers cannot fail.
         serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The id to name the request by to P: P's own id when P returned it,
+    /// else `own` (D's id; right only when both engines name requests
+    /// alike, as clients that set no `remote_request_id` assume).
+    pub fn prefill_request_id(&self, own: &ReqId) -> ReqId {
+        self.remote_request_id.clone().unwrap_or_else(|| own.clone())
     }
 
     /// The remote side channel, when both host and port are present.
@@ -153,12 +191,42 @@ mod tests {
     }
 
     #[test]
+    fn reads_prefill_identity() {
+        let p = KvTransferParams::from_json(
+            r#"{"do_remote_prefill": true, "remote_host": "h", "remote_port": 1,
+                "remote_request_id": "cmpl-9-0-b00fff6e", "remote_engine_id": "p0"}"#,
+        )
+        .unwrap();
+        assert_eq!(p.remote_request_id, Some(ReqId::new("cmpl-9-0-b00fff6e")));
+        assert_eq!(p.remote_engine_id, Some(EngineId::new("p0")));
+        assert_eq!(p.prefill_request_id(&ReqId::new("cmpl-9-0-9760c8b8")), ReqId::new("cmpl-9-0-b00fff6e"));
+        let older = KvTransferParams::from_json(r#"{"do_remote_prefill": true}"#).unwrap();
+        assert_eq!(older.prefill_request_id(&ReqId::new("mine")), ReqId::new("mine"));
+    }
+
+    #[test]
+    fn ids_must_be_bounded_strings() {
+        let err = KvTransferParams::from_json(r#"{"remote_request_id": 7}"#).unwrap_err();
+        assert!(matches!(err, ParamsError::WrongType { field: "remote_request_id", .. }), "{err}");
+        let long = format!(r#"{{"remote_engine_id": "{}"}}"#, "x".repeat(MAX_TEXT_LEN + 1));
+        let err = KvTransferParams::from_json(&long).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "kv_transfer_params.remote_engine_id must be a string of at most 1024 bytes, got a string of 1025 bytes"
+        );
+        let err = KvTransferParams::from_json(r#"{"remote_engine_id": ["p0"]}"#).unwrap_err();
+        assert!(matches!(err, ParamsError::WrongType { field: "remote_engine_id", .. }), "{err}");
+    }
+
+    #[test]
     fn round_trips_through_json() {
         let p = KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
             remote_host: Some("h".into()),
             remote_port: Some(1),
+            remote_request_id: Some(ReqId::new("cmpl-1-0-abcd1234")),
+            remote_engine_id: Some(EngineId::new("prefill-0")),
         };
         assert_eq!(KvTransferParams::from_json(&p.to_json()).unwrap(), p);
     }

@@ -129,8 +129,11 @@ pub enum HelloReply {
 /// The blocks one request's KV must land in on D.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestBlocks {
-    /// The request.
+    /// The request, as P names it (P's `remote_request_id`, not D's id).
     pub req_id: ReqId,
+    /// The prefill engine D means (P's `remote_engine_id`); P refuses the
+    /// request if it is another engine's. `None` when D's params named none.
+    pub prefill_engine_id: Option<EngineId>,
     /// D's blocks, in prompt order; may be shorter than P's (partial prefix
     /// hit: P sends its last blocks) or empty (P only frees). At most
     /// [`crate::MAX_BLOCKS_PER_REQUEST`].
@@ -168,7 +171,7 @@ pub struct XferRequest {
 /// timeout; ids P does not hold are ignored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeepAlive {
-    /// The requests (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
+    /// The requests, as P names them (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
     #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub req_ids: Vec<ReqId>,
 }
@@ -190,7 +193,7 @@ pub enum Outcome {
 /// One request's outcome.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestOutcome {
-    /// The request.
+    /// The request, as P names it (the [`RequestBlocks::req_id`] D sent).
     pub req_id: ReqId,
     /// What happened.
     pub outcome: Outcome,

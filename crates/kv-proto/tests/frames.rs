@@ -35,8 +35,12 @@ fn xfer_request() -> SideMessage {
         wait_budget: Duration::from_millis(60_000),
         region_base_addrs: (0..64).map(|i| 0x7f00_0000_0000 + i * 0x100_0000).collect(),
         requests: vec![
-            RequestBlocks { req_id: ReqId::new("r1"), block_ids: vec![1, 2, 3, 9] },
-            RequestBlocks { req_id: ReqId::new("r2"), block_ids: vec![] },
+            RequestBlocks {
+                req_id: ReqId::new("r1"),
+                prefill_engine_id: Some(EngineId::new("p0")),
+                block_ids: vec![1, 2, 3, 9],
+            },
+            RequestBlocks { req_id: ReqId::new("r2"), prefill_engine_id: None, block_ids: vec![] },
         ],
     })
 }
@@ -184,7 +188,11 @@ fn many_requests(count: usize, id_len: usize) -> XferRequest {
         wait_budget: Duration::from_secs(1),
         region_base_addrs: vec![],
         requests: (0..count)
-            .map(|i| RequestBlocks { req_id: ReqId::new(format!("{i:0id_len$}")), block_ids: vec![] })
+            .map(|i| RequestBlocks {
+                req_id: ReqId::new(format!("{i:0id_len$}")),
+                prefill_engine_id: None,
+                block_ids: vec![],
+            })
             .collect(),
     }
 }
@@ -258,7 +266,7 @@ proptest! {
             grant: Grant::plain(GrantId::from_bytes(grant)),
             wait_budget: Duration::from_millis(u64::from(budget_ms)),
             region_base_addrs: addrs,
-            requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), block_ids }).collect(),
+            requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), prefill_engine_id: None, block_ids }).collect(),
         });
         prop_assert_eq!(FrameCodec::default().decode_exact(&encode(&msg)).unwrap(), msg);
     }

@@ -2,7 +2,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
+use kv_proto::{
+    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate,
+};
 use tracing::{debug, warn};
 
 use crate::error::SchedError;
@@ -19,6 +21,7 @@ use crate::request::{EngineRequest, RequestStatus};
 #[derive(Debug)]
 pub struct ConnectorScheduler {
     role: KvRole,
+    engine_id: EngineId,
     side_channel_host: String,
     side_channel_port: u16,
     /// Pulls recorded since the last build (reference: `_reqs_need_recv`).
@@ -43,16 +46,25 @@ pub struct ConnectorScheduler {
     reqs_need_watch: BTreeMap<ReqId, RemotePrefill>,
     /// Watches (already built) to end at the next build.
     reqs_need_unwatch: BTreeSet<ReqId>,
+    /// Whether params without P's request id were seen (warned once).
+    warned_no_remote_request_id: bool,
 }
 
 impl ConnectorScheduler {
-    /// A scheduler for an instance of `role` whose side channel listens on
-    /// `side_channel_host:side_channel_port` (the base port; each worker adds
-    /// its tensor-parallel rank). The host and port are what a finished
-    /// prefill tells the proxy to forward to the decode instance.
-    pub fn new(role: KvRole, side_channel_host: impl Into<String>, side_channel_port: u16) -> Self {
+    /// A scheduler for engine `engine_id` of `role` whose side channel
+    /// listens on `side_channel_host:side_channel_port` (the base port; each
+    /// worker adds its tensor-parallel rank). The engine id, host and port
+    /// are what a finished prefill tells the proxy to forward to the decode
+    /// instance, with the request's id on this engine.
+    pub fn new(
+        role: KvRole,
+        engine_id: EngineId,
+        side_channel_host: impl Into<String>,
+        side_channel_port: u16,
+    ) -> Self {
         Self {
             role,
+            engine_id,
             side_channel_host: side_channel_host.into(),
             side_channel_port,
             reqs_need_recv: BTreeMap::new(),
@@ -63,6 +75,7 @@ impl ConnectorScheduler {
             watching: BTreeSet::new(),
             reqs_need_watch: BTreeMap::new(),
             reqs_need_unwatch: BTreeSet::new(),
+            warned_no_remote_request_id: false,
         }
     }
 
@@ -128,9 +141,10 @@ impl ConnectorScheduler {
                 );
                 return (0, false);
             };
-            if self.watching.insert(req.request_id.clone()) {
+            if !self.watching.contains(&req.request_id) {
                 debug!(request_id = %req.request_id, remote_host = host, remote_port = port, "watching");
-                let remote = RemotePrefill { remote_host: host.to_owned(), remote_port: port };
+                let remote = self.remote_prefill(&req.request_id, params, host, port);
+                self.watching.insert(req.request_id.clone());
                 self.reqs_need_watch.insert(req.request_id.clone(), remote);
             }
             let count = req.prompt_len.saturating_sub(num_computed_tokens);
@@ -328,6 +342,8 @@ impl ConnectorScheduler {
                 do_remote_decode: false,
                 remote_host: Some(self.side_channel_host.clone()),
                 remote_port: Some(self.side_channel_port),
+                remote_request_id: Some(request_id.clone()),
+                remote_engine_id: Some(self.engine_id.clone()),
             }),
         ))
     }
@@ -346,10 +362,8 @@ impl ConnectorScheduler {
                     num_blocks = local_block_ids.len(),
                     "recording pull"
                 );
-                self.reqs_need_recv.insert(
-                    request_id.clone(),
-                    RecvReqMeta { local_block_ids, remote_host: host.to_owned(), remote_port: port },
-                );
+                let remote = self.remote_prefill(request_id, params, host, port);
+                self.reqs_need_recv.insert(request_id.clone(), RecvReqMeta { local_block_ids, remote });
             }
             None => warn!(
                 %request_id,
@@ -357,6 +371,33 @@ impl ConnectorScheduler {
                 "invalid kv_transfer_params: do_remote_prefill without remote_host and remote_port; \
                  this request will not use KV transfer"
             ),
+        }
+    }
+
+    /// Where `request_id` (D's id) is pulled from and what P calls it:
+    /// P's `remote_request_id`, or D's own id (with one warning per
+    /// scheduler) when the params carry none, as an older proxy's do.
+    fn remote_prefill(
+        &mut self,
+        request_id: &ReqId,
+        params: &KvTransferParams,
+        host: &str,
+        port: u16,
+    ) -> RemotePrefill {
+        if params.remote_request_id.is_none() && !self.warned_no_remote_request_id {
+            self.warned_no_remote_request_id = true;
+            warn!(
+                %request_id,
+                "kv_transfer_params carry no remote_request_id (the prefill's own id of the request): pulling by this \
+                 instance's id, which a prefill engine that names requests differently (vLLM's does) does not know; \
+                 pass the kv_transfer_params the prefill returned to the decode instance unchanged. Warned once."
+            );
+        }
+        RemotePrefill {
+            remote_host: host.to_owned(),
+            remote_port: port,
+            remote_request_id: params.prefill_request_id(request_id),
+            remote_engine_id: params.remote_engine_id.clone(),
         }
     }
 

@@ -140,7 +140,7 @@ proptest! {
                     let remote_decode = matches!(kinds[i], Kind::RemoteDecode);
                     let capped = remote_decode && status == RequestStatus::FinishedLengthCapped;
                     prop_assert_eq!(delay_free, capped && num_blocks > 0);
-                    prop_assert_eq!(returned, capped.then(points_here));
+                    prop_assert_eq!(returned, capped.then(|| points_here(reqs[i].request_id.as_str())));
                 }
                 Op::Alloc { .. } | Op::Finish { .. } => {}
                 Op::Build => {

@@ -6,7 +6,9 @@
 mod common;
 
 use common::*;
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, ReqId, SendUpdate};
+use kv_proto::{
+    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate,
+};
 use kv_sched::{ConnectorScheduler, RequestStatus, SchedError};
 use rstest::rstest;
 
@@ -342,7 +344,7 @@ type Finished = Result<(bool, Option<KvTransferParams>), SchedError>;
     Some(decode_elsewhere()),
     FinishedLengthCapped,
     true,
-    Ok((true, Some(points_here()))),
+    Ok((true, Some(points_here("r1")))),
     meta(vec![], vec![("r1", ready(HELD))]),
     Some(decode_elsewhere())
 )]
@@ -351,7 +353,7 @@ type Finished = Result<(bool, Option<KvTransferParams>), SchedError>;
     Some(decode_elsewhere()),
     FinishedLengthCapped,
     true,
-    Ok((true, Some(points_here()))),
+    Ok((true, Some(points_here("r1")))),
     meta(vec![], vec![("r1", ready(HELD))]),
     Some(decode_elsewhere())
 )]
@@ -360,7 +362,7 @@ type Finished = Result<(bool, Option<KvTransferParams>), SchedError>;
     Some(decode_elsewhere()),
     FinishedLengthCapped,
     false,
-    Ok((true, Some(points_here()))),
+    Ok((true, Some(points_here("r1")))),
     meta(vec![], vec![("r1", ready(HELD))]),
     Some(decode_elsewhere())
 )]
@@ -458,7 +460,7 @@ fn length_capped_without_blocks_forgets_send_entry(#[case] role: KvRole) {
     s.update_state_after_alloc(&mut r, &[], 0).unwrap();
     assert_eq!(s.build_connector_meta(), meta(vec![], vec![("r1", SendUpdate::Expect)]));
     r.status = FinishedLengthCapped;
-    assert_eq!(s.request_finished(&mut r, &[]), Ok((false, Some(points_here()))));
+    assert_eq!(s.request_finished(&mut r, &[]), Ok((false, Some(points_here("r1")))));
     assert_eq!(s.build_connector_meta(), meta(vec![], vec![("r1", SendUpdate::Forget)]));
     assert_eq!(s.live_send_entries(), 0);
 }
@@ -760,33 +762,99 @@ fn refused_calls_leave_request_and_scheduler_unchanged() {
 
 #[test]
 fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
-    let mut p = ConnectorScheduler::new(Producer, P_HOST, P_PORT);
-    let mut d = ConnectorScheduler::new(Consumer, HERE_HOST, HERE_PORT);
+    let mut p = ConnectorScheduler::new(Producer, EngineId::new(P_ENGINE), P_HOST, P_PORT);
+    let mut d = ConnectorScheduler::new(Consumer, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT);
+    // Each engine names its copy of the client's request its own way.
+    let (p_id, d_id) = ("cmpl-7-0-b00fff6e", "cmpl-7-0-9760c8b8");
 
     // P: the proxy sends the request with do_remote_decode, max_tokens = 1.
-    let mut on_p = req("r1", 40, Waiting, Some(decode_elsewhere()));
+    let mut on_p = req(p_id, 40, Waiting, Some(decode_elsewhere()));
     assert_eq!(p.get_num_new_matched_tokens(&on_p, 0), (0, false));
     on_p.status = Running;
     p.update_state_after_alloc(&mut on_p, &[10, 11, 12], 0).unwrap();
-    assert_eq!(p.build_connector_meta(), meta(vec![], vec![("r1", SendUpdate::Expect)]));
+    assert_eq!(p.build_connector_meta(), meta(vec![], vec![(p_id, SendUpdate::Expect)]));
     on_p.status = FinishedLengthCapped;
     let (delay_free, returned) = p.request_finished(&mut on_p, &[10, 11, 12]).unwrap();
     assert!(delay_free);
-    assert_eq!(p.build_connector_meta(), meta(vec![], vec![("r1", ready(&[10, 11, 12]))]));
+    assert_eq!(p.build_connector_meta(), meta(vec![], vec![(p_id, ready(&[10, 11, 12]))]));
+    let returned = returned.unwrap();
+    assert_eq!(returned.remote_request_id, Some(ReqId::from(p_id)));
+    assert_eq!(returned.remote_engine_id, Some(EngineId::new(P_ENGINE)));
 
     // D: the proxy forwards what P returned; D has 16 of 40 tokens cached.
-    let mut on_d = req("r1", 40, Waiting, returned);
+    let mut on_d = req(d_id, 40, Waiting, Some(returned));
     assert_eq!(d.get_num_new_matched_tokens(&on_d, 16), (24, true));
+    let pulled = RecvReqMeta {
+        local_block_ids: vec![3, 4],
+        remote: RemotePrefill {
+            remote_host: P_HOST.to_owned(),
+            remote_port: P_PORT,
+            remote_request_id: ReqId::from(p_id),
+            remote_engine_id: Some(EngineId::new(P_ENGINE)),
+        },
+    };
+    let watch = d.build_connector_meta();
+    assert_eq!(watch.reqs_to_watch.get(&ReqId::from(d_id)), Some(&pulled.remote), "D renews P's id");
     on_d.status = Running;
     d.update_state_after_alloc(&mut on_d, &[3, 4], 24).unwrap();
-    assert_eq!(d.build_connector_meta(), meta(vec![("r1", recv_from_p(&[3, 4]))], vec![]));
+    let built = d.build_connector_meta();
+    assert_eq!(built.reqs_to_recv, [(ReqId::from(d_id), pulled)].into_iter().collect());
     assert_eq!(d.get_num_new_matched_tokens(&on_d, 16), (0, false), "one transfer per request");
     // The worker reports the pull received; the engine decodes, then stops.
-    d.pull_finished(&ReqId::from("r1"));
+    d.pull_finished(&ReqId::from(d_id));
     on_d.status = FinishedStopped;
     assert_eq!(d.request_finished(&mut on_d, &[1, 2, 3, 4]), Ok((false, None)));
     assert_eq!(d.build_connector_meta(), empty());
     assert_eq!(p.live_send_entries() + d.live_send_entries(), 0);
+}
+
+/// Every message D's scheduler builds that names a request to P names it by
+/// P's id (`remote_request_id`) and engine; D's own id is only the key the
+/// worker reports back to the engine under.
+#[rstest]
+#[case::watch_before_allocation(ReachedOnD::Matched)]
+#[case::pull_into_blocks(ReachedOnD::Allocated { external_tokens: 48 })]
+#[case::notify_only_pull_of_a_full_prefix_hit(ReachedOnD::Allocated { external_tokens: 0 })]
+#[case::notify_only_pull_of_an_abort_before_scheduling(ReachedOnD::AbortedBeforeScheduling)]
+fn messages_to_p_name_ps_request_id(#[case] step: ReachedOnD, #[values(true, false)] p_named_it: bool) {
+    let mut d = sched(Consumer);
+    let d_id = ReqId::from("d-own-id");
+    let mut returned = pull_from_p();
+    if !p_named_it {
+        // An older proxy or a hand-written client: D falls back to its own id.
+        returned.remote_request_id = None;
+        returned.remote_engine_id = None;
+    }
+    let mut r = req(d_id.as_str(), 64, Waiting, Some(returned.clone()));
+    let remote = d.get_num_new_matched_tokens(&r, 0);
+    assert_eq!(remote, (64, true));
+    let named: Vec<RemotePrefill> = match step {
+        ReachedOnD::Matched => d.build_connector_meta().reqs_to_watch.into_values().collect(),
+        ReachedOnD::Allocated { external_tokens } => {
+            d.update_state_after_alloc(&mut r, UNHASHED, external_tokens).unwrap();
+            d.build_connector_meta().reqs_to_recv.into_values().map(|m| m.remote).collect()
+        }
+        ReachedOnD::AbortedBeforeScheduling => {
+            r.status = FinishedAborted;
+            d.request_finished(&mut r, &[]).unwrap();
+            d.build_connector_meta().reqs_to_recv.into_values().map(|m| m.remote).collect()
+        }
+    };
+    let expected = RemotePrefill {
+        remote_host: P_HOST.to_owned(),
+        remote_port: P_PORT,
+        remote_request_id: if p_named_it { ReqId::from(P_REQ) } else { d_id },
+        remote_engine_id: p_named_it.then(|| EngineId::new(P_ENGINE)),
+    };
+    assert_eq!(named, [expected]);
+}
+
+/// How far a request got on D before its message to P was built.
+#[derive(Debug, Clone, Copy)]
+enum ReachedOnD {
+    Matched,
+    Allocated { external_tokens: usize },
+    AbortedBeforeScheduling,
 }
 
 #[test]

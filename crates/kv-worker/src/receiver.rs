@@ -1,12 +1,16 @@
 //! The decode side's bookkeeping (sans-IO): pulls in flight grouped by
 //! prefill side channel, their deadlines and grants, and each request's
 //! outcome, reported only once the pull's grant is fenced.
+//!
+//! A request has two names here: D's own id, under which the engine handed
+//! it over and hears its outcome, and P's id (`remote_request_id`), the only
+//! one that goes to P and that P's reply names.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
+use kv_proto::{BlockId, EngineId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
 
 /// A prefill worker's side-channel address (its base port plus our tp rank).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -56,11 +60,19 @@ enum BatchOutcome {
     Failed(String),
 }
 
+/// One request of a pull: D's id, P's id, D's blocks.
+#[derive(Debug)]
+struct Pulled {
+    req: ReqId,
+    remote: ReqId,
+    blocks: Vec<BlockId>,
+}
+
 #[derive(Debug)]
 struct Batch {
     deadline: Instant,
     peer: SideChannelAddr,
-    reqs: Vec<(ReqId, Vec<BlockId>)>,
+    reqs: Vec<Pulled>,
     grant: Option<GrantId>,
     stage: Stage,
     /// A request of it was cancelled: its grant covers freed blocks.
@@ -109,29 +121,57 @@ impl ReceiverCore {
     /// Starts this step's pulls: one batch per prefill side channel. Each
     /// must be granted ([`ReceiverCore::handle_granted`]) before its transfer
     /// request goes out.
+    ///
+    /// Each request is named to P by its `remote_request_id`; two requests
+    /// naming the same one of the same P in one step cannot both be served
+    /// (P's reply could not tell them apart): the later one fails at once.
     pub fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) -> Vec<PullBatch> {
-        let mut groups: BTreeMap<SideChannelAddr, Vec<(ReqId, Vec<BlockId>)>> = BTreeMap::new();
+        let mut groups: BTreeMap<SideChannelAddr, Vec<(Pulled, Option<EngineId>)>> = BTreeMap::new();
         for (req, meta) in reqs {
             if self.in_flight.contains(req) || self.done.received.contains(req) || self.done.failed.contains_key(req) {
                 tracing::warn!(req_id = %req, "pull requested again before its first was reported; the second is ignored");
                 continue;
             }
-            let Some(port) = meta.remote_port.checked_add(self.tp_rank) else {
-                tracing::warn!(req_id = %req, remote_port = meta.remote_port, tp_rank = self.tp_rank, "side-channel port overflows");
+            let remote = &meta.remote;
+            let Some(port) = remote.remote_port.checked_add(self.tp_rank) else {
+                tracing::warn!(req_id = %req, remote_port = remote.remote_port, tp_rank = self.tp_rank, "side-channel port overflows");
                 self.done.failed.insert(req.clone(), meta.local_block_ids.clone());
                 continue;
             };
+            let peer = SideChannelAddr { host: remote.remote_host.clone(), port };
+            let group = groups.entry(peer).or_default();
+            if let Some((other, _)) = group.iter().find(|(p, _)| p.remote == remote.remote_request_id) {
+                tracing::warn!(
+                    req_id = %req,
+                    other_req_id = %other.req,
+                    remote_req_id = %remote.remote_request_id,
+                    "two requests name the same prefill request; the second is not pulled"
+                );
+                self.done.failed.insert(req.clone(), meta.local_block_ids.clone());
+                continue;
+            }
             self.in_flight.insert(req.clone());
-            let peer = SideChannelAddr { host: meta.remote_host.clone(), port };
-            groups.entry(peer).or_default().push((req.clone(), meta.local_block_ids.clone()));
+            let pulled = Pulled {
+                req: req.clone(),
+                remote: remote.remote_request_id.clone(),
+                blocks: meta.local_block_ids.clone(),
+            };
+            group.push((pulled, remote.remote_engine_id.clone()));
         }
         groups
             .into_iter()
-            .map(|(peer, reqs)| {
+            .map(|(peer, group)| {
                 let xfer_id = self.next_xfer_id;
                 self.next_xfer_id += 1;
-                let requests =
-                    reqs.iter().map(|(r, b)| RequestBlocks { req_id: r.clone(), block_ids: b.clone() }).collect();
+                let requests = group
+                    .iter()
+                    .map(|(p, engine)| RequestBlocks {
+                        req_id: p.remote.clone(),
+                        prefill_engine_id: engine.clone(),
+                        block_ids: p.blocks.clone(),
+                    })
+                    .collect();
+                let reqs = group.into_iter().map(|(p, _)| p).collect();
                 let batch = Batch {
                     deadline: now + self.timeout,
                     peer: peer.clone(),
@@ -177,7 +217,7 @@ impl ReceiverCore {
             }
             for batch in self.batches.values_mut() {
                 let before = batch.reqs.len();
-                batch.reqs.retain(|(r, _)| r != req);
+                batch.reqs.retain(|p| &p.req != req);
                 if batch.reqs.len() == before {
                     continue;
                 }
@@ -246,19 +286,19 @@ impl ReceiverCore {
                 for o in &reply.outcomes {
                     outcomes.insert(&o.req_id, &o.outcome);
                 }
-                for (req, blocks) in reqs {
+                for Pulled { req, remote, blocks } in reqs {
                     self.in_flight.remove(&req);
-                    match outcomes.get(&req) {
+                    match outcomes.get(&remote) {
                         Some(Outcome::Done) => {
-                            tracing::debug!(req_id = %req, %peer, blocks = blocks.len(), "KV received");
+                            tracing::debug!(req_id = %req, remote_req_id = %remote, %peer, blocks = blocks.len(), "KV received");
                             self.done.received.insert(req);
                         }
                         Some(Outcome::Failed { reason }) => {
-                            tracing::warn!(req_id = %req, %peer, %reason, "prefill failed to send KV");
+                            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, %reason, "prefill failed to send KV");
                             self.done.failed.insert(req, blocks);
                         }
                         None => {
-                            tracing::warn!(req_id = %req, %peer, "prefill's reply has no outcome for the request");
+                            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, "prefill's reply has no outcome for the request");
                             self.done.failed.insert(req, blocks);
                         }
                     }
@@ -267,9 +307,9 @@ impl ReceiverCore {
         }
     }
 
-    fn fail_all(&mut self, peer: &SideChannelAddr, reqs: Vec<(ReqId, Vec<BlockId>)>, reason: &str) {
-        for (req, blocks) in reqs {
-            tracing::warn!(req_id = %req, %peer, %reason, "KV pull failed");
+    fn fail_all(&mut self, peer: &SideChannelAddr, reqs: Vec<Pulled>, reason: &str) {
+        for Pulled { req, remote, blocks } in reqs {
+            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, %reason, "KV pull failed");
             self.in_flight.remove(&req);
             self.done.failed.insert(req, blocks);
         }

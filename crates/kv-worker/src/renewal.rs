@@ -39,12 +39,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         let now = Instant::now();
         let due: Vec<(SideChannelAddr, Vec<ReqId>)> = {
             let watches = shared.lock_watches();
-            schedule.next_due.retain(|peer, _| watches.by_peer().any(|(p, _)| p == peer));
+            schedule.next_due.retain(|peer, _| watches.watches_on(peer));
             watches
                 .by_peer()
                 .filter(|(peer, _)| !schedule.sending.contains(*peer))
                 .filter(|(peer, _)| schedule.next_due.get(*peer).is_none_or(|due| *due <= now))
-                .map(|(peer, reqs)| (peer.clone(), reqs.iter().cloned().collect()))
+                .map(|(peer, reqs)| (peer.clone(), reqs))
                 .collect()
         };
         for (peer, reqs) in due {

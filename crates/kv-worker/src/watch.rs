@@ -1,8 +1,9 @@
 //! D's watch list (sans-IO): the requests the engine has seen and will pull,
 //! grouped by the prefill side channel they come from, whose hold on P the
-//! worker renews until their pull goes out or they finish.
+//! worker renews until their pull goes out or they finish. Watched by D's
+//! id, renewed by P's.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use kv_proto::{RemotePrefill, ReqId};
 
@@ -12,8 +13,11 @@ use crate::receiver::SideChannelAddr;
 #[derive(Debug)]
 pub struct WatchList {
     tp_rank: u16,
-    by_peer: BTreeMap<SideChannelAddr, BTreeSet<ReqId>>,
-    peer_of: HashMap<ReqId, SideChannelAddr>,
+    /// P's ids of the watched requests, by prefill worker, each with the
+    /// number of D's requests naming it (a proxy may send one twice).
+    by_peer: BTreeMap<SideChannelAddr, BTreeMap<ReqId, usize>>,
+    /// D's id to the prefill worker and P's id.
+    peer_of: HashMap<ReqId, (SideChannelAddr, ReqId)>,
 }
 
 impl WatchList {
@@ -32,26 +36,36 @@ impl WatchList {
         };
         self.unwatch(req);
         let peer = SideChannelAddr { host: remote.remote_host.clone(), port };
-        self.by_peer.entry(peer.clone()).or_default().insert(req.clone());
-        self.peer_of.insert(req.clone(), peer);
+        *self.by_peer.entry(peer.clone()).or_default().entry(remote.remote_request_id.clone()).or_default() += 1;
+        self.peer_of.insert(req.clone(), (peer, remote.remote_request_id.clone()));
     }
 
     /// Stops renewing `req` (unknown ids are ignored).
     pub fn unwatch(&mut self, req: &ReqId) {
-        let Some(peer) = self.peer_of.remove(req) else {
+        let Some((peer, remote)) = self.peer_of.remove(req) else {
             return;
         };
         if let Some(reqs) = self.by_peer.get_mut(&peer) {
-            reqs.remove(req);
+            if let Some(count) = reqs.get_mut(&remote) {
+                *count -= 1;
+                if *count == 0 {
+                    reqs.remove(&remote);
+                }
+            }
             if reqs.is_empty() {
                 self.by_peer.remove(&peer);
             }
         }
     }
 
-    /// Every prefill worker with watched requests, and those requests.
-    pub fn by_peer(&self) -> impl Iterator<Item = (&SideChannelAddr, &BTreeSet<ReqId>)> {
-        self.by_peer.iter()
+    /// Whether any request is watched on `peer`.
+    pub fn watches_on(&self, peer: &SideChannelAddr) -> bool {
+        self.by_peer.contains_key(peer)
+    }
+
+    /// Every prefill worker with watched requests, and P's ids of them.
+    pub fn by_peer(&self) -> impl Iterator<Item = (&SideChannelAddr, Vec<ReqId>)> {
+        self.by_peer.iter().map(|(peer, reqs)| (peer, reqs.keys().cloned().collect()))
     }
 
     /// Watched requests.
@@ -69,37 +83,66 @@ impl WatchList {
 mod tests {
     use super::*;
 
+    /// P's id of request `a` is `p-a`, and so on.
     fn remote(host: &str, port: u16) -> RemotePrefill {
-        RemotePrefill { remote_host: host.to_owned(), remote_port: port }
+        RemotePrefill {
+            remote_host: host.to_owned(),
+            remote_port: port,
+            remote_request_id: ReqId::new("p-?"),
+            remote_engine_id: None,
+        }
     }
 
-    fn peers(list: &WatchList) -> Vec<(String, Vec<&str>)> {
-        list.by_peer().map(|(p, reqs)| (p.to_string(), reqs.iter().map(ReqId::as_str).collect())).collect()
+    fn watch(list: &mut WatchList, req: &str, host: &str, port: u16) {
+        let remote = RemotePrefill { remote_request_id: ReqId::new(format!("p-{req}")), ..remote(host, port) };
+        list.watch(&ReqId::new(req), &remote);
+    }
+
+    fn peers(list: &WatchList) -> Vec<(String, Vec<String>)> {
+        list.by_peer().map(|(p, reqs)| (p.to_string(), reqs.iter().map(ReqId::to_string).collect())).collect()
+    }
+
+    fn named(peer: &str, reqs: &[&str]) -> (String, Vec<String>) {
+        (peer.to_owned(), reqs.iter().map(|r| (*r).to_owned()).collect())
     }
 
     #[test]
     fn groups_by_the_prefill_worker_of_this_rank() {
         let mut list = WatchList::new(2);
-        list.watch(&ReqId::new("a"), &remote("p1", 8000));
-        list.watch(&ReqId::new("b"), &remote("p1", 8000));
-        list.watch(&ReqId::new("c"), &remote("p2", 8000));
-        assert_eq!(peers(&list), [("p1:8002".to_owned(), vec!["a", "b"]), ("p2:8002".to_owned(), vec!["c"])]);
+        watch(&mut list, "a", "p1", 8000);
+        watch(&mut list, "b", "p1", 8000);
+        watch(&mut list, "c", "p2", 8000);
+        assert_eq!(peers(&list), [named("p1:8002", &["p-a", "p-b"]), named("p2:8002", &["p-c"])]);
         list.unwatch(&ReqId::new("a"));
         list.unwatch(&ReqId::new("c"));
         list.unwatch(&ReqId::new("never"));
-        assert_eq!(peers(&list), [("p1:8002".to_owned(), vec!["b"])]);
+        list.unwatch(&ReqId::new("p-b"));
+        assert_eq!(peers(&list), [named("p1:8002", &["p-b"])], "unwatched by D's id, not P's");
         assert_eq!(list.len(), 1);
     }
 
     #[test]
     fn a_request_watched_again_moves_to_its_new_prefill() {
         let mut list = WatchList::new(0);
-        list.watch(&ReqId::new("a"), &remote("p1", 8000));
-        list.watch(&ReqId::new("a"), &remote("p2", 9000));
-        assert_eq!(peers(&list), [("p2:9000".to_owned(), vec!["a"])]);
+        watch(&mut list, "a", "p1", 8000);
+        watch(&mut list, "a", "p2", 9000);
+        assert_eq!(peers(&list), [named("p2:9000", &["p-a"])]);
         list.unwatch(&ReqId::new("a"));
         assert!(list.is_empty());
         assert_eq!(list.by_peer().count(), 0);
+    }
+
+    #[test]
+    fn a_prefill_request_two_of_ds_requests_name_is_renewed_until_both_end() {
+        let mut list = WatchList::new(0);
+        let remote = remote("p1", 8000);
+        list.watch(&ReqId::new("a"), &remote);
+        list.watch(&ReqId::new("b"), &remote);
+        assert_eq!(peers(&list), [named("p1:8000", &["p-?"])]);
+        list.unwatch(&ReqId::new("a"));
+        assert_eq!(peers(&list), [named("p1:8000", &["p-?"])]);
+        list.unwatch(&ReqId::new("b"));
+        assert!(peers(&list).is_empty());
     }
 
     #[test]

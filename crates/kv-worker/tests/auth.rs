@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{ConnectorMetadata, KvRole, LayoutKind, RecvReqMeta, ReqId, SendUpdate};
+use kv_proto::{ConnectorMetadata, KvRole, LayoutKind, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
 use kv_worker::{AuthSecret, CacheDims, CacheShape, Finished, OwnedKvCache, Worker, WorkerConfig};
 use rstest::rstest;
 
@@ -35,9 +35,10 @@ async fn worker(role: KvRole, secret: Option<&str>) -> Worker {
 async fn pull(p_secret: Option<&str>, d_secret: Option<&str>) -> Finished {
     let p = worker(KvRole::Producer, p_secret).await;
     let d = worker(KvRole::Consumer, d_secret).await;
-    let r = ReqId::new("r");
+    // P and D name the request differently, as engines do.
+    let (r, on_p) = (ReqId::new("r"), ReqId::new("p-r"));
     let mut send = ConnectorMetadata::default();
-    send.reqs_to_send.insert(r.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
+    send.reqs_to_send.insert(on_p.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
     p.start_load_kv(&send);
     let side_channel = p.side_channel_addr().unwrap();
     let recv = ConnectorMetadata {
@@ -45,8 +46,12 @@ async fn pull(p_secret: Option<&str>, d_secret: Option<&str>) -> Finished {
             r,
             RecvReqMeta {
                 local_block_ids: vec![5, 6],
-                remote_host: side_channel.ip().to_string(),
-                remote_port: side_channel.port(),
+                remote: RemotePrefill {
+                    remote_host: side_channel.ip().to_string(),
+                    remote_port: side_channel.port(),
+                    remote_request_id: on_p,
+                    remote_engine_id: None,
+                },
             },
         )]),
         ..ConnectorMetadata::default()

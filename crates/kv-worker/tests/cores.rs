@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use kv_proto::{EngineId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply};
+use kv_proto::{
+    EngineId, GrantId, Outcome, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply,
+};
 use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
 
@@ -154,12 +156,31 @@ fn renewals_count_only_requests_p_holds() {
     assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL));
 }
 
-fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
-    RecvReqMeta { local_block_ids: blocks.to_vec(), remote_host: host.into(), remote_port: port }
+/// P's id of D's request `id` (engines never share ids).
+fn p(id: &str) -> ReqId {
+    ReqId::new(format!("p-{id}"))
 }
 
+/// A pull from `host:port`; [`reqs`] names P's id.
+fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
+    let remote = RemotePrefill {
+        remote_host: host.into(),
+        remote_port: port,
+        remote_request_id: p("?"),
+        remote_engine_id: None,
+    };
+    RecvReqMeta { local_block_ids: blocks.to_vec(), remote }
+}
+
+/// D's requests `id`, each named to P as [`p`]`(id)`.
 fn reqs(items: &[(&str, RecvReqMeta)]) -> BTreeMap<ReqId, RecvReqMeta> {
-    items.iter().map(|(id, m)| (r(id), m.clone())).collect()
+    items
+        .iter()
+        .map(|(id, m)| {
+            let remote = RemotePrefill { remote_request_id: p(id), ..m.remote.clone() };
+            (r(id), RecvReqMeta { remote, ..m.clone() })
+        })
+        .collect()
 }
 
 #[test]
@@ -174,8 +195,8 @@ fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
     assert_eq!(
         batches[0].requests,
         vec![
-            RequestBlocks { req_id: r("a"), block_ids: vec![1] },
-            RequestBlocks { req_id: r("c"), block_ids: vec![3, 4] }
+            RequestBlocks { req_id: p("a"), prefill_engine_id: None, block_ids: vec![1] },
+            RequestBlocks { req_id: p("c"), prefill_engine_id: None, block_ids: vec![3, 4] }
         ]
     );
     assert_eq!(batches[1].peer, SideChannelAddr { host: "p2".into(), port: 9000 });
@@ -183,10 +204,11 @@ fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
     assert_eq!(core.in_flight(), 3);
 }
 
+/// P's reply, naming each of D's requests `id` by P's id.
 fn reply(xfer_id: u64, outcomes: &[(&str, Outcome)]) -> XferReply {
     XferReply {
         xfer_id,
-        outcomes: outcomes.iter().map(|(id, o)| RequestOutcome { req_id: r(id), outcome: o.clone() }).collect(),
+        outcomes: outcomes.iter().map(|(id, o)| RequestOutcome { req_id: p(id), outcome: o.clone() }).collect(),
     }
 }
 
@@ -226,6 +248,62 @@ fn receiver_outcomes(
     }
     assert_eq!(core.in_flight(), 0);
     assert!(core.poll_finished().received.is_empty(), "reported once");
+}
+
+#[test]
+fn a_pull_names_ps_request_and_engine_and_its_outcome_is_reported_under_ds_id() {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let mut meta = recv("p", 1, &[4, 5]);
+    meta.remote.remote_request_id = ReqId::new("cmpl-1-0-b00fff6e");
+    meta.remote.remote_engine_id = Some(EngineId::new("prefill-0"));
+    let batches = core.start(&BTreeMap::from([(r("cmpl-1-0-9760c8b8"), meta)]), t0);
+    assert_eq!(
+        batches[0].requests,
+        [RequestBlocks {
+            req_id: ReqId::new("cmpl-1-0-b00fff6e"),
+            prefill_engine_id: Some(EngineId::new("prefill-0")),
+            block_ids: vec![4, 5],
+        }]
+    );
+    let xfer_id = batches[0].xfer_id;
+    core.handle_granted(xfer_id, GrantId::from_bytes([1; 16]));
+    core.handle_reply(XferReply {
+        xfer_id,
+        outcomes: vec![RequestOutcome { req_id: ReqId::new("cmpl-1-0-b00fff6e"), outcome: Outcome::Done }],
+    });
+    core.handle_fenced(xfer_id);
+    assert_eq!(core.poll_finished().received, BTreeSet::from([r("cmpl-1-0-9760c8b8")]));
+}
+
+#[test]
+fn an_outcome_naming_ds_id_instead_of_ps_does_not_count() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1]))]), Instant::now());
+    let xfer_id = batches[0].xfer_id;
+    core.handle_granted(xfer_id, GrantId::from_bytes([1; 16]));
+    core.handle_reply(XferReply { xfer_id, outcomes: vec![RequestOutcome { req_id: r("a"), outcome: Outcome::Done }] });
+    core.handle_fenced(xfer_id);
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![1])]));
+}
+
+#[test]
+fn two_requests_naming_one_prefill_request_pull_it_once() {
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let same = |blocks: &[u32]| {
+        let mut m = recv("p", 1, blocks);
+        m.remote.remote_request_id = ReqId::new("p-shared");
+        m
+    };
+    let batches = core.start(
+        &BTreeMap::from([(r("a"), same(&[1])), (r("b"), same(&[2])), (r("c"), recv("p", 1, &[3]))]),
+        Instant::now(),
+    );
+    assert_eq!(batches.len(), 1);
+    let named: Vec<&str> = batches[0].requests.iter().map(|b| b.req_id.as_str()).collect();
+    assert_eq!(named, ["p-shared", "p-?"]);
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("b"), vec![2])]), "the second fails at once");
+    assert_eq!(core.in_flight(), 2);
 }
 
 #[test]

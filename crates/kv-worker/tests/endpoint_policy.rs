@@ -9,7 +9,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{ConnectorMetadata, KvRole, LayoutKind, RecvReqMeta, ReqId, SendUpdate};
+use kv_proto::{ConnectorMetadata, KvRole, LayoutKind, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
 use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, Worker, WorkerConfig};
 use rstest::rstest;
 use transport_tcp::{TcpConfig, TcpTransport};
@@ -49,13 +49,18 @@ async fn pull_with(advertised: Option<IpAddr>, policy: DataEndpointPolicy) -> (b
     };
     let d = Worker::start(d_config, Arc::new(OwnedKvCache::allocate(shape()).unwrap())).await.unwrap();
 
-    let req = ReqId::new("r");
+    let (req, on_p) = (ReqId::new("r"), ReqId::new("p-r"));
     let mut send = ConnectorMetadata::default();
-    send.reqs_to_send.insert(req.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
+    send.reqs_to_send.insert(on_p.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
     p.start_load_kv(&send);
     let addr = p.side_channel_addr().unwrap();
-    let meta =
-        RecvReqMeta { local_block_ids: vec![2, 3], remote_host: addr.ip().to_string(), remote_port: addr.port() };
+    let remote = RemotePrefill {
+        remote_host: addr.ip().to_string(),
+        remote_port: addr.port(),
+        remote_request_id: on_p,
+        remote_engine_id: None,
+    };
+    let meta = RecvReqMeta { local_block_ids: vec![2, 3], remote };
     d.start_load_kv(&ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() });
     let finished = d.next_finished(BOUND).await;
     assert!(finished.receiving.contains(&req) || finished.failed_receiving.contains_key(&req), "{finished:?}");

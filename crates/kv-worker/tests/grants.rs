@@ -58,8 +58,8 @@ async fn a_late_write_cannot_touch_blocks_d_reused(#[case] backend: Backend) {
 
     // P's write of X now goes ahead, under the grant D revoked.
     gated.open();
-    let sent = until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
-    assert!(sent.sending.contains(&ReqId::new("x")), "P frees X's blocks once its write failed");
+    let sent = until(&p.worker, |f| f.sending.contains(&p_id("x"))).await;
+    assert!(sent.sending.contains(&p_id("x")), "P frees X's blocks once its write failed");
     assert!(holds(&d.cache, 2, &[4, 5]), "the late write of X landed in Y's blocks");
     p.worker.shutdown().await;
     d.worker.shutdown().await;
@@ -112,7 +112,7 @@ async fn nothing_lands_after_the_side_channel_dropped_mid_batch(#[case] backend:
     assert_eq!(failed.failed_receiving, BTreeMap::from([(ReqId::new("x"), vec![4, 5])]));
 
     gated.open();
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("x"))).await;
     assert!(all_zero(&d.cache, &[4, 5]), "bytes landed after D reported the pull failed");
     p.worker.shutdown().await;
     d.worker.shutdown().await;
@@ -137,13 +137,13 @@ async fn one_slow_request_does_not_hold_back_its_batch(#[case] backend: Backend)
 
     pull(&d, &host, port, &[("a", &[4, 5]), ("b", &[6, 7])]);
     let sent = until(&p.worker, |f| !f.sending.is_empty()).await;
-    assert_eq!(sent.sending.iter().map(ReqId::as_str).collect::<Vec<_>>(), ["b"], "B went out while A was not ready");
+    assert_eq!(sent.sending.iter().map(ReqId::as_str).collect::<Vec<_>>(), ["p-b"], "B went out while A was not ready");
 
     ready(&p, "a", &[0, 1]);
     let received = until(&d.worker, |f| f.receiving.len() == 2).await;
     assert!(received.failed_receiving.is_empty(), "{received:?}");
     assert!(holds(&d.cache, 1, &[4, 5]) && holds(&d.cache, 2, &[6, 7]));
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("a"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("a"))).await;
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }
@@ -179,7 +179,7 @@ async fn nothing_is_written_past_the_wait_budget(#[case] backend: Backend) {
     ready(&p, "x", &[0, 1]);
     // D gave up on X for good: P frees it as soon as it is ready, not at
     // the end of a lease no one will use.
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("x"))).await;
     assert!(all_zero(&d.cache, &[4, 5]));
     p.worker.shutdown().await;
     d.worker.shutdown().await;
@@ -210,7 +210,7 @@ async fn a_request_whose_puller_went_away_is_freed_when_ready(#[case] backend: B
         tokio::task::yield_now().await;
     }
     ready(&p, "x", &[0, 1]);
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("x"))).await;
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }
@@ -247,7 +247,7 @@ async fn a_pull_cancelled_by_the_engine_lands_nothing_after_the_step(#[case] bac
     assert!(holds(&d.cache, 2, &[4, 5]));
 
     gated.open();
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("x"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("x"))).await;
     assert!(holds(&d.cache, 2, &[4, 5]), "the cancelled pull's write landed in Y's blocks");
     let later = d.worker.get_finished();
     assert!(
@@ -286,13 +286,13 @@ async fn each_request_is_written_as_soon_as_it_is_ready(#[case] ready_at_once: &
     }
     pull(&d, &host, port, &[("a", &[6, 7]), ("b", &[8, 9]), ("c", &[10, 11])]);
     let mut sent = BTreeSet::new();
-    let mut wanted: BTreeSet<ReqId> = ready_at_once.iter().map(|r| ReqId::new(*r)).collect();
+    let mut wanted: BTreeSet<ReqId> = ready_at_once.iter().map(|r| p_id(r)).collect();
     sent.extend(until(&p.worker, |f| wanted.iter().all(|r| f.sending.contains(r))).await.sending);
     for req in later {
-        assert!(!sent.contains(&ReqId::new(*req)), "{req} was sent before it was ready");
+        assert!(!sent.contains(&p_id(req)), "{req} was sent before it was ready");
         ready(&p, req, &p_blocks(req));
-        wanted.insert(ReqId::new(*req));
-        sent.extend(until(&p.worker, |f| f.sending.contains(&ReqId::new(*req))).await.sending);
+        wanted.insert(p_id(req));
+        sent.extend(until(&p.worker, |f| f.sending.contains(&p_id(req))).await.sending);
     }
     let received = until(&d.worker, |f| f.receiving.len() == 3).await;
     assert!(received.failed_receiving.is_empty(), "{received:?}");

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::{
     auth, ConnectorMetadata, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, KvRole,
-    LayoutKind, Protocol, RecvReqMeta, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
+    LayoutKind, Protocol, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
@@ -77,12 +77,18 @@ impl Pair {
     async fn honest_pull(&mut self) {
         self.next += 1;
         let req = ReqId::new(format!("honest-{}", self.next));
+        let on_p = ReqId::new(format!("p-honest-{}", self.next));
         let mut send = ConnectorMetadata::default();
-        send.reqs_to_send.insert(req.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
+        send.reqs_to_send.insert(on_p.clone(), SendUpdate::Ready { block_ids: vec![0, 1] });
         self.p.start_load_kv(&send);
         let addr = self.side_channel();
-        let meta =
-            RecvReqMeta { local_block_ids: vec![2, 3], remote_host: addr.ip().to_string(), remote_port: addr.port() };
+        let remote = RemotePrefill {
+            remote_host: addr.ip().to_string(),
+            remote_port: addr.port(),
+            remote_request_id: on_p,
+            remote_engine_id: None,
+        };
+        let meta = RecvReqMeta { local_block_ids: vec![2, 3], remote };
         let recv = ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() };
         self.d.start_load_kv(&recv);
         let finished = self.d.next_finished(BOUND).await;
@@ -155,7 +161,10 @@ fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> Xfer
         grant: Grant::plain(GrantId::random().unwrap()),
         wait_budget: Duration::from_secs(30),
         region_base_addrs: vec![0x1000; 4],
-        requests: ids.into_iter().map(|id| RequestBlocks { req_id: ReqId::new(id), block_ids: vec![] }).collect(),
+        requests: ids
+            .into_iter()
+            .map(|id| RequestBlocks { req_id: ReqId::new(id), prefill_engine_id: None, block_ids: vec![] })
+            .collect(),
     }
 }
 

@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kv_proto::{ConnectorMetadata, KvRole, RemotePrefill, ReqId};
+use kv_proto::{ConnectorMetadata, KvRole, ReqId};
 use kv_worker::{Worker, WorkerConfig};
 
 /// P's renewal period here (D renews every third of it).
@@ -26,9 +26,9 @@ fn prefill_config(net: &Net) -> WorkerConfig {
 
 /// D starts renewing `req` on P.
 fn watch(d: &Instance, p: &Instance, req: &str) {
-    let (remote_host, remote_port) = side_channel(p);
+    let (host, port) = side_channel(p);
     let mut meta = ConnectorMetadata::default();
-    meta.reqs_to_watch.insert(ReqId::new(req), RemotePrefill { remote_host, remote_port });
+    meta.reqs_to_watch.insert(ReqId::new(req), remote(&host, port, req));
     d.worker.start_load_kv(&meta);
 }
 
@@ -52,7 +52,7 @@ async fn a_decode_instance_that_dies_before_pulling_frees_p_within_a_renewal() {
     until_renewed(&p.worker, 1).await;
 
     d.worker.shutdown().await;
-    let finished = until(&p.worker, |f| f.sending.contains(&ReqId::new("r"))).await;
+    let finished = until(&p.worker, |f| f.sending.contains(&p_id("r"))).await;
     assert_eq!(finished.sending.len(), 1, "{finished:?}");
     assert_eq!(p.worker.renewed_requests(), 0);
 }
@@ -77,7 +77,7 @@ async fn a_watched_request_outlives_many_renewal_periods_and_is_pulled() {
     let finished = until(&d.worker, |f| !f.receiving.is_empty() || !f.failed_receiving.is_empty()).await;
     assert_eq!(finished.receiving.len(), 1, "{finished:?}");
     assert!(holds(&d.cache, 7, &[4, 5]));
-    until(&p.worker, |f| f.sending.contains(&ReqId::new("r"))).await;
+    until(&p.worker, |f| f.sending.contains(&p_id("r"))).await;
 }
 
 /// P makes D's messages wait (its admission is full): D's renewals sit
@@ -126,7 +126,7 @@ async fn without_renewals_p_holds_a_request_for_the_abort_timeout() {
     ready(&p, "r", &[0, 1]);
     watch(&d, &p, "r");
     // D sends nothing to a P that takes no renewals; P's lease ends the request.
-    let finished = until(&p.worker, |f| f.sending.contains(&ReqId::new("r"))).await;
+    let finished = until(&p.worker, |f| f.sending.contains(&p_id("r"))).await;
     assert_eq!(finished.sending.len(), 1);
     assert_eq!(p.worker.renewed_requests(), 0);
 }

@@ -43,9 +43,6 @@ pub(crate) enum Error {
     /// The tokio runtime could not be created.
     #[error("kvlink could not create its runtime: {0}")]
     Runtime(String),
-    /// The scheduler refused a call (role violation).
-    #[error("{0}")]
-    Sched(#[from] kv_sched::SchedError),
     /// Metadata handed to the worker is not what this version's scheduler builds.
     #[error("kvlink connector metadata cannot be decoded: {0}")]
     Metadata(String),

@@ -1,22 +1,34 @@
 //! The scheduler side for Python: `kv_sched::ConnectorScheduler` plus the
 //! notify-only bookkeeping of [`crate::step`]. Sans-IO: no runtime, no
 //! thread; safe in any process.
+//!
+//! Everything here runs inside vLLM's scheduler, which has no `try` around
+//! connector calls: an exception kills the engine for every user. The
+//! request parameters come from the client, so nothing about them may
+//! raise: params that do not parse, or that ask this instance for what its
+//! role cannot do, make that request an ordinary local one (no pull, no held
+//! blocks), with one warning per request naming the reason.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
-use kv_proto::{BlockId, KvTransferParams, ReqId};
+use kv_proto::{BlockId, EngineId, KvTransferParams, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::settings::PySettings;
 use crate::step::Envelope;
 
-/// vLLM's `RequestStatus` names, mapped to what the connector distinguishes.
-fn status(name: &str) -> Result<RequestStatus> {
-    Ok(match name {
+/// Requests remembered as already warned about; past this the set starts
+/// afresh (a request may then be warned about twice, never unboundedly).
+const MAX_WARNED: usize = 64 * 1024;
+
+/// vLLM's `RequestStatus` names, mapped to what the connector distinguishes;
+/// `None` for a name this build does not know.
+fn status(name: &str) -> Option<RequestStatus> {
+    Some(match name {
         "WAITING" | "WAITING_FOR_FSM" | "WAITING_FOR_REMOTE_KVS" => RequestStatus::Waiting,
         "RUNNING" => RequestStatus::Running,
         "PREEMPTED" => RequestStatus::Preempted,
@@ -24,16 +36,7 @@ fn status(name: &str) -> Result<RequestStatus> {
         "FINISHED_LENGTH_CAPPED" => RequestStatus::FinishedLengthCapped,
         "FINISHED_ABORTED" | "FINISHED_ERROR" => RequestStatus::FinishedAborted,
         "FINISHED_IGNORED" => RequestStatus::FinishedIgnored,
-        other => return Err(Error::Config(format!("unknown request status {other:?}"))),
-    })
-}
-
-fn request(request_id: &str, prompt_len: usize, status_name: &str, params: Option<&str>) -> Result<EngineRequest> {
-    Ok(EngineRequest {
-        request_id: ReqId::new(request_id),
-        prompt_len,
-        status: status(status_name)?,
-        kv_transfer_params: params.map(KvTransferParams::from_json).transpose()?,
+        _ => return None,
     })
 }
 
@@ -45,13 +48,65 @@ struct State {
     inner: ConnectorScheduler,
     /// Pulls recorded since the last build that vLLM will not wait for.
     notify_only: BTreeSet<ReqId>,
+    /// Requests whose params were refused and already warned about.
+    warned: HashSet<ReqId>,
+    /// Status names not known to this build, already warned about.
+    unknown_statuses: HashSet<String>,
+}
+
+impl State {
+    /// The request as the scheduler sees it: params that do not parse are
+    /// dropped (the request is served locally), warned about once.
+    fn request(
+        &mut self,
+        request_id: &str,
+        prompt_len: usize,
+        status: RequestStatus,
+        params: Option<&str>,
+    ) -> EngineRequest {
+        let request_id = ReqId::new(request_id);
+        let kv_transfer_params = match params.map(KvTransferParams::from_json).transpose() {
+            Ok(params) => params,
+            Err(e) => {
+                self.refused(&request_id, &e);
+                None
+            }
+        };
+        EngineRequest { request_id, prompt_len, status, kv_transfer_params }
+    }
+
+    /// One warning per request whose params cannot be served as asked.
+    fn refused(&mut self, request_id: &ReqId, reason: &dyn std::fmt::Display) {
+        if self.warned.len() >= MAX_WARNED {
+            self.warned.clear();
+        }
+        if self.warned.insert(request_id.clone()) {
+            tracing::warn!(
+                req_id = %request_id,
+                %reason,
+                "ignoring this request's kv_transfer_params: it is served as an ordinary local request (no KV transfer)"
+            );
+        }
+    }
+
+    /// A finished request's status; an unknown name (a newer vLLM) counts as
+    /// aborted: its blocks are freed now, never held.
+    fn finished_status(&mut self, name: &str) -> RequestStatus {
+        status(name).unwrap_or_else(|| {
+            if self.unknown_statuses.len() < 64 && self.unknown_statuses.insert(name.to_owned()) {
+                tracing::warn!(status = name, "unknown request status; treating it as aborted");
+            }
+            RequestStatus::FinishedAborted
+        })
+    }
 }
 
 /// The scheduler-side connector of one engine instance.
 ///
-/// Request parameters cross as JSON text of the four fields kvlink reads
-/// (`do_remote_prefill`, `do_remote_decode`, `remote_host`, `remote_port`);
-/// the Python layer applies the changes to vLLM's dict.
+/// Request parameters cross as JSON text of the fields kvlink reads
+/// (`do_remote_prefill`, `do_remote_decode`, `remote_host`, `remote_port`,
+/// `remote_request_id`, `remote_engine_id`); the Python layer applies the
+/// changes to vLLM's dict. No method raises on a request's params.
 #[pyclass(name = "Scheduler", module = "kvlink_vllm._native", frozen)]
 pub(crate) struct PyScheduler {
     state: Mutex<State>,
@@ -76,10 +131,13 @@ impl PyScheduler {
         let s = settings.inner();
         let host = s.host(default_host).to_owned();
         let port = s.side_channel_port(dp_rank, tp_size)?;
+        let engine_id: EngineId = s.transfer.engine_id.clone();
         Ok(Self {
             state: Mutex::new(State {
-                inner: ConnectorScheduler::new(s.transfer.kv_role, host.clone(), port),
+                inner: ConnectorScheduler::new(s.transfer.kv_role, engine_id, host.clone(), port),
                 notify_only: BTreeSet::new(),
+                warned: HashSet::new(),
+                unknown_statuses: HashSet::new(),
             }),
             host,
             port,
@@ -105,9 +163,10 @@ impl PyScheduler {
         prompt_len: usize,
         params: Option<&str>,
         num_computed_tokens: usize,
-    ) -> Result<(usize, bool)> {
-        let req = request(request_id, prompt_len, "WAITING", params)?;
-        Ok(self.lock().inner.get_num_new_matched_tokens(&req, num_computed_tokens))
+    ) -> (usize, bool) {
+        let mut state = self.lock();
+        let req = state.request(request_id, prompt_len, RequestStatus::Waiting, params);
+        state.inner.get_num_new_matched_tokens(&req, num_computed_tokens)
     }
 
     /// Records the request's pull (decode) or send entry (prefill). Returns
@@ -119,15 +178,20 @@ impl PyScheduler {
         params: Option<&str>,
         unhashed_block_ids: Vec<BlockId>,
         num_external_tokens: usize,
-    ) -> Result<bool> {
-        let mut req = request(request_id, prompt_len, "WAITING", params)?;
-        let was_pull = !cleared(&req);
+    ) -> bool {
         let mut state = self.lock();
-        state.inner.update_state_after_alloc(&mut req, &unhashed_block_ids, num_external_tokens)?;
+        let mut req = state.request(request_id, prompt_len, RequestStatus::Waiting, params);
+        let was_pull = !cleared(&req);
+        if let Err(e) = state.inner.update_state_after_alloc(&mut req, &unhashed_block_ids, num_external_tokens) {
+            // Mis-targeted (e.g. do_remote_decode sent to a consumer): the
+            // scheduler recorded nothing; the request runs locally.
+            state.refused(&req.request_id, &e);
+            return false;
+        }
         if was_pull && num_external_tokens == 0 {
             state.notify_only.insert(req.request_id.clone());
         }
-        Ok(was_pull && cleared(&req))
+        was_pull && cleared(&req)
     }
 
     /// `(delay_free_blocks, params JSON for the proxy or None, clear do_remote_prefill)`.
@@ -138,16 +202,29 @@ impl PyScheduler {
         status: &str,
         params: Option<&str>,
         block_ids: Vec<BlockId>,
-    ) -> Result<(bool, Option<String>, bool)> {
-        let mut req = request(request_id, prompt_len, status, params)?;
-        let was_pull = !cleared(&req);
+    ) -> (bool, Option<String>, bool) {
         let mut state = self.lock();
-        let (delay, out) = state.inner.request_finished(&mut req, &block_ids)?;
+        let status = state.finished_status(status);
+        let mut req = state.request(request_id, prompt_len, status, params);
+        // The request is gone from the engine: forget it was warned about.
+        let warned = state.warned.remove(&req.request_id);
+        let was_pull = !cleared(&req);
+        let (delay, out) = match state.inner.request_finished(&mut req, &block_ids) {
+            Ok(decided) => decided,
+            Err(e) => {
+                // Mis-targeted params: its blocks are freed now.
+                if !warned {
+                    state.refused(&req.request_id, &e);
+                    state.warned.remove(&req.request_id);
+                }
+                return (false, None, false);
+            }
+        };
         if was_pull {
             // Aborted before it was scheduled: P is told to free, nobody waits.
             state.notify_only.insert(req.request_id.clone());
         }
-        Ok((delay, out.map(|p| p.to_json()), was_pull && cleared(&req)))
+        (delay, out.map(|p| p.to_json()), was_pull && cleared(&req))
     }
 
     /// This step's metadata, as bytes for the workers.

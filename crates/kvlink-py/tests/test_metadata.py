@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from kvsim import Blocks, RequestStatus
 
-from kvlink_vllm import ConfigError, KvlinkError
+
 from kvlink_vllm.connector import KVConnectorRole, KvlinkConnector, KvlinkConnectorMetadata
 
 
@@ -36,9 +36,12 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
         "do_remote_decode": False,
         "remote_host": "10.0.0.9",
         "remote_port": 9000,
-        "remote_engine_id": "kept as is",
+        "remote_request_id": "cmpl-1-0-b00fff6e",
+        "remote_engine_id": "e-prefill",
+        "remote_block_ids": "kept as is",
     }
-    req = request("r1", params)
+    # D's engine names the request its own way; P's id travels in the params.
+    req = request("cmpl-1-0-9760c8b8", params)
     assert c.get_num_new_matched_tokens(req, 16) == (24, True)
     c.update_state_after_alloc(req, Blocks([7, 3, 5], hashed=1), 24)
     # Cleared in the engine's own dict (same object), nothing else touched.
@@ -48,7 +51,9 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
         "do_remote_decode": False,
         "remote_host": "10.0.0.9",
         "remote_port": 9000,
-        "remote_engine_id": "kept as is",
+        "remote_request_id": "cmpl-1-0-b00fff6e",
+        "remote_engine_id": "e-prefill",
+        "remote_block_ids": "kept as is",
     }
     meta = c.build_connector_meta(SimpleNamespace())
     assert isinstance(meta, KvlinkConnectorMetadata)
@@ -56,7 +61,15 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
     assert type(copy) is KvlinkConnectorMetadata and copy.payload == meta.payload
     body = copy.decoded()
     assert body["meta"]["reqs_to_recv"] == {
-        "r1": {"local_block_ids": [3, 5], "remote_host": "10.0.0.9", "remote_port": 9000}
+        "cmpl-1-0-9760c8b8": {
+            "local_block_ids": [3, 5],
+            "remote": {
+                "remote_host": "10.0.0.9",
+                "remote_port": 9000,
+                "remote_request_id": "cmpl-1-0-b00fff6e",
+                "remote_engine_id": "e-prefill",
+            },
+        }
     }
     assert body["notify_only"] == []
     # A second allocation of the same request triggers no second pull.
@@ -90,7 +103,14 @@ def test_prefill_side_delays_free_and_points_decode_here():
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, out = c.request_finished(req, [4, 5, 6])
     assert delay is True
-    assert out == {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "10.1.2.3", "remote_port": 9000}
+    assert out == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_host": "10.1.2.3",
+        "remote_port": 9000,
+        "remote_request_id": "p1",
+        "remote_engine_id": "e-kv_producer",
+    }
     body = c.build_connector_meta(SimpleNamespace()).decoded()
     assert body["meta"]["reqs_to_send"] == {"p1": {"Ready": {"block_ids": [4, 5, 6]}}}
     # Stopped early: blocks freed now, the worker's entry withdrawn (no leak).
@@ -102,11 +122,46 @@ def test_prefill_side_delays_free_and_points_decode_here():
     assert c.connector_scheduler._native.live_send_entries == 0
 
 
-def test_role_violations_and_bad_params_are_errors():
+#: Client params no engine may raise on: each is served as a local request.
+BAD_PARAMS = [
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": "9000"}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 70000}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": -1}),
+    ("kv_consumer", {"do_remote_prefill": "yes", "remote_host": "h", "remote_port": 1}),
+    ("kv_consumer", {"do_remote_prefill": 1, "remote_host": "h", "remote_port": 1}),
+    ("kv_consumer", {"do_remote_decode": True}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_port": 1}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": 7}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "x" * 100_000}),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_engine_id": ["p"]}),
+    ("kv_consumer", ["not", "a", "dict"]),
+    ("kv_consumer", {"do_remote_prefill": True, "remote_host": object(), "remote_port": 1}),
+    ("kv_producer", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1}),
+    ("kv_producer", {"do_remote_decode": "true"}),
+]
+
+
+@pytest.mark.parametrize(("role", "params"), BAD_PARAMS)
+def test_bad_client_params_serve_the_request_locally_and_never_raise(role, params, caplog):
+    c = scheduler(role)
+    req = request("bad", params)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    c.update_state_after_alloc(req, Blocks([1, 2, 3], hashed=0), 0)
+    meta = c.build_connector_meta(SimpleNamespace()).decoded()["meta"]
+    assert meta["reqs_to_recv"] == {} and meta["reqs_to_send"] == {} and meta["reqs_to_watch"] == {}
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(req, [1, 2, 3]) == (False, None), "no block is held for it"
+    assert c.build_connector_meta(SimpleNamespace()).decoded()["meta"]["reqs_to_recv"] == {}
+    assert c.connector_scheduler._native.live_send_entries == 0
+    # The next, good request is served as usual.
+    good = request("good", {"do_remote_decode": True} if role == "kv_producer" else {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1})
+    assert c.get_num_new_matched_tokens(good, 0) == ((0, False) if role == "kv_producer" else (40, True))
+
+
+def test_an_unknown_status_frees_the_blocks():
     c = scheduler("kv_producer")
-    req = request("x", {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1})
-    with pytest.raises(KvlinkError, match="do_remote_prefill"):
-        c.update_state_after_alloc(req, Blocks([1], hashed=0), 16)
-    bad = request("y", {"do_remote_prefill": True, "remote_port": "9000"})
-    with pytest.raises(ConfigError, match="remote_port"):
-        c.get_num_new_matched_tokens(bad, 0)
+    req = request("p1", {"do_remote_decode": True})
+    c.update_state_after_alloc(req, Blocks([4], hashed=0), 0)
+    req.status = SimpleNamespace(name="WAITING_FOR_SOMETHING_NEW")
+    assert c.request_finished(req, [4]) == (False, None)
+    assert c.build_connector_meta(SimpleNamespace()).decoded()["meta"]["reqs_to_send"] == {"p1": "Forget"}

@@ -204,10 +204,12 @@ def test_prefill_to_decode_under_vllms_scheduler(model_dir, monkeypatch):
         ev = p.step(compute_prefill)
         params = ev["finished"]["r1"]
         assert params["do_remote_prefill"] is True and params["remote_host"] == "127.0.0.1"
-        req = d.add("r1", 70, dict(params), max_tokens=4)
+        # D's engine has its own id for the request; P's travels in the params.
+        assert params["remote_request_id"] == "r1"
+        req = d.add("d-r1", 70, dict(params), max_tokens=4)
         log = steps_until(
             [p, d],
-            lambda log: any("r1" in e[1]["recving"] for e in log) and any("r1" in e[0]["sending"] for e in log),
+            lambda log: any("d-r1" in e[1]["recving"] for e in log) and any("r1" in e[0]["sending"] for e in log),
         )
         assert all(not e[1]["invalid"] for e in log)
         assert req.kv_transfer_params["do_remote_prefill"] is False
@@ -215,7 +217,7 @@ def test_prefill_to_decode_under_vllms_scheduler(model_dir, monkeypatch):
         d.step()
         assert req.status == RequestStatus.RUNNING
         assert req.num_computed_tokens >= 69
-        for i, block in enumerate(d.scheduler.kv_cache_manager.get_block_ids("r1")[0][:5]):
+        for i, block in enumerate(d.scheduler.kv_cache_manager.get_block_ids("d-r1")[0][:5]):
             for layer, t in enumerate(d.caches.values()):
                 assert torch.all(t[:, block] == value("r1", i, layer)), (i, layer)
         # P freed its blocks when its worker reported r1 sent.

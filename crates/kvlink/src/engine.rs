@@ -97,12 +97,19 @@ async fn start_worker(config: WorkerConfig, shape: CacheShape) -> Result<(Arc<Ow
 }
 
 /// A prefill instance: computes requests' KV and holds it for D.
+///
+/// Like a vLLM engine, it gives each request its own internal id (the
+/// client's id plus a suffix), so D must pull by the `remote_request_id`
+/// this instance returns, never by the id it was handed.
 pub struct PrefillInstance {
     sched: ConnectorScheduler,
     worker: Worker,
     cache: Arc<OwnedKvCache>,
     pool: BlockPool,
+    /// Held blocks, by the client's id.
     held: HashMap<ReqId, Vec<BlockId>>,
+    /// The client's id of each request scheduled here, by internal id.
+    clients: HashMap<ReqId, ReqId>,
     write_patterns: bool,
 }
 
@@ -128,18 +135,27 @@ impl PrefillInstance {
         seed: u64,
         host: Option<IpAddr>,
     ) -> Result<Self, EngineError> {
+        let engine_id = config.engine_id.clone();
         let (cache, worker) = start_worker(config, shape).await?;
         let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
         let host = host.unwrap_or(addr.ip());
-        let sched = ConnectorScheduler::new(KvRole::Producer, host.to_string(), addr.port());
+        let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port());
         Ok(Self {
             sched,
             worker,
             cache,
             pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             held: HashMap::new(),
+            clients: HashMap::new(),
             write_patterns: true,
         })
+    }
+
+    /// This engine's internal id of the client's request `id` (what its
+    /// params return as `remote_request_id`), for a D that pulls before the
+    /// request finished here.
+    pub fn internal_id(id: &ReqId) -> ReqId {
+        ReqId::new(format!("{id}-prefill"))
     }
 
     /// Where D reaches this instance's side channel.
@@ -176,8 +192,10 @@ impl PrefillInstance {
     /// Schedules one request with `do_remote_decode`: blocks allocated, the
     /// scheduler told (its metadata goes out with the step).
     fn admit(&mut self, p: &PromptSpec) -> Result<(EngineRequest, Vec<BlockId>), EngineError> {
+        let request_id = Self::internal_id(&p.id);
+        self.clients.insert(request_id.clone(), p.id.clone());
         let mut req = EngineRequest {
-            request_id: p.id.clone(),
+            request_id,
             prompt_len: p.prompt_len,
             status: RequestStatus::Running,
             kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..Default::default() }),
@@ -210,6 +228,7 @@ impl PrefillInstance {
             if delay_free {
                 self.held.insert(spec.id.clone(), blocks);
             } else {
+                self.clients.remove(&req.request_id);
                 self.pool.free(&blocks);
             }
             let params = params.ok_or_else(|| EngineError::NoParams(spec.id.clone()))?;
@@ -255,6 +274,7 @@ impl PrefillInstance {
             req.status = RequestStatus::FinishedAborted;
             let (delay_free, _) = self.sched.request_finished(&mut req, &blocks)?;
             debug_assert!(!delay_free);
+            self.clients.remove(&req.request_id);
             self.pool.free(&blocks);
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
@@ -262,7 +282,7 @@ impl PrefillInstance {
     }
 
     /// Frees the blocks of requests the worker reports finished sending;
-    /// returns them.
+    /// returns them (by the client's id).
     pub fn reap(&mut self) -> Vec<ReqId> {
         let finished = self.worker.get_finished();
         self.release(finished.sending)
@@ -276,7 +296,8 @@ impl PrefillInstance {
 
     fn release(&mut self, sending: impl IntoIterator<Item = ReqId>) -> Vec<ReqId> {
         let mut freed = Vec::new();
-        for req in sending {
+        for internal in sending {
+            let req = self.clients.remove(&internal).unwrap_or(internal);
             if let Some(blocks) = self.held.remove(&req) {
                 self.pool.free(&blocks);
             }
@@ -348,8 +369,8 @@ impl DecodeInstance {
         pattern: BlockPattern,
         seed: u64,
     ) -> Result<Self, EngineError> {
+        let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0);
         let (cache, worker) = start_worker(config, shape).await?;
-        let sched = ConnectorScheduler::new(KvRole::Consumer, "127.0.0.1", 0);
         Ok(Self {
             sched,
             worker,

@@ -49,6 +49,16 @@ fn params_pointing_at(addr: std::net::SocketAddr) -> KvTransferParams {
         do_remote_decode: false,
         remote_host: Some(addr.ip().to_string()),
         remote_port: Some(addr.port()),
+        ..KvTransferParams::default()
+    }
+}
+
+/// The params a proxy would hand D for `spec`, scheduled (not finished) on
+/// the P at `addr`: they name P's id of it, as P's would once it finished.
+fn params_for_scheduled(addr: std::net::SocketAddr, spec: &PromptSpec) -> KvTransferParams {
+    KvTransferParams {
+        remote_request_id: Some(kvlink::PrefillInstance::internal_id(&spec.id)),
+        ..params_pointing_at(addr)
     }
 }
 
@@ -156,7 +166,7 @@ async fn prefill_gone_mid_flight_fails_the_pull_within_its_bound() {
     let spec = prompt(1, 64);
     let addr = p.side_channel().unwrap();
     p.schedule_only(std::slice::from_ref(&spec)).unwrap();
-    let params = params_pointing_at(addr);
+    let params = params_for_scheduled(addr, &spec);
     d.schedule(&[pull(&spec, params, 0)]).unwrap();
     assert!(p.wait_for_pull_waiting(BOUND).await, "prefill admitted the pull");
     // ...and P goes away while it waits.
@@ -174,7 +184,7 @@ async fn silent_prefill_fails_the_pull_at_the_transfer_timeout() {
     let spec = prompt(1, 64);
     let addr = p.side_channel().unwrap();
     p.schedule_only(std::slice::from_ref(&spec)).unwrap();
-    let params = params_pointing_at(addr);
+    let params = params_for_scheduled(addr, &spec);
     d.schedule(&[pull(&spec, params, 0)]).unwrap();
     let got = completions(&mut d, 1).await;
     assert!(matches!(&got[0], Completion::Failed { .. }), "{got:?}");

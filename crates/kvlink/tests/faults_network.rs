@@ -317,9 +317,13 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
         grant: Grant::plain(GrantId::random().unwrap()),
         wait_budget: TRANSFER_TIMEOUT,
         region_base_addrs: (1..=u64::from(shape().region_count())).map(|r| r * 2 * region_len).collect(),
-        requests: prompts
+        requests: prefilled
             .iter()
-            .map(|p| RequestBlocks { req_id: p.id.clone(), block_ids: (0..BLOCKS_PER_REQUEST as u32).collect() })
+            .map(|(_, params, _)| RequestBlocks {
+                req_id: params.remote_request_id.clone().unwrap(),
+                prefill_engine_id: params.remote_engine_id.clone(),
+                block_ids: (0..BLOCKS_PER_REQUEST as u32).collect(),
+            })
             .collect(),
     };
     let asked = Instant::now();

@@ -22,6 +22,7 @@ use common::faults::{
 };
 use common::proxy::{runtime, tally, Proxy};
 use common::{serve_logging, Proc, BOUND};
+use kv_proto::ReqId;
 use rstest::rstest;
 
 fn producer(side_channel_port: u16, extra: &[&str]) -> (Proc, SocketAddr) {
@@ -106,6 +107,11 @@ fn d_killed_mid_batch_p_frees_at_once_and_serves_another_d() {
     assert_back_to(&p, base);
 }
 
+/// P's ids of `pulls` (what P logs), from the params P returned.
+fn prefill_ids(pulls: &[kvlink::PullSpec]) -> Vec<ReqId> {
+    pulls.iter().map(|pull| pull.params.prefill_request_id(&pull.id)).collect()
+}
+
 /// D has seen a batch and will pull it (it renews P's hold on it), then
 /// dies before pulling: P frees the blocks a renewal period after the
 /// renewals stop, not at its lease (an hour here); a live D that renews
@@ -120,7 +126,8 @@ fn d_killed_before_pulling_p_frees_within_a_renewal_not_its_lease() {
     rt.block_on(proxy.round(BOUND));
 
     let watched = rt.block_on(proxy.send_to_watch());
-    let ids: Vec<&str> = watched.iter().map(|pull| pull.id.as_str()).collect();
+    let on_p = prefill_ids(&watched);
+    let ids: Vec<&str> = on_p.iter().map(ReqId::as_str).collect();
     p.wait_log_each(&["request held for a decode instance renewing it"], &ids, SLACK);
     d1.kill();
     let killed = Instant::now();
@@ -130,7 +137,8 @@ fn d_killed_before_pulling_p_frees_within_a_renewal_not_its_lease() {
     // A live D renews: its requests outlive many renewal periods, then land.
     rt.block_on(proxy.reconnect_d(d2_control));
     let pulls = rt.block_on(proxy.send_to_watch());
-    let ids: Vec<&str> = pulls.iter().map(|pull| pull.id.as_str()).collect();
+    let on_p = prefill_ids(&pulls);
+    let ids: Vec<&str> = on_p.iter().map(ReqId::as_str).collect();
     p.wait_log_each(&["request held for a decode instance renewing it"], &ids, SLACK);
     stay_renewed(Instant::now());
     rt.block_on(proxy.d.schedule(&pulls)).unwrap();

@@ -4,28 +4,52 @@
 
 use std::collections::BTreeSet;
 
-use kv_proto::{BlockId, ConnectorMetadata, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
+use kv_proto::{
+    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate,
+};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
 
 /// The remote prefill instance's side channel, as the proxy forwards it to D.
 pub const P_HOST: &str = "10.0.0.1";
 /// The remote prefill instance's side-channel base port.
 pub const P_PORT: u16 = 8998;
+/// The remote prefill engine's id.
+pub const P_ENGINE: &str = "prefill-engine";
+/// What the remote prefill engine calls every request of these tests: never
+/// the id the instance under test has for it (real engines never share ids).
+pub const P_REQ: &str = "p-internal-id";
+/// The engine id of the instance under test.
+pub const HERE_ENGINE: &str = "engine-under-test";
 /// The side channel of the instance under test.
 pub const HERE_HOST: &str = "10.0.0.9";
 /// The side-channel base port of the instance under test.
 pub const HERE_PORT: u16 = 7100;
 
 pub fn sched(role: KvRole) -> ConnectorScheduler {
-    ConnectorScheduler::new(role, HERE_HOST, HERE_PORT)
+    ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT)
 }
 
+/// Params as a proxy forwards them; those naming a prefill side channel
+/// also carry what P returns with it (its id of the request, its engine).
 pub fn params(prefill: bool, decode: bool, host: Option<&str>, port: Option<u16>) -> KvTransferParams {
+    let from_prefill = host.is_some() && port.is_some();
     KvTransferParams {
         do_remote_prefill: prefill,
         do_remote_decode: decode,
         remote_host: host.map(str::to_owned),
         remote_port: port,
+        remote_request_id: from_prefill.then(|| ReqId::from(P_REQ)),
+        remote_engine_id: from_prefill.then(|| EngineId::new(P_ENGINE)),
+    }
+}
+
+/// The remote prefill, as D's metadata names it.
+pub fn remote_p() -> RemotePrefill {
+    RemotePrefill {
+        remote_host: P_HOST.to_owned(),
+        remote_port: P_PORT,
+        remote_request_id: ReqId::from(P_REQ),
+        remote_engine_id: Some(EngineId::new(P_ENGINE)),
     }
 }
 
@@ -44,9 +68,14 @@ pub fn decode_elsewhere() -> KvTransferParams {
     params(false, true, None, None)
 }
 
-/// What a finished prefill tells the proxy: pull from the instance under test.
-pub fn points_here() -> KvTransferParams {
-    params(true, false, Some(HERE_HOST), Some(HERE_PORT))
+/// What a finished prefill tells the proxy about request `id`: pull it
+/// from the instance under test, which calls it `id`.
+pub fn points_here(id: &str) -> KvTransferParams {
+    KvTransferParams {
+        remote_request_id: Some(ReqId::from(id)),
+        remote_engine_id: Some(EngineId::new(HERE_ENGINE)),
+        ..params(true, false, Some(HERE_HOST), Some(HERE_PORT))
+    }
 }
 
 pub fn req(id: &str, prompt_len: usize, status: RequestStatus, params: Option<KvTransferParams>) -> EngineRequest {
@@ -54,7 +83,7 @@ pub fn req(id: &str, prompt_len: usize, status: RequestStatus, params: Option<Kv
 }
 
 pub fn recv_from_p(blocks: &[BlockId]) -> RecvReqMeta {
-    RecvReqMeta { local_block_ids: blocks.to_vec(), remote_host: P_HOST.to_owned(), remote_port: P_PORT }
+    RecvReqMeta { local_block_ids: blocks.to_vec(), remote: remote_p() }
 }
 
 pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> ConnectorMetadata {
@@ -78,7 +107,7 @@ pub fn ids(ids: &[&str]) -> BTreeSet<ReqId> {
 
 /// The metadata of a step that starts watching `ids` (pulled from P).
 pub fn watched(ids: &[&str]) -> ConnectorMetadata {
-    let remote = RemotePrefill { remote_host: P_HOST.to_owned(), remote_port: P_PORT };
+    let remote = remote_p();
     ConnectorMetadata {
         reqs_to_watch: ids.iter().map(|id| (ReqId::from(*id), remote.clone())).collect(),
         ..ConnectorMetadata::default()

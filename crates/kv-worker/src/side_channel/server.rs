@@ -404,7 +404,26 @@ async fn serve_transfer(
             local_num_blocks: shared.cache.num_blocks(),
         },
     };
-    let mut pending: Vec<usize> = (0..requests.len()).collect();
+    // A pull meant for another prefill engine (a proxy that mixed up
+    // instances) must not take, or write, a request of this one.
+    let ours = &shared.config.engine_id;
+    let mut pending: Vec<usize> = Vec::with_capacity(requests.len());
+    let mut misdirected: Option<(&kv_proto::ReqId, String)> = None;
+    for (index, r) in requests.iter().enumerate() {
+        match &r.prefill_engine_id {
+            Some(theirs) if theirs != ours => {
+                let reason = format!("the pull names prefill engine {theirs}, but this is prefill engine {ours}");
+                outcomes[index] = Some(failed(&reason));
+                misdirected.get_or_insert((&r.req_id, reason));
+            }
+            _ => pending.push(index),
+        }
+    }
+    if let Some((req_id, reason)) = misdirected {
+        let refused = requests.len() - pending.len();
+        // One line per transfer request, however many of it were refused.
+        tracing::warn!(xfer_id, %req_id, refused, peer = %peer_ip, %reason, "refusing requests meant for another prefill engine");
+    }
     loop {
         let changed = shared.sender_changed.notified();
         tokio::pin!(changed);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use kv_proto::{
     BatchWriter, BlockId, ConnectorMetadata, Endpoint, Grant, GrantId, KvRole, LayoutKind, MemoryRegion, Protocol,
-    RecvReqMeta, RegionAccess, ReqId, SendUpdate, TransportError, WriteOp,
+    RecvReqMeta, RegionAccess, RemotePrefill, ReqId, SendUpdate, TransportError, WriteOp,
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{pattern, CacheDims, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
@@ -132,24 +132,38 @@ pub fn all_zero(cache: &OwnedKvCache, blocks: &[BlockId]) -> bool {
         .all(|region| blocks.iter().all(|&block| read(cache, region, block).iter().all(|&b| b == 0)))
 }
 
+/// P's id of the request D calls `req`: engines name their copies of a
+/// request differently, and so do these tests (P's id never equals D's).
+pub fn p_id(req: &str) -> ReqId {
+    ReqId::new(format!("p-{req}"))
+}
+
+/// What D's metadata names as the prefill of `req` at `host:port`.
+pub fn remote(host: &str, port: u16, req: &str) -> RemotePrefill {
+    RemotePrefill { remote_host: host.into(), remote_port: port, remote_request_id: p_id(req), remote_engine_id: None }
+}
+
+/// P's request `p_id(req)` finished prefill into `blocks`.
 pub fn ready(p: &Instance, req: &str, blocks: &[BlockId]) {
     let mut meta = ConnectorMetadata::default();
-    meta.reqs_to_send.insert(ReqId::new(req), SendUpdate::Ready { block_ids: blocks.to_vec() });
+    meta.reqs_to_send.insert(p_id(req), SendUpdate::Ready { block_ids: blocks.to_vec() });
     p.worker.start_load_kv(&meta);
 }
 
+/// P's request `p_id(req)` is scheduled for a remote decode.
 pub fn expect(p: &Instance, req: &str) {
     let mut meta = ConnectorMetadata::default();
-    meta.reqs_to_send.insert(ReqId::new(req), SendUpdate::Expect);
+    meta.reqs_to_send.insert(p_id(req), SendUpdate::Expect);
     p.worker.start_load_kv(&meta);
 }
 
-/// D pulls `pulls` (request, D's blocks) from the side channel at `host:port`.
+/// D pulls `pulls` (D's request, D's blocks) from the side channel at
+/// `host:port`, naming each to P by [`p_id`].
 pub fn pull(d: &Instance, host: &str, port: u16, pulls: &[(&str, &[BlockId])]) {
     let reqs_to_recv = pulls
         .iter()
         .map(|(req, blocks)| {
-            let meta = RecvReqMeta { local_block_ids: blocks.to_vec(), remote_host: host.into(), remote_port: port };
+            let meta = RecvReqMeta { local_block_ids: blocks.to_vec(), remote: remote(host, port, req) };
             (ReqId::new(*req), meta)
         })
         .collect::<BTreeMap<_, _>>();

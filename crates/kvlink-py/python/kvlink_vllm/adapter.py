@@ -25,7 +25,17 @@ from . import _native, layout
 logger = logging.getLogger("kvlink_vllm")
 
 #: The request parameter fields kvlink reads; the rest of the dict is left alone.
-PARAM_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_host", "remote_port")
+#: ``remote_request_id`` and ``remote_engine_id`` are what a prefill instance
+#: returns about itself (its own id of the request, its engine id): the
+#: decode instance names the request to it by them.
+PARAM_FIELDS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_engine_id",
+)
 
 
 def settings_from_transfer_config(kv_transfer_config: Any) -> _native.Settings:
@@ -61,10 +71,21 @@ def _status_name(status: Any) -> str:
     return str(getattr(status, "name", status))
 
 
-def _params_json(params: Mapping[str, Any] | None) -> str | None:
+def _params_json(params: Any) -> str | None:
+    """The fields kvlink reads, as JSON text for the native scheduler.
+
+    ``kv_transfer_params`` come from the client: anything that is not a
+    mapping of JSON values is passed on as a value the native side refuses
+    (the request is then served locally, with a warning), never raised here.
+    """
     if params is None:
         return None
-    return json.dumps({k: params[k] for k in PARAM_FIELDS if k in params})
+    if not isinstance(params, Mapping):
+        return json.dumps(f"<{type(params).__name__}>")
+    try:
+        return json.dumps({k: params[k] for k in PARAM_FIELDS if k in params})
+    except (TypeError, ValueError):
+        return json.dumps("<kv_transfer_params that are not JSON>")
 
 
 def _prompt_len(request: Any) -> int:
@@ -103,7 +124,8 @@ class SchedulerSide:
             request.request_id, _prompt_len(request), _params_json(params), unhashed, num_external_tokens
         )
         if clear:
-            # Only one transfer per request, as the reference does to vLLM's dict.
+            # Only one transfer per request, as the reference does to vLLM's
+            # dict (clear is only ever set for a dict the native side parsed).
             params["do_remote_prefill"] = False
 
     def build_connector_meta(self) -> bytes:

@@ -95,9 +95,10 @@ pub fn send_and_stall(rt: &tokio::runtime::Runtime, proxy: &mut Proxy, d: &Proc)
 }
 
 /// Waits (bounded) for P's log line about failing to send each of `ids`
-/// with `reason`.
+/// with `reason` (P logs its own id of each).
 pub fn assert_p_failed_sending(p: &Proc, ids: &[ReqId], reason: &str) {
-    let ids: Vec<&str> = ids.iter().map(|id| id.as_str()).collect();
+    let on_p: Vec<ReqId> = ids.iter().map(kvlink::PrefillInstance::internal_id).collect();
+    let ids: Vec<&str> = on_p.iter().map(ReqId::as_str).collect();
     p.wait_log_each(&["sending KV failed", reason], &ids, SLACK);
 }
 
