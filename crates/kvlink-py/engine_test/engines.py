@@ -1,0 +1,244 @@
+"""The test's processes: ``vllm serve`` engines and the P/D router.
+
+Each runs in its own process group (``start_new_session``), so stopping
+it reaches vLLM's engine-core child too, with stdout and stderr going to
+a log file. Every wait is bounded; a process that dies while waited for
+fails the wait at once with its log's tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import client
+
+#: A vLLM engine on this 2-core machine starts in 40-60 s (three at once);
+#: a slower CI machine gets twice that before the wait gives up.
+START_TIMEOUT = 240.0
+#: SIGTERM, then this long for a clean exit, then SIGKILL.
+STOP_GRACE = 20.0
+#: D's pull bounds: a pull that cannot be made fails within seconds and D
+#: recomputes (the defaults, 60 s and 5 s, are for real deployments).
+TRANSFER_TIMEOUT = 5
+CONNECT_TIMEOUT = 2
+#: The served model name every request uses.
+MODEL_NAME = "tiny"
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_transfer_config(role: str, **extra: object) -> str:
+    """``--kv-transfer-config`` selecting kvlink in ``role``."""
+    return json.dumps(
+        {
+            "kv_connector": "KvlinkConnector",
+            "kv_connector_module_path": "kvlink_vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra},
+        }
+    )
+
+
+class Process:
+    """A process group writing to ``log_path``; subclasses say what to run."""
+
+    def __init__(self, name: str, log_dir: str):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self) -> None:
+        assert not self.alive(), f"{self.name} is already running"
+        self.starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== {self.name}: start {self.starts}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group at once: the host losing the process."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=STOP_GRACE)
+
+    def stop(self) -> None:
+        """SIGTERM, a bounded wait, then SIGKILL; also reaps a group whose
+        leader already exited (vLLM's engine core may outlive its server)."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=STOP_GRACE)
+
+    def log_text(self, start: int = 0) -> str:
+        """The log from byte ``start`` on, colour codes removed."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                return ANSI.sub("", f.read().decode(errors="replace"))
+        except FileNotFoundError:
+            return ""
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except FileNotFoundError:
+            return 0
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log_text().splitlines()[-lines:]
+        return f"----- last {len(text)} lines of {self.log_path}\n" + "\n".join(text)
+
+
+class Engine(Process):
+    """``vllm serve`` on 127.0.0.1: a baseline (``kv_config`` None), P or D."""
+
+    def __init__(self, name: str, log_dir: str, model: str, kv_config: str | None = None):
+        super().__init__(name, log_dir)
+        self.model = model
+        self.kv_config = kv_config
+        self.port = free_port()
+        # P's side channel listens on this port (+ rank); D's is unused but
+        # set anyway, so no two engines could ever share the default.
+        self.bootstrap_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--served-model-name", MODEL_NAME,
+            # vLLM's CPU backend would otherwise run the fp32 checkpoint in
+            # bf16, where two engines' kernels disagree in more than the last bit.
+            "--dtype", "float32",
+            "--enforce-eager",
+            "--max-model-len", "4096",
+            "--enable-prompt-tokens-details",
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", self.kv_config]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "VLLM_HOST_IP": "127.0.0.1",
+                "KVLINK_LOG": "info",
+                # One compute thread each, not bound to a core: three engines
+                # share two cores, and vLLM's default binds each to all of them.
+                "OMP_NUM_THREADS": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
+            }
+        )
+        return env
+
+    def healthy(self) -> bool:
+        return self.alive() and client.health(self.url)
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
+        """Seconds until ``/health`` answered 200; fails if the process exits."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) while starting\n{self.tail()}")
+            if client.health(self.url):
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name} not healthy within {timeout:.0f} s\n{self.tail()}")
+
+    def metric(self, name: str) -> float:
+        return client.metric(self.url, name)
+
+
+class Router(Process):
+    """vllm-router in vLLM P/D mode (the toy proxy's flow) in front of P and D."""
+
+    def __init__(self, name: str, log_dir: str, prefill: Engine, decode: Engine):
+        super().__init__(name, log_dir)
+        self.prefill, self.decode = prefill, decode
+        self.port = free_port()
+        self.metrics_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm_router.launch_router",
+            "--vllm-pd-disaggregation",
+            "--prefill", self.prefill.url,
+            "--decode", self.decode.url,
+            "--policy", "round_robin",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(self.metrics_port),
+            "--worker-startup-timeout-secs", "60",
+        ]  # fmt: skip
+
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) while starting\n{self.tail()}")
+            if client.health(self.url):
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name} not ready within {timeout:.0f} s\n{self.tail()}")
