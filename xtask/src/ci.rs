@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, fuzz, python, rdma_test, setup, soak};
+use crate::{cmd, deps, engine_test, fuzz, python, rdma_test, setup, soak};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -63,6 +63,8 @@ enum Action {
     RdmaTest,
     /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
     Python,
+    /// P and D as real vLLM engines with kvlink (see [`engine_test`]).
+    Engine,
     /// `cargo xtask fuzz` with these options (see [`fuzz`]).
     Fuzz(fuzz::FuzzArgs),
     /// `cargo xtask soak` with these options (see [`soak`]).
@@ -103,6 +105,9 @@ impl Step {
             Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
                                  and end-to-end test, in a Soft-RoCE guest)"
                 .to_owned(),
+            Action::Engine => "cargo xtask engine-test (vLLM 0.14 CPU: baseline, P and D as `vllm serve`, \
+                                vllm-router; a cached venv from engine_test/requirements-vllm-0.14.0.txt)"
+                .to_owned(),
             Action::Python => format!(
                 "kvlink_vllm: venv, pip install {} {}, pip install crates/kvlink-py, pytest",
                 python::MATURIN,
@@ -134,6 +139,7 @@ impl Step {
             Action::DependencyRule => deps::check(root),
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
+            Action::Engine => engine_test::ci(root),
             Action::Fuzz(args) => fuzz::run(args),
             Action::Soak(args) => soak::soak(args),
         }
@@ -207,6 +213,7 @@ fn steps() -> Vec<Step> {
         },
     });
     steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
+    steps.push(Step { name: "engine".to_owned(), group: "engine", action: Action::Engine });
     // The fuzz crate is outside the workspace: its corpus replayed on stable,
     // then a short fuzzing smoke from that corpus on nightly.
     steps.push(Step { name: "fuzz-replay".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::replay()) });

@@ -32,17 +32,24 @@
 //!   `cargo xtask fuzz --replay` runs that corpus through the same checks
 //!   on stable.
 //!
+//! * `cargo xtask engine-test [PYTEST_ARGS]` runs kvlink between two real
+//!   vLLM 0.14 engines (CPU build, tiny generated models) behind
+//!   vllm-router, against a baseline engine, with faults and TTFT figures
+//!   (also the CI step `engine`).
+//!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
 //! Soft-RoCE guest and [`rdma_test`] runs the RDMA tests in it, [`python`]
 //! builds and tests the `kvlink_vllm` package, [`fuzz`] runs the fuzz targets,
-//! [`soak`] runs the soak, [`setup`] checks and installs the machine's tools.
+//! [`soak`] runs the soak, [`setup`] checks and installs the machine's tools,
+//! [`engine_test`] runs the two-engine test.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod ci;
 mod cmd;
 mod deps;
+mod engine_test;
 mod fuzz;
 mod python;
 mod rdma_test;
@@ -81,6 +88,8 @@ enum Command {
     Fuzz(fuzz::FuzzArgs),
     /// Many requests between separate kvlink processes (4 P -> 1 D, then 1 P -> 2 D): no failure, flat RSS, no leak.
     Soak(soak::SoakArgs),
+    /// kvlink between two real vLLM 0.14 engines (CPU): P/D through vllm-router against a baseline, faults, TTFT.
+    EngineTest(engine_test::EngineTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -92,6 +101,7 @@ fn main() -> ExitCode {
         Command::VllmCheck(args) => python::vllm_check(&args),
         Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Soak(args) => soak::run(&args),
+        Command::EngineTest(args) => engine_test::run(&args),
         Command::Setup(args) => setup::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {

@@ -28,20 +28,20 @@ pub(crate) const PYTEST: &str = "pytest==8.4.2";
 pub(crate) const VLLM: &str = "vllm==0.14.0";
 
 /// The package's directory.
-fn package_dir(root: &Path) -> PathBuf {
+pub(crate) fn package_dir(root: &Path) -> PathBuf {
     root.join("crates").join("kvlink-py")
 }
 
 /// The target directory (`$CARGO_TARGET_DIR`, else `target/`).
-fn target_dir(root: &Path) -> PathBuf {
+pub(crate) fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
-fn python_program() -> OsString {
+pub(crate) fn python_program() -> OsString {
     std::env::var_os("PYTHON").unwrap_or_else(|| OsString::from("python3"))
 }
 
-fn run(mut command: Command, what: &str) -> Result<()> {
+pub(crate) fn run(mut command: Command, what: &str) -> Result<()> {
     println!("  $ {what}");
     command.env("PIP_DISABLE_PIP_VERSION_CHECK", "1");
     cmd::run_inherited(command, what)
@@ -75,7 +75,7 @@ fn pip(python: &Path, args: &[&str]) -> Result<()> {
 /// Installs the package from the repository, as the README says. `profile`
 /// is the cargo profile maturin builds with (`dev` reuses what the other CI
 /// steps compiled; users get `release`).
-fn install_package(root: &Path, python: &Path, profile: &str) -> Result<()> {
+pub(crate) fn install_package(root: &Path, python: &Path, profile: &str) -> Result<()> {
     let dir = package_dir(root);
     let mut command = Command::new(python);
     command.args(["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps"]).arg(&dir);

