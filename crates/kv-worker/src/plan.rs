@@ -80,10 +80,12 @@ pub fn plan_request(
         for &(local_start, remote_start, count) in &runs {
             let len = geometry.block_len * count;
             // Local offsets are in range (checked above); remote ones are D's
-            // word, bounds-checked by D's transport, but must not wrap here.
+            // word, bounds-checked by D's transport, but no op may wrap here:
+            // neither its start nor its end.
             let dst = u64::from(remote_start)
                 .checked_mul(geometry.block_len)
                 .and_then(|off| remote_base.checked_add(off))
+                .filter(|dst| dst.checked_add(len).is_some())
                 .ok_or(PlanError::RemoteAddressOverflow { block: remote_start })?;
             ops.push(WriteOp { src: local_base + u64::from(local_start) * geometry.block_len, dst, len });
         }
@@ -210,6 +212,8 @@ mod tests {
     #[case::more_remote_than_local(&[1], &[1, 2], PlanError::TooManyBlocks { local: 1, remote: 2 })]
     #[case::local_block_out_of_range(&[10], &[1], PlanError::LocalBlockOutOfRange { block: 10, num_blocks: 10 })]
     #[case::remote_overflow(&[1], &[u32::MAX], PlanError::RemoteAddressOverflow { block: u32::MAX })]
+    // Starts at base + 900 (no wrap) but ends 100 bytes past 2^64.
+    #[case::remote_end_wraps(&[1, 2], &[9, 10], PlanError::RemoteAddressOverflow { block: 9 })]
     fn refused(#[case] local: &[u32], #[case] remote: &[u32], #[case] err: PlanError) {
         let mut ops = Vec::new();
         let g =

@@ -322,9 +322,10 @@ impl Connection<'_> {
         }
     }
 
-    /// Refuses a batch (logged), discarding the `unread` op-list entries
-    /// not read yet and, unless it was pre-checked, its payload, so the
-    /// connection stays usable.
+    /// Refuses a batch (logged, at most one line a second for all
+    /// connections, with the count left out), discarding the `unread`
+    /// op-list entries not read yet and, unless it was pre-checked, its
+    /// payload, so the connection stays usable.
     async fn refuse(
         &self,
         stream: &mut TcpStream,
@@ -333,7 +334,10 @@ impl Connection<'_> {
         reason: &str,
     ) -> Result<(), ConnError> {
         let batch_id = header.batch_id;
-        warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, "refusing batch, nothing written");
+        let allowed = self.shared.batch_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+        if let Some(suppressed) = allowed {
+            warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, suppressed, "refusing batch, nothing written");
+        }
         self.discard(stream, header, unread).await?;
         self.reply(stream, batch_id, ReplyStatus::Refused, reason).await
     }

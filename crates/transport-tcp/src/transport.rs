@@ -44,6 +44,9 @@ pub(crate) struct Shared {
     pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     /// Log lines about peers refused for want of an established place.
     pub(crate) busy_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// Log lines about batches refused by their grant or ops (a peer can
+    /// send them as fast as it likes: unknown grants cost it 48 bytes).
+    pub(crate) batch_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     pub(crate) next_batch_id: AtomicU64,
@@ -97,6 +100,7 @@ impl TcpTransport {
             op_lists: OpListBudget::new(config.op_list_budget_in_force()),
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             busy_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            batch_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             next_batch_id: AtomicU64::new(0),

@@ -302,6 +302,36 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
     assert!(!text.contains(&"c3".repeat(16)), "the whole grant id was logged: {text}");
 }
 
+/// A flood of batches naming forged grants (48 bytes each, no secret
+/// needed) costs the log at most one line a second, each saying how many it
+/// left out; every batch is still refused and nothing lands.
+#[tokio::test]
+async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
+    const FLOOD: u64 = 2_000;
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rx = Receiver::new(64 * KIB).await;
+    let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
+    let started = std::time::Instant::now();
+    for batch_id in 1..=FLOOD {
+        let forged = GrantId::from_bytes(u128::from(batch_id).to_le_bytes());
+        client.batch(batch_id, forged, &[(rx.at(0), 8)], 8, &[1; 8]).await;
+        assert_eq!(client.reply().await.0.status, ReplyStatus::Refused);
+    }
+    let seconds = started.elapsed().as_secs();
+    assert!(rx.dst.is_zero());
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let lines = text.lines().filter(|l| l.contains("refusing batch")).count();
+    // One line when the flood starts, then at most one per second of it.
+    assert!(lines >= 1 && lines as u64 <= 2 + seconds, "{lines} lines for {FLOOD} refusals in {seconds} s:\n{text}");
+}
+
 /// The receiver's side of PRECHECK: a verdict before any payload byte is
 /// read; a refused question sends no payload and keeps the connection in
 /// step; an admitted batch whose sender goes away before the payload writes

@@ -45,6 +45,9 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
     );
     let mut accept_errors = LogThrottle::new(Duration::from_secs(1));
     let mut refusals = LogThrottle::new(Duration::from_secs(1));
+    // Any host that reaches the port can end connections badly, as fast as
+    // it can open them: one line a second for all of them.
+    let dropped = Arc::new(std::sync::Mutex::new(LogThrottle::new(Duration::from_secs(1))));
     loop {
         let accepted = tokio::select! {
             () = shared.cancel.cancelled() => break,
@@ -63,10 +66,20 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
                 };
                 let _ = stream.set_nodelay(true);
                 let conn_shared = shared.clone();
+                let dropped = dropped.clone();
                 shared.tracker.spawn(async move {
                     match serve_connection(conn_shared, stream, peer, handshake).await {
                         Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
-                        Err(reason) => tracing::warn!(%peer, %reason, "side-channel connection dropped"),
+                        Err(reason) => {
+                            let allowed =
+                                dropped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
+                            match allowed {
+                                Some(suppressed) => {
+                                    tracing::warn!(%peer, %reason, suppressed, "side-channel connection dropped");
+                                }
+                                None => tracing::debug!(%peer, %reason, "side-channel connection dropped"),
+                            }
+                        }
                     }
                 });
             }
