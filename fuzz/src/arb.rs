@@ -158,7 +158,11 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
             text(&r.endpoint.address)
                 && r.region_base_addrs.len() <= MAX_REGIONS
                 && r.requests.len() <= MAX_REQUESTS_PER_TRANSFER
-                && r.requests.iter().all(|b| text(b.req_id.as_str()) && b.block_ids.len() <= MAX_BLOCKS_PER_REQUEST)
+                && r.requests.iter().all(|b| {
+                    text(b.req_id.as_str())
+                        && b.prefill_engine_id.as_ref().is_none_or(|e| text(e.as_str()))
+                        && b.block_ids.len() <= MAX_BLOCKS_PER_REQUEST
+                })
         }
         SideMessage::KeepAlive(k) => {
             k.req_ids.len() <= MAX_REQUESTS_PER_TRANSFER && k.req_ids.iter().all(|id| text(id.as_str()))

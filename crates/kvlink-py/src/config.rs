@@ -1,7 +1,8 @@
 //! kvlink's settings as vLLM passes them: `--kv-transfer-config` (role,
 //! engine id, `kv_connector_extra_config`) plus the reference's environment
-//! variables. Every key of `kv_connector_extra_config` is known here; an
-//! unknown one is an error naming it.
+//! variables. Every key of `kv_connector_extra_config` is known here: kvlink's
+//! own, or one of vLLM's own connectors' (ignored); any other is an error
+//! naming it.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -29,6 +30,26 @@ pub(crate) const EXTRA_KEYS: &[(&str, &str)] = &[
     ("bind_host", "address the listeners bind (default: advertised_host if it is an IP address, else 0.0.0.0)"),
 ];
 
+/// Keys vLLM's own P/D connectors define in `kv_connector_extra_config`,
+/// with the connector that reads each: accepted and ignored (the caller logs
+/// them once), so a deployment switches connector by `kv_connector` alone.
+/// `mooncake_protocol` and `num_workers`, `MooncakeConnector`'s, are kvlink's
+/// own keys too.
+pub(crate) const FOREIGN_KEYS: &[(&str, &str)] = &[
+    ("backends", "NixlConnector"),
+    ("num_threads", "NixlConnector"),
+    ("enforce_handshake_compat", "NixlConnector"),
+    ("proxy_ip", "P2pNcclConnector, MoRIIOConnector"),
+    ("proxy_port", "P2pNcclConnector"),
+    ("http_port", "P2pNcclConnector, MoRIIOConnector"),
+    ("send_type", "P2pNcclConnector"),
+    ("mem_pool_size_gb", "P2pNcclConnector"),
+    ("nccl_num_channels", "P2pNcclConnector"),
+    ("proxy_ping_port", "MoRIIOConnector"),
+    ("handshake_port", "MoRIIOConnector"),
+    ("notify_port", "MoRIIOConnector"),
+];
+
 /// Parsed settings of one engine instance.
 #[derive(Clone, Debug)]
 pub(crate) struct Settings {
@@ -50,6 +71,9 @@ pub(crate) struct Settings {
     pub(crate) advertised_host: Option<String>,
     /// `bind_host`.
     pub(crate) bind_host: Option<IpAddr>,
+    /// Keys of other vLLM connectors that were given and are ignored, with
+    /// the connector that reads each.
+    pub(crate) ignored: Vec<(String, &'static str)>,
 }
 
 fn key(name: &str) -> String {
@@ -102,7 +126,11 @@ impl Settings {
         let value: Value = serde_json::from_str(text_json).map_err(|e| Error::Config(e.to_string()))?;
         let empty = Map::new();
         let extra = value.get("kv_connector_extra_config").and_then(Value::as_object).unwrap_or(&empty);
-        if let Some(unknown) = extra.keys().find(|k| !EXTRA_KEYS.iter().any(|(known, _)| known == k)) {
+        let foreign = |k: &str| FOREIGN_KEYS.iter().find(|(name, _)| *name == k).map(|(_, by)| *by);
+        let ignored: Vec<(String, &'static str)> =
+            extra.keys().filter_map(|k| foreign(k).map(|by| (k.clone(), by))).collect();
+        let ours = |k: &String| EXTRA_KEYS.iter().any(|(known, _)| known == k);
+        if let Some(unknown) = extra.keys().find(|k| !ours(k) && foreign(k).is_none()) {
             let known: Vec<&str> = EXTRA_KEYS.iter().map(|(k, _)| *k).collect();
             return Err(Error::Config(format!(
                 "kv-transfer-config: unknown key {} (kvlink knows: {})",
@@ -143,6 +171,7 @@ impl Settings {
             auth_secret_file,
             advertised_host: text(extra, "advertised_host")?.map(str::to_owned),
             bind_host,
+            ignored,
         })
     }
 

@@ -41,6 +41,13 @@ impl PySettings {
         self.inner.transfer.engine_id.as_str()
     }
 
+    /// Keys of other vLLM connectors given in `kv_connector_extra_config`
+    /// and ignored: `(key, connector)` pairs.
+    #[getter]
+    fn ignored_keys(&self) -> Vec<(String, &'static str)> {
+        self.inner.ignored.clone()
+    }
+
     /// `mooncake_protocol`.
     #[getter]
     fn protocol(&self) -> &'static str {

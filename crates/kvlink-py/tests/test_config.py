@@ -38,6 +38,23 @@ def test_every_documented_key_is_accepted(tmp_path):
     assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | {"auth_secret_file"}
 
 
+def test_other_vllm_connectors_keys_are_accepted_ignored_and_logged(caplog):
+    nixl = {"backends": ["UCX"], "num_threads": 4, "enforce_handshake_compat": True, "num_workers": 3}
+    with caplog.at_level("INFO", logger="kvlink_vllm"):
+        s = settings(nixl)
+    assert s.num_workers == 3
+    assert sorted(s.ignored_keys) == [
+        ("backends", "NixlConnector"),
+        ("enforce_handshake_compat", "NixlConnector"),
+        ("num_threads", "NixlConnector"),
+    ]
+    lines = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(lines) == 1 and "backends (NixlConnector)" in lines[0], lines
+    # A typo of kvlink's own key is still an error, beside foreign ones.
+    with pytest.raises(ConfigError, match=r"unknown key kv_connector_extra_config\.transfer_timout\b"):
+        settings({"backends": ["UCX"], "transfer_timout": 5})
+
+
 def test_unknown_key_is_an_error_naming_it():
     with pytest.raises(ConfigError, match=r"unknown key kv_connector_extra_config\.num_worker\b"):
         settings({"num_worker": 4})

@@ -51,7 +51,13 @@ def settings_from_transfer_config(kv_transfer_config: Any) -> _native.Settings:
         text = json.dumps(doc)
     except TypeError as e:
         raise _native.ConfigError(f"kv_connector_extra_config is not JSON-serializable: {e}") from e
-    return _native.Settings(text)
+    settings = _native.Settings(text)
+    if settings.ignored_keys:
+        logger.info(
+            "kvlink ignores these kv_connector_extra_config keys of other vLLM connectors: %s",
+            ", ".join(f"{key} ({by})" for key, by in settings.ignored_keys),
+        )
+    return settings
 
 
 def default_host() -> str:

@@ -15,7 +15,7 @@ import enum
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import adapter
+from . import adapter, versions
 
 try:  # vLLM present: subclass its real base classes.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -138,6 +138,8 @@ class KvlinkConnector(KVConnectorBase_V1):
         role: "KVConnectorRole",
         kv_cache_config: Optional["KVCacheConfig"] = None,
     ):
+        if HAVE_VLLM:
+            versions.check_installed()
         super().__init__(vllm_config, role, kv_cache_config)
         settings = adapter.settings_from_transfer_config(vllm_config.kv_transfer_config)
         self.settings = settings
