@@ -5,9 +5,8 @@
 
 mod common;
 
-use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::*;
 use futures_util::{SinkExt, StreamExt};
@@ -17,34 +16,6 @@ use tokio::net::TcpListener;
 use tokio_util::codec::Framed;
 
 const REASON: &str = "region count: prefill p has 4, decode d has 8";
-
-/// Every log line of this test binary (it has one test), for counting.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn install() -> Self {
-        let logs = Self::default();
-        let writer = logs.clone();
-        tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).init();
-        logs
-    }
-
-    fn lines_with(&self, needles: &[&str]) -> usize {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines().filter(|line| needles.iter().all(|n| line.contains(n))).count()
-    }
-}
 
 /// A prefill side channel that refuses every hello, counting connections.
 async fn refusing_prefill() -> (u16, Arc<AtomicUsize>) {
@@ -69,7 +40,7 @@ async fn refusing_prefill() -> (u16, Arc<AtomicUsize>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusing_prefill_is_asked_once_and_every_pull_fails_with_its_reason() {
-    let logs = Logs::install();
+    let logs = Logs::install(tracing::Level::INFO);
     let net = Net::new(Backend::InMemory).unwrap();
     let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
     let (port, connections) = refusing_prefill().await;

@@ -4,28 +4,12 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use common::*;
 use kv_proto::KvRole;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-
-/// Every log line of this test binary (it has one test), for counting.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_connections_log_a_bounded_number_of_lines() {
@@ -63,8 +47,8 @@ async fn malformed_connections_log_a_bounded_number_of_lines() {
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 
-    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
-    let lines = text.lines().filter(|l| l.contains("side-channel connection dropped")).count();
+    let text = logs.text();
+    let lines = logs.lines_with(&["side-channel connection dropped"]);
     assert!(
         lines >= 1 && lines as u64 <= 2 + seconds,
         "{lines} lines for {CONNECTIONS} malformed connections in {seconds} s:\n{text}"

@@ -266,3 +266,38 @@ impl BatchWriter for GatedWriter {
         self.inner.shutdown().await;
     }
 }
+
+/// Every log line of a test binary, for counting: installed as the
+/// process's global subscriber, so a binary using it has one test.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Captures every event at `level` and above from now on.
+    pub fn install(level: tracing::Level) -> Self {
+        let logs = Self::default();
+        let writer = logs.clone();
+        tracing_subscriber::fmt().with_ansi(false).with_max_level(level).with_writer(move || writer.clone()).init();
+        logs
+    }
+
+    /// Lines holding every one of `needles`.
+    pub fn lines_with(&self, needles: &[&str]) -> usize {
+        self.text().lines().filter(|line| needles.iter().all(|n| line.contains(n))).count()
+    }
+
+    /// Everything logged so far.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
