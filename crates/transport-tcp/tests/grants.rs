@@ -273,11 +273,9 @@ impl Write for Logs {
     }
 }
 
-/// A refused batch is logged with the peer's address and the grant's short
-/// form, never the whole id (a capability). On a current-thread runtime, so
-/// every task logs to this test's subscriber.
-#[tokio::test]
-async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
+/// Captures this thread's warnings until the guard drops (a current-thread
+/// runtime's tasks all log here).
+fn capture_warnings() -> (Logs, tracing::subscriber::DefaultGuard) {
     let logs = Logs::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -285,7 +283,15 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
         .with_ansi(false)
         .with_max_level(tracing::Level::WARN)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    (logs, tracing::subscriber::set_default(subscriber))
+}
+
+/// A refused batch is logged with the peer's address and the grant's short
+/// form, never the whole id (a capability). On a current-thread runtime, so
+/// every task logs to this test's subscriber.
+#[tokio::test]
+async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
+    let (logs, _guard) = capture_warnings();
     let rx = Receiver::new(64 * KIB).await;
     let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
     let forged = GrantId::from_bytes([0xC3; 16]);
@@ -308,14 +314,7 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
 #[tokio::test]
 async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     const FLOOD: u64 = 2_000;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = capture_warnings();
     let rx = Receiver::new(64 * KIB).await;
     let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
     let started = std::time::Instant::now();
