@@ -33,6 +33,7 @@ import enum
 import hashlib
 import mmap
 import pickle
+import secrets
 from types import SimpleNamespace
 from typing import Any
 
@@ -99,7 +100,11 @@ class Blocks:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_len: int, params: dict | None, max_tokens: int, hit_blocks: int):
+    def __init__(self, client_id: str, request_id: str, prompt_len: int, params: dict | None, max_tokens: int, hit_blocks: int):
+        #: The id the client (and the test) names the request by.
+        self.client_id = client_id
+        #: This engine's own id of it, as vLLM's ``assign_request_id`` makes
+        #: one per engine: what the connector sees, never the same on P and D.
         self.request_id = request_id
         self.prompt_token_ids = list(range(prompt_len))
         self.kv_transfer_params = params
@@ -171,7 +176,9 @@ class Instance:
         self.block_len = cache.block_len
 
         self.free_blocks = list(range(num_blocks))
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by this engine's own id
+        self.internal_ids: dict[str, str] = {}  # client id -> this engine's id
+        self.client_ids: dict[str, str] = {}  # this engine's id -> client id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
@@ -190,12 +197,12 @@ class Instance:
     def write_kv(self, req: Request, logical_blocks: range) -> None:
         for i in logical_blocks:
             for region in range(len(self.regions)):
-                data = pattern(req.request_id, i, region, self.block_len)
+                data = pattern(req.client_id, i, region, self.block_len)
                 ctypes.memmove(self._block_addr(region, req.block_ids[i]), data, self.block_len)
 
     def verify(self, request_id: str) -> dict:
         """Compares every byte of the request's blocks with what its prefill computes."""
-        req = self.requests[request_id]
+        req = self.requests[self.internal_ids[request_id]]
         checked, bad = 0, []
         for i, block in enumerate(req.block_ids):
             for region in range(len(self.regions)):
@@ -208,17 +215,29 @@ class Instance:
     # ------------------------------------------------------------------ requests
 
     def add(self, request_id: str, prompt_len: int, params: dict | None, max_tokens: int = 1, hit_blocks: int = 0, hold: bool = False):
-        req = Request(request_id, prompt_len, params, max_tokens, hit_blocks)
+        internal = f"{request_id}-{secrets.token_hex(4)}"
+        self.internal_ids[request_id] = internal
+        self.client_ids[internal] = request_id
+        req = Request(request_id, internal, prompt_len, params, max_tokens, hit_blocks)
         req.hold = hold
-        self.requests[request_id] = req
+        self.requests[internal] = req
         self.waiting.append(req)
 
+    def _client(self, ids) -> list[str]:
+        """Engine ids as the client knows them (vLLM's output processor maps them back)."""
+        return sorted(self.client_ids.get(i, i) for i in ids)
+
+    def internal_id(self, request_id: str) -> str:
+        """This engine's own id of the client's request (what a prefill
+        returns as ``remote_request_id`` once it finishes)."""
+        return self.internal_ids[request_id]
+
     def release(self, request_id: str) -> None:
-        self.requests[request_id].hold = False
+        self.requests[self.internal_ids[request_id]].hold = False
 
     def abort(self, request_id: str) -> dict:
         """``Scheduler.finish_requests(..., FINISHED_ABORTED)``."""
-        req = self.requests.get(request_id)
+        req = self.requests.get(self.internal_ids.get(request_id, ""))
         if req is None or req.status.is_finished():
             return {}
         if req in self.running:
@@ -230,7 +249,7 @@ class Instance:
 
     def finish(self, request_id: str) -> dict:
         """A decode ends (stop token)."""
-        req = self.requests[request_id]
+        req = self.requests[self.internal_ids[request_id]]
         self.running.remove(req)
         req.status = RequestStatus.FINISHED_STOPPED
         return self._free_request(req)
@@ -322,8 +341,8 @@ class Instance:
     def _update_from_output(self, sending: set[str], recving: set[str], invalid: set[int], scheduled) -> dict:
         events: dict[str, Any] = {
             "step": self.step_no,
-            "finished_sending": sorted(sending),
-            "finished_recving": sorted(recving),
+            "finished_sending": self._client(sending),
+            "finished_recving": self._client(recving),
             "invalid_block_ids": sorted(invalid),
             "finished": {},
         }
@@ -353,16 +372,16 @@ class Instance:
             if req.num_output_tokens >= req.max_tokens:
                 self.running.remove(req)
                 req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                events["finished"][req.request_id] = self._free_request(req)
+                events["finished"][req.client_id] = self._free_request(req)
         return events
 
     def state(self) -> dict:
         return {
-            "requests": {rid: r.status.name for rid, r in self.requests.items()},
+            "requests": {r.client_id: r.status.name for r in self.requests.values()},
             "free_blocks": len(self.free_blocks),
             "violations": list(self.violations),
             "transfers_in_progress": self.worker.connector_worker.worker.transfers_in_progress,
             "side_channel_port": self.worker.connector_worker.worker.side_channel_port,
-            "recompute": sorted(r.request_id for r in self.requests.values() if r.recompute),
+            "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
         }

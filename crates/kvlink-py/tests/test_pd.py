@@ -96,7 +96,7 @@ def test_abort_before_scheduling_on_decode(instances):
 
 def test_prefill_lease_frees_unpulled_blocks(instances):
     p, d = start_pair(instances, p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
-    prefill(p, "r4", prompt_len=2 * BLOCK)
+    params = prefill(p, "r4", prompt_len=2 * BLOCK)
     started = time.monotonic()
     step_until([p], lambda e: "r4" in collected(e["P"], "finished_sending"), timeout=10, what="lease end")
     held = time.monotonic() - started
@@ -107,7 +107,7 @@ def test_prefill_lease_frees_unpulled_blocks(instances):
         "add",
         request_id="r4",
         prompt_len=2 * BLOCK,
-        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": p.ready["side_channel_port"]},
+        params=params,
         max_tokens=100,
     )
     ev = step_until([p, d], lambda e: "r4" in collected(e["D"], "finished_recving"), what="late pull fails")
@@ -125,7 +125,13 @@ def test_prefill_killed_mid_transfer(instances):
         "add",
         request_id="r5",
         prompt_len=3 * BLOCK,
-        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+        params={
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            # What P will return once the prefill ends: its own id of the request.
+            "remote_request_id": p.call("internal_id", request_id="r5"),
+        },
         max_tokens=100,
     )
     d.call("step")  # D schedules r5 and starts the pull
@@ -160,7 +166,13 @@ def test_decode_abort_during_pull_is_not_reported(instances):
         "add",
         request_id="r6",
         prompt_len=2 * BLOCK,
-        params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+        params={
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            # What P will return once the prefill ends: its own id of the request.
+            "remote_request_id": p.call("internal_id", request_id="r6"),
+        },
         max_tokens=100,
     )
     d.call("step")  # D starts the pull
