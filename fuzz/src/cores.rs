@@ -657,9 +657,13 @@ impl Sender {
     fn renew(&mut self, id: &ReqId, by: &EngineId, now: Instant) {
         let got = self.core.renew([id], by, now);
         let holds = matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. }));
-        let renewed = !self.renewal.is_zero() && holds;
+        // Only the first decode instance to renew a request renews it, and
+        // a renewal never brings its end closer.
+        let someone_else = self.renewals.get(id).is_some_and(|(_, who)| who != by);
+        let renewed = !self.renewal.is_zero() && holds && !someone_else;
         if renewed {
-            self.renewals.insert(id.clone(), (now + self.renewal, by.clone()));
+            let until = self.renewals.get(id).map_or(now + self.renewal, |(u, _)| (*u).max(now + self.renewal));
+            self.renewals.insert(id.clone(), (until, by.clone()));
         }
         assert_eq!(got, usize::from(renewed), "renewal of {id}");
         self.check();

@@ -177,6 +177,12 @@ impl SenderCore {
     /// abort-timeout lease still caps a ready one). Returns how many were
     /// renewed; ids P does not hold are ignored (already pulled, forgotten,
     /// or never here).
+    ///
+    /// The first decode instance to renew a request owns its renewals: one
+    /// from another instance changes nothing (it could otherwise cut short
+    /// the owner's hold), and a renewal never brings a hold's end closer.
+    /// Renewals name P's own id of a request, which only the proxy and the
+    /// decode instance it chose have been told.
     pub fn renew<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>, by: &EngineId, now: Instant) -> usize {
         if self.renewal.is_zero() {
             return 0;
@@ -185,10 +191,17 @@ impl SenderCore {
         let mut renewed = 0;
         for req in reqs {
             if let Some(slot) = self.entries.get_mut(req).and_then(SendEntry::renewal_mut) {
-                if slot.is_none() {
-                    tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
+                match slot {
+                    Some(owner) if &owner.by != by => {
+                        tracing::debug!(req_id = %req, decode_engine = %by, owner = %owner.by, "renewal from a decode instance that does not own the request; ignored");
+                        continue;
+                    }
+                    Some(owner) => owner.until = owner.until.max(until),
+                    None => {
+                        tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
+                        *slot = Some(Renewal { until, by: by.clone() });
+                    }
                 }
-                *slot = Some(Renewal { until, by: by.clone() });
                 renewed += 1;
             }
         }
