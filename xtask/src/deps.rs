@@ -1,4 +1,4 @@
-//! The crate dependency rule (DESIGN.md section 3), checked on each crate's
+//! The crate dependency rule (ARCHITECTURE.md's first invariants), checked on each crate's
 //! NORMAL dependency tree (`cargo tree -e normal`, so dev- and
 //! build-dependencies are not counted) for every target platform.
 //!

@@ -17,7 +17,7 @@
 //!    proxy forwards to D; on D, notify P about a request aborted before it
 //!    was ever scheduled so P frees its blocks.
 //!
-//! Differences from the reference (see `DESIGN.md` §2): role violations the
+//! Differences from the reference connector: role violations the
 //! reference `assert`s are [`SchedError`] values; a send entry announced to
 //! the worker for a request that then finishes without delay-free (stopped
 //! early, aborted, nothing to send) is withdrawn with
