@@ -47,6 +47,9 @@ def kv_transfer_config(role: str, **extra: object) -> str:
             "kv_connector": "KvlinkConnector",
             "kv_connector_module_path": "kvlink_vllm",
             "kv_role": role,
+            # A failed pull is recomputed (0.14's default; later vLLM
+            # releases default to "fail", which answers the client 500).
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra},
         }
     )
