@@ -64,6 +64,9 @@ pub(crate) struct Shared {
     pub(crate) watches: Mutex<WatchList>,
     /// Signalled when a request starts being watched.
     pub(crate) watches_changed: Notify,
+    /// P: log lines about pulls meant for another prefill engine (any D can
+    /// send them as fast as it likes).
+    pub(crate) misdirected_log: Mutex<kv_proto::LogThrottle>,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     /// Keeps library-allocated memory alive as long as any task may touch it.
@@ -228,6 +231,7 @@ impl Worker {
             clients: Mutex::new(HashMap::new()),
             watches: Mutex::new(WatchList::new(config.tp_rank)),
             watches_changed: Notify::new(),
+            misdirected_log: Mutex::new(kv_proto::LogThrottle::new(std::time::Duration::from_secs(1))),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,

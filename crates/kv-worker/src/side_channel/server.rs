@@ -434,8 +434,12 @@ async fn serve_transfer(
     }
     if let Some((req_id, reason)) = misdirected {
         let refused = requests.len() - pending.len();
-        // One line per transfer request, however many of it were refused.
-        tracing::warn!(xfer_id, %req_id, refused, peer = %peer_ip, %reason, "refusing requests meant for another prefill engine");
+        // At most a line a second, whatever the peers send.
+        let allowed =
+            shared.misdirected_log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
+        if let Some(suppressed) = allowed {
+            tracing::warn!(xfer_id, %req_id, refused, suppressed, peer = %peer_ip, %reason, "refusing requests meant for another prefill engine");
+        }
     }
     loop {
         let changed = shared.sender_changed.notified();
