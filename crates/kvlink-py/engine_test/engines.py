@@ -63,6 +63,23 @@ class Process:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds until ``/health`` answered 200; fails if the process exits."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) while starting\n{self.tail()}")
+            if client.health(self.url):
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name} not healthy within {timeout:.0f} s\n{self.tail()}")
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -142,14 +159,9 @@ class Engine(Process):
         super().__init__(name, log_dir)
         self.model = model
         self.kv_config = kv_config
-        self.port = free_port()
         # P's side channel listens on this port (+ rank); D's is unused but
         # set anyway, so no two engines could ever share the default.
         self.bootstrap_port = free_port()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
@@ -193,16 +205,7 @@ class Engine(Process):
         return self.alive() and client.health(self.url)
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
-        """Seconds until ``/health`` answered 200; fails if the process exits."""
-        started = time.monotonic()
-        deadline = started + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) while starting\n{self.tail()}")
-            if client.health(self.url):
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise AssertionError(f"{self.name} not healthy within {timeout:.0f} s\n{self.tail()}")
+        return super().wait_healthy(timeout)
 
     def metric(self, name: str) -> float:
         return client.metric(self.url, name)
@@ -214,12 +217,7 @@ class Router(Process):
     def __init__(self, name: str, log_dir: str, prefill: Engine, decode: Engine):
         super().__init__(name, log_dir)
         self.prefill, self.decode = prefill, decode
-        self.port = free_port()
         self.metrics_port = free_port()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         return [
@@ -236,12 +234,4 @@ class Router(Process):
         ]  # fmt: skip
 
     def wait_ready(self, timeout: float = 60.0) -> float:
-        started = time.monotonic()
-        deadline = started + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) while starting\n{self.tail()}")
-            if client.health(self.url):
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise AssertionError(f"{self.name} not ready within {timeout:.0f} s\n{self.tail()}")
+        return self.wait_healthy(timeout)
