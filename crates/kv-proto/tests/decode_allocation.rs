@@ -4,43 +4,8 @@
 //! the `side_channel_frame` fuzz target).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use kv_proto::FrameCodec;
-
-/// Counts the largest single allocation made while armed.
-struct Meter;
-
-static ARMED: AtomicUsize = AtomicUsize::new(0);
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Meter {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) > 0 {
-            LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        }
-        // SAFETY: the caller's contract for `alloc` is forwarded as is.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) > 0 {
-            LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        }
-        // SAFETY: as above.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: as above.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Meter = Meter;
+use test_support::{largest_allocation, reset_peak_heap};
 
 #[test]
 fn a_claimed_string_length_allocates_nothing_before_its_bytes_are_there() {
@@ -54,10 +19,9 @@ fn a_claimed_string_length_allocates_nothing_before_its_bytes_are_there() {
     frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
     frame.extend_from_slice(&body);
     let codec = FrameCodec::default();
-    ARMED.store(1, Ordering::SeqCst);
+    reset_peak_heap();
     let decoded = codec.decode_exact(&frame);
-    ARMED.store(0, Ordering::SeqCst);
+    let largest = largest_allocation();
     assert!(decoded.is_err(), "{decoded:?}");
-    let largest = LARGEST.load(Ordering::SeqCst);
     assert!(largest < 64 * 1024, "decoding a {}-byte frame allocated {largest} bytes at once", frame.len());
 }

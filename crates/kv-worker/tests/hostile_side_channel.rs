@@ -18,6 +18,7 @@ use kv_proto::{
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
+use test_support::open_fds;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_util::codec::Framed;
 
@@ -99,11 +100,6 @@ impl Pair {
         self.p.shutdown().await;
         self.d.shutdown().await;
     }
-}
-
-/// Open file descriptors of this process.
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
 /// Waits (bounded) until the fd count is back to `baseline`.

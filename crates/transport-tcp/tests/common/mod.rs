@@ -274,123 +274,25 @@ impl RawClient {
     }
 }
 
-/// Open file descriptors of this process.
-pub fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-/// A `kB` field of `/proc/self/status` (`VmRSS`, `VmHWM`), in bytes.
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line =
-        status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in /proc/self/status"));
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib * 1024
-}
-
-/// Anonymous resident memory of this process now (the heap, stacks; not
-/// the pages of the binary and libraries, which grow as code first runs),
-/// after asking the allocator to give freed memory back to the system (so
-/// what is measured is what is held).
-pub fn rss() -> u64 {
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe { libc::malloc_trim(0) };
-    status_kib("RssAnon:")
-}
-
-/// Restarts the peak of resident memory from now; returns the resident
-/// memory (all of it) it starts from.
-pub fn reset_peak_rss() -> u64 {
-    std::fs::write("/proc/self/clear_refs", "5").unwrap();
-    status_kib("VmRSS:")
-}
-
-/// How much the resident memory (all of it) grew at most since
-/// [`reset_peak_rss`] returned `from`.
-pub fn peak_rss_growth(from: u64) -> u64 {
-    status_kib("VmHWM:").saturating_sub(from)
-}
-
-/// Descriptors and anonymous resident memory at one moment, to come back to.
+/// Descriptors and live heap at one moment, to come back to within
+/// [`BOUND`].
 #[derive(Clone, Copy, Debug)]
-pub struct Resources {
-    pub fds: usize,
-    pub rss: u64,
-}
-
-/// Anonymous resident memory a test may keep after it ends: what the
-/// allocator cannot give back (pages still holding a live allocation), the
-/// runtime's and the transports' structures grown to the peak; far below
-/// what the hostile cases would leave if they leaked what they made the
-/// receiver hold.
-pub const RSS_SLACK: u64 = 32 << 20;
+pub struct Resources(test_support::Resources);
 
 impl Resources {
     pub fn now() -> Self {
-        Self { fds: open_fds(), rss: rss() }
+        Self(test_support::Resources::now())
     }
 
-    /// Waits (bounded) until this process has no more descriptors open than
-    /// at `self`, and no more than [`RSS_SLACK`] more resident memory.
+    /// Waits (bounded) until this process holds no more descriptors and
+    /// (within the slack) no more live heap than at `self`.
     pub async fn back(&self, what: &str) {
-        let deadline = tokio::time::Instant::now() + BOUND;
-        loop {
-            let now = Self::now();
-            if now.fds <= self.fds && now.rss <= self.rss + RSS_SLACK {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {} descriptors and {} MiB resident, {} and {} MiB before",
-                now.fds,
-                now.rss >> 20,
-                self.fds,
-                self.rss >> 20
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        self.0.back(what, BOUND).await;
     }
 }
 
-impl Resources {
-    /// [`Resources::back`], outside a runtime.
-    pub fn back_blocking(&self, what: &str) {
-        let deadline = std::time::Instant::now() + BOUND;
-        loop {
-            let now = Self::now();
-            if now.fds <= self.fds && now.rss <= self.rss + RSS_SLACK {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{what}: {} descriptors and {} MiB resident, {} and {} MiB before",
-                now.fds,
-                now.rss >> 20,
-                self.fds,
-                self.rss >> 20
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-/// Runs `test` on a runtime of its own while no other isolated test of this
-/// binary runs, then checks that the process has no more descriptors open
-/// and (within [`RSS_SLACK`]) no more anonymous memory than before: all the
-/// test opened, hostile peers' connections included, is closed again. In a
-/// binary that counts descriptors every test runs this way, so no other
-/// test's sockets or runtime disturb the count.
+/// Runs `test` alone on a runtime of its own and checks that it left no
+/// descriptor and no heap behind ([`test_support::isolated`]).
 pub fn isolated(test: impl std::future::Future<Output = ()>) {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    static WARM: std::sync::Once = std::sync::Once::new();
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let runtime = || tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    // What the first runtime of a process creates for good (tokio's signal
-    // pipe, with the feature on) is there before the count.
-    WARM.call_once(|| drop(runtime()));
-    let before = Resources::now();
-    let runtime = runtime();
-    runtime.block_on(test);
-    runtime.shutdown_timeout(BOUND);
-    before.back_blocking("after the test and its runtime");
+    test_support::isolated(test, BOUND);
 }
