@@ -19,7 +19,8 @@
 //! its own, and a server only ever produces server proofs, so neither can be
 //! used as an oracle for the other (no reflection). Proofs are compared in
 //! constant time by the MAC crate. This authenticates peers; it does not
-//! encrypt anything.
+//! encrypt anything, and on its own it covers only the handshake: what
+//! follows is covered by keys derived from the transcript ([`crate::session`]).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -101,6 +102,13 @@ pub struct Transcript<'a> {
     pub server_nonce: &'a Nonce,
     /// The connection's opening message as sent (may be empty).
     pub context: &'a [u8],
+}
+
+impl Transcript<'_> {
+    /// What names the channel in every MAC over this transcript.
+    pub(crate) fn channel_label(&self) -> &'static [u8] {
+        self.channel.label()
+    }
 }
 
 /// Which side proves.

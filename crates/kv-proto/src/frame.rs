@@ -8,16 +8,22 @@
 //!
 //! Decoding is incremental (for stream readers) and bounded: the length is
 //! checked against the configured maximum before a byte of body is buffered.
+//!
+//! On an authenticated connection every frame after the handshake is
+//! followed by its tag ([`crate::session`], over header and body), which is
+//! checked before the body is decoded ([`FrameCodec::encode_sealed`],
+//! [`FrameCodec::decode_sealed`]); the length field counts the body only.
 
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{BufMut, BytesMut};
 
 use crate::codec::{self, CodecError};
+use crate::session::{BadTag, FrameAuth, FRAME_TAG_LEN};
 use crate::wire::SideMessage;
 
 /// The four bytes every side-channel frame starts with.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVLK";
 /// The side-channel protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes of the frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default bound on a frame body (16 MiB: a transfer request for thousands
@@ -59,6 +65,9 @@ pub enum FrameError {
     /// The body is not a valid message.
     #[error(transparent)]
     Codec(#[from] CodecError),
+    /// The frame's tag does not match (altered or injected after the handshake).
+    #[error(transparent)]
+    BadTag(#[from] BadTag),
 }
 
 /// Encoder and incremental decoder of side-channel frames.
@@ -88,18 +97,37 @@ impl FrameCodec {
 
     /// Appends one frame carrying `msg` to `dst`.
     pub fn encode(&self, msg: &SideMessage, dst: &mut BytesMut) -> Result<(), FrameError> {
+        self.encode_frame(msg, dst, None)
+    }
+
+    /// Appends one frame carrying `msg` to `dst`, followed by its tag under
+    /// `auth` (the sending direction of the connection's session).
+    pub fn encode_sealed(&self, msg: &SideMessage, auth: &mut FrameAuth, dst: &mut BytesMut) -> Result<(), FrameError> {
+        self.encode_frame(msg, dst, Some(auth))
+    }
+
+    fn encode_frame(
+        &self,
+        msg: &SideMessage,
+        dst: &mut BytesMut,
+        auth: Option<&mut FrameAuth>,
+    ) -> Result<(), FrameError> {
         let mut body = Vec::with_capacity(256);
         codec::encode_into(msg, &mut body)?;
         if body.len() > self.max_frame_len {
             return Err(FrameError::TooLarge { len: body.len(), max: self.max_frame_len });
         }
-        dst.reserve(FRAME_HEADER_LEN + body.len());
-        dst.put_slice(&FRAME_MAGIC);
-        dst.put_u16(PROTOCOL_VERSION);
-        dst.put_u16(0);
+        let mut header = [0u8; FRAME_HEADER_LEN];
+        header[..4].copy_from_slice(&FRAME_MAGIC);
+        header[4..6].copy_from_slice(&PROTOCOL_VERSION.to_be_bytes());
         // `max_frame_len` is capped at u32::MAX, so this cannot truncate.
-        dst.put_u32(body.len() as u32);
+        header[8..12].copy_from_slice(&(body.len() as u32).to_be_bytes());
+        dst.reserve(FRAME_HEADER_LEN + body.len() + FRAME_TAG_LEN);
+        dst.put_slice(&header);
         dst.put_slice(&body);
+        if let Some(auth) = auth {
+            dst.put_slice(&auth.seal(&[&header, &body]));
+        }
         Ok(())
     }
 
@@ -107,6 +135,21 @@ impl FrameCodec {
     /// bytes are needed; an error means the stream is unusable and the
     /// connection should be closed.
     pub fn decode(&self, src: &mut BytesMut) -> Result<Option<SideMessage>, FrameError> {
+        self.decode_frame(src, None)
+    }
+
+    /// Like [`FrameCodec::decode`], for a frame followed by its tag under
+    /// `auth` (the receiving direction of the connection's session): the
+    /// tag is checked before the body is decoded.
+    pub fn decode_sealed(&self, src: &mut BytesMut, auth: &mut FrameAuth) -> Result<Option<SideMessage>, FrameError> {
+        self.decode_frame(src, Some(auth))
+    }
+
+    fn decode_frame(
+        &self,
+        src: &mut BytesMut,
+        auth: Option<&mut FrameAuth>,
+    ) -> Result<Option<SideMessage>, FrameError> {
         let magic_seen = src.len().min(FRAME_MAGIC.len());
         if src[..magic_seen] != FRAME_MAGIC[..magic_seen] {
             return Err(FrameError::BadMagic { got: src[..magic_seen].to_vec() });
@@ -126,13 +169,18 @@ impl FrameCodec {
         if len > self.max_frame_len {
             return Err(FrameError::TooLarge { len, max: self.max_frame_len });
         }
-        if src.len() < FRAME_HEADER_LEN + len {
-            src.reserve(FRAME_HEADER_LEN + len - src.len());
+        let tag_len = if auth.is_some() { FRAME_TAG_LEN } else { 0 };
+        let whole = FRAME_HEADER_LEN + len + tag_len;
+        if src.len() < whole {
+            src.reserve(whole - src.len());
             return Ok(None);
         }
-        src.advance(FRAME_HEADER_LEN);
-        let body = src.split_to(len);
-        Ok(Some(codec::decode(&body)?))
+        let frame = src.split_to(whole);
+        let (header_and_body, tag) = frame.split_at(FRAME_HEADER_LEN + len);
+        if let Some(auth) = auth {
+            auth.open(&[header_and_body], tag)?;
+        }
+        Ok(Some(codec::decode(&header_and_body[FRAME_HEADER_LEN..])?))
     }
 
     /// Like [`FrameCodec::decode`], at end of stream: leftover bytes of a

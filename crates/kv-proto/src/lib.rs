@@ -40,6 +40,7 @@ mod op_list;
 mod params;
 pub mod random;
 mod registered;
+pub mod session;
 mod throttle;
 mod wire;
 mod writer;

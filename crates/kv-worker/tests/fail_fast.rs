@@ -27,7 +27,7 @@ async fn refusing_prefill() -> (u16, Arc<AtomicUsize>) {
         while let Ok((stream, _)) = listener.accept().await {
             counted.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
-                let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(1 << 20)));
+                let mut framed = Framed::new(stream, SideChannelCodec::new(FrameCodec::new(1 << 20)));
                 if let Some(Ok(SideMessage::Hello(_))) = framed.next().await {
                     let refused = HelloReply::Rejected { reason: REASON.to_owned() };
                     let _ = framed.send(SideMessage::HelloReply(refused)).await;

@@ -124,7 +124,7 @@ async fn connect_from(source: Ipv4Addr, to: SocketAddr) -> TcpStream {
 }
 
 fn framed(stream: TcpStream) -> Raw {
-    Framed::new(stream, SideChannelCodec(FrameCodec::new(64 << 20)))
+    Framed::new(stream, SideChannelCodec::new(FrameCodec::new(64 << 20)))
 }
 
 /// A raw client that completes the hello as a decode instance would.
@@ -135,7 +135,7 @@ async fn hello(to: SocketAddr, codec_limit: usize) -> (Raw, HelloReply) {
 /// A raw client that says hello with `layout`.
 async fn hello_with(to: SocketAddr, codec_limit: usize, layout: kv_proto::CacheLayout) -> (Raw, HelloReply) {
     let stream = connect_from(ATTACKER, to).await;
-    let mut raw = Framed::new(stream, SideChannelCodec(FrameCodec::new(codec_limit)));
+    let mut raw = Framed::new(stream, SideChannelCodec::new(FrameCodec::new(codec_limit)));
     let hello = Hello {
         client_nonce: auth::fresh_nonce().unwrap(),
         engine_id: EngineId::new("mallory"),

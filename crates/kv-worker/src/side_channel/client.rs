@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
+use kv_proto::session::{End, Session};
 use kv_proto::{FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
@@ -257,7 +258,7 @@ impl SideChannelClient {
             .await
             .map_err(|e| HandshakeFailure::io(format!("cannot connect to prefill side channel {}: {e}", self.peer)))?;
         let _ = stream.set_nodelay(true);
-        let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(self.settings.max_frame_len)));
+        let mut framed = Framed::new(stream, SideChannelCodec::new(FrameCodec::new(self.settings.max_frame_len)));
         let client_nonce =
             auth::fresh_nonce().ok_or(HandshakeFailure::io("no OS randomness for the side-channel nonce"))?;
         let hello = Hello { client_nonce, ..self.settings.hello.clone() };
@@ -285,6 +286,10 @@ impl SideChannelClient {
             }
             let proof = auth::client_proof(secret, &transcript);
             framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| HandshakeFailure::io(e.to_string()))?;
+            // Every frame after the proof, both ways, carries its tag.
+            let session = Session::derive(secret, &transcript, End::Client)
+                .ok_or(HandshakeFailure::io("cannot derive the side-channel session keys"))?;
+            framed.codec_mut().seal(session);
             reply = self.next_reply(&mut framed).await?;
         } else if self.settings.auth_secret.is_some() && matches!(reply, HelloReply::Accepted { .. }) {
             return Err(HandshakeFailure::refused(format!(

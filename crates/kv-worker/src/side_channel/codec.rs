@@ -1,6 +1,7 @@
 //! tokio-util adapter around the sans-IO frame codec.
 
 use bytes::BytesMut;
+use kv_proto::session::Session;
 use kv_proto::{FrameCodec, FrameError, SideMessage};
 use tokio_util::codec::{Decoder, Encoder};
 
@@ -15,20 +16,45 @@ pub enum SideChannelError {
     Frame(#[from] FrameError),
 }
 
-/// [`FrameCodec`] as a tokio-util codec.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SideChannelCodec(pub FrameCodec);
+/// [`FrameCodec`] as a tokio-util codec; once [`SideChannelCodec::seal`]ed
+/// (after an authenticated handshake), every frame it writes carries its
+/// tag and every frame it reads must.
+#[derive(Clone, Debug, Default)]
+pub struct SideChannelCodec {
+    frames: FrameCodec,
+    session: Option<Box<Session>>,
+}
+
+impl SideChannelCodec {
+    /// Frames bounded as `frames` says, not (yet) authenticated.
+    pub fn new(frames: FrameCodec) -> Self {
+        Self { frames, session: None }
+    }
+
+    /// Authenticates every frame from now on, in both directions, with the
+    /// session keys of this end of the connection.
+    pub fn seal(&mut self, session: Session) {
+        self.session = Some(Box::new(session));
+    }
+}
 
 impl Decoder for SideChannelCodec {
     type Item = SideMessage;
     type Error = SideChannelError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<SideMessage>, SideChannelError> {
-        Ok(self.0.decode(src)?)
+        Ok(match &mut self.session {
+            Some(session) => self.frames.decode_sealed(src, &mut session.recv)?,
+            None => self.frames.decode(src)?,
+        })
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<SideMessage>, SideChannelError> {
-        Ok(self.0.decode_eof(src)?)
+        match self.decode(src)? {
+            Some(msg) => Ok(Some(msg)),
+            None if src.is_empty() => Ok(None),
+            None => Err(FrameError::Truncated { buffered: src.len() }.into()),
+        }
     }
 }
 
@@ -36,6 +62,10 @@ impl Encoder<SideMessage> for SideChannelCodec {
     type Error = SideChannelError;
 
     fn encode(&mut self, item: SideMessage, dst: &mut BytesMut) -> Result<(), SideChannelError> {
-        Ok(self.0.encode(&item, dst)?)
+        match &mut self.session {
+            Some(session) => self.frames.encode_sealed(&item, &mut session.send, dst)?,
+            None => self.frames.encode(&item, dst)?,
+        }
+        Ok(())
     }
 }

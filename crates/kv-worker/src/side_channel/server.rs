@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
+use kv_proto::session::{End, Session};
 use kv_proto::{
     BlockId, Endpoint, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply, LogThrottle,
     Outcome, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
@@ -157,7 +158,7 @@ async fn serve_connection(
     peer: SocketAddr,
     handshake_place: HandshakePlace,
 ) -> Result<(), String> {
-    let mut framed = Framed::new(stream, SideChannelCodec(FrameCodec::new(shared.config.max_frame_len)));
+    let mut framed = Framed::new(stream, SideChannelCodec::new(FrameCodec::new(shared.config.max_frame_len)));
     let deadline = shared.config.connect_timeout;
     let hello = match tokio::time::timeout(deadline, handshake(&shared, &mut framed)).await {
         Err(_) => return Err(format!("hello not completed within {deadline:?}")),
@@ -305,6 +306,11 @@ async fn authenticate(secret: &AuthSecret, hello: &Hello, framed: &mut Conn) -> 
         reject(framed, &reason).await;
         return Err(reason);
     }
+    // Every frame after the proof, both ways, carries its tag.
+    let Some(session) = Session::derive(secret, &transcript, End::Server) else {
+        return Err("cannot derive the side-channel session keys".to_owned());
+    };
+    framed.codec_mut().seal(session);
     Ok(())
 }
 
