@@ -70,6 +70,12 @@ fn receive(options: u8, stream: &mut Stream<'_>) {
         if !well_formed {
             return;
         }
+        if preamble.announces_auth() {
+            // An authenticated connection's header is followed by its tag,
+            // under a session key these bytes cannot know: the receiver
+            // checks it before acting on the header, and closes.
+            return;
+        }
         let outcome = op_list::receive_op_list(stream, &receiver, &header.grant, header.op_count, header.total_bytes);
         let payload_follows = !header.wants_precheck();
         let continues = match outcome {

@@ -84,6 +84,13 @@ impl FrameAuth {
         Ok(())
     }
 
+    /// Counts a frame the receiver discards unread (the op list of a batch
+    /// it refuses whole): what it would have been does not matter, and the
+    /// next frame is checked under the next number, as the sender tagged it.
+    pub fn skip(&mut self) {
+        self.next_seq += 1;
+    }
+
     /// Frames counted so far in this direction.
     pub fn frames(&self) -> u64 {
         self.next_seq

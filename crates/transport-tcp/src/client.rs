@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BufMut};
 use kv_proto::auth::{self, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{put_op_list, ReplyStatus};
+use kv_proto::session::{End, Session, FRAME_TAG_LEN};
 use kv_proto::{GrantId, TransportError};
 use socket2::SockRef;
 use tokio::io::Interest;
@@ -43,6 +44,8 @@ pub(crate) struct Conn {
     last_used: Instant,
     /// Header and op list of the batch in flight, reused.
     buf: Vec<u8>,
+    /// Tags every header, op list and reply, once authenticated.
+    session: Option<Session>,
 }
 
 impl Conn {
@@ -71,9 +74,18 @@ impl Conn {
             grant,
         };
         self.buf.clear();
-        self.buf.reserve(BATCH_HEADER_LEN + ops.len() * OP_LEN);
-        self.buf.put_slice(&header.encode());
+        self.buf.reserve(BATCH_HEADER_LEN + ops.len() * OP_LEN + 2 * FRAME_TAG_LEN);
+        let header = header.encode();
+        self.buf.put_slice(&header);
+        if let Some(session) = &mut self.session {
+            self.buf.put_slice(&session.send.seal(&[&header]));
+        }
+        let op_list = self.buf.len();
         put_op_list(&mut self.buf, ops);
+        if let Some(session) = &mut self.session {
+            let tag = session.send.seal(&[&self.buf[op_list..]]);
+            self.buf.put_slice(&tag);
+        }
     }
 }
 
@@ -190,7 +202,7 @@ pub(crate) async fn write_batch(
         let sent = async {
             send(&conn.stream, peer, sources, &conn.buf, Progress::new(conn.buf.len(), sources.total()), io_timeout)
                 .await?;
-            read_reply(&mut conn.stream, peer, batch_id, io_timeout).await
+            read_reply(&mut conn, peer, batch_id, io_timeout).await
         }
         .await;
         match sent {
@@ -279,7 +291,7 @@ pub(crate) async fn verdict(
     let mut asked = asked;
     loop {
         let Asked { mut conn, reused, batch_id } = asked;
-        match read_reply(&mut conn.stream, peer, batch_id, io_timeout).await {
+        match read_reply(&mut conn, peer, batch_id, io_timeout).await {
             Ok(()) => return Ok(Admitted { conn, batch_id }),
             Err(refused @ TransportError::Refused { .. }) => {
                 shared.pool.put(peer, conn);
@@ -305,7 +317,7 @@ pub(crate) async fn finish(
     let io_timeout = shared.config.io_timeout;
     let Admitted { mut conn, batch_id } = admitted;
     send(&conn.stream, peer, sources, &[], Progress::new(0, sources.total()), io_timeout).await?;
-    let result = read_reply(&mut conn.stream, peer, batch_id, io_timeout).await;
+    let result = read_reply(&mut conn, peer, batch_id, io_timeout).await;
     if matches!(result, Ok(()) | Err(TransportError::Refused { .. })) {
         shared.pool.put(peer, conn);
     }
@@ -381,6 +393,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         AcceptStatus::Busy => return Err(busy(peer)),
         AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}"))),
     }
+    let mut session = None;
     if let Some(secret) = secret {
         let mut challenge = [0u8; CHALLENGE_LEN];
         read_exact(&mut stream, &mut challenge, io_timeout, "authentication challenge").await.map_err(wire)?;
@@ -406,6 +419,11 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
             AUTH_BUSY => return Err(busy(peer)),
             _ => return Err(connect_error("peer refused our data-plane authentication".to_owned())),
         }
+        // Every header, op list and reply from now on carries its tag.
+        session = Some(
+            Session::derive(secret, &transcript, End::Client)
+                .ok_or_else(|| connect_error("cannot derive the data-plane session keys".to_owned()))?,
+        );
     }
     Ok(Conn {
         stream,
@@ -413,6 +431,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         retire_after: Duration::from_millis(accept.idle_timeout_ms / 2),
         last_used: Instant::now(),
         buf: Vec::new(),
+        session,
     })
 }
 
@@ -470,15 +489,11 @@ async fn send(
 
 /// Reads the receiver's reply to `batch_id` (an acknowledgement, or the
 /// admission verdict of a pre-checked part); `Ok` only for status Ok.
-async fn read_reply(
-    stream: &mut TcpStream,
-    peer: &str,
-    batch_id: u64,
-    io_timeout: Duration,
-) -> Result<(), TransportError> {
-    let mut reply = [0u8; REPLY_HEADER_LEN];
-    read_exact(stream, &mut reply, io_timeout, "acknowledgement").await.map_err(|e| wire_error(peer, e))?;
-    let reply = ReplyHeader::decode(&reply);
+async fn read_reply(conn: &mut Conn, peer: &str, batch_id: u64, io_timeout: Duration) -> Result<(), TransportError> {
+    let stream = &mut conn.stream;
+    let mut header = [0u8; REPLY_HEADER_LEN];
+    read_exact(stream, &mut header, io_timeout, "acknowledgement").await.map_err(|e| wire_error(peer, e))?;
+    let reply = ReplyHeader::decode(&header);
     let protocol_error = |reason: String| TransportError::Protocol { peer: peer.to_owned(), reason };
     let reason_len = reply.reason_len as usize;
     if reason_len > MAX_REASON_LEN {
@@ -487,6 +502,11 @@ async fn read_reply(
     let mut reason = [0u8; MAX_REASON_LEN];
     let reason = reason.get_mut(..reason_len).unwrap_or_default();
     read_exact(stream, reason, io_timeout, "reply reason").await.map_err(|e| wire_error(peer, e))?;
+    if let Some(session) = &mut conn.session {
+        let mut tag = [0u8; FRAME_TAG_LEN];
+        read_exact(stream, &mut tag, io_timeout, "reply tag").await.map_err(|e| wire_error(peer, e))?;
+        session.recv.open(&[&header, reason], &tag).map_err(|bad| protocol_error(bad.to_string()))?;
+    }
     let reason = String::from_utf8_lossy(reason).into_owned();
     if reply.batch_id != batch_id {
         return Err(protocol_error(format!(

@@ -46,7 +46,7 @@
 //!
 //! All `unsafe` code lives in the private `memory` module.
 //!
-//! # Wire format (version 2)
+//! # Wire format (version 3)
 //!
 //! All integers are little-endian. A sender opens a connection and writes the
 //! preamble; the receiver answers with an accept reply:
@@ -55,7 +55,7 @@
 //! preamble (sender → receiver, 8 bytes; 40 with FLAG_AUTH)
 //!  0      4         6       8
 //!  | KVLT | version | flags | [client_nonce, 32 bytes, if flags has FLAG_AUTH]
-//!           u16 = 2   u16      flags: bit 0 FLAG_AUTH (the sender holds the
+//!           u16 = 3   u16      flags: bit 0 FLAG_AUTH (the sender holds the
 //!                              shared secret); unknown bits are refused.
 //!
 //! accept (receiver → sender, 24 bytes)
@@ -111,6 +111,19 @@
 //!          2 protocol  bad flags, op_count above the limit, or lengths that
 //!                      do not add up to total_bytes; the receiver closes
 //! ```
+//!
+//! On an authenticated connection every batch header, every op list and
+//! every reply is followed by a 16-byte tag ([`kv_proto::session`]: HMAC
+//! under a key of its direction derived from the secret and the handshake's
+//! transcript, over a count of the frames before it and the frame's bytes).
+//! The receiver checks the header's tag before it acts on the header, and
+//! the op list's before it admits one op; the sender checks each reply's
+//! before it believes it. A tag that does not match closes the connection
+//! at once (nothing of that batch is written): bytes altered, injected,
+//! replayed or reordered after the handshake cost only that connection.
+//! The payload itself carries no tag: it lands only where an authenticated
+//! op list under a live grant says, and QUIC (TLS) is the transport for
+//! payloads that must not be altered on the path.
 //!
 //! A batch with PRECHECK is answered twice: after its op list, with a reply
 //! that is the admission verdict (0: admitted, the payload follows; 1:

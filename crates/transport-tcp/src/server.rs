@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
+use kv_proto::session::{BadTag, End as SessionEnd, Session, FRAME_TAG_LEN};
 use kv_proto::{HandshakePlace, LogThrottle, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
@@ -69,6 +70,8 @@ enum ConnError {
     OpListTimeout { batch_id: u64, after: Duration },
     #[error("data-plane authentication failed: {0}")]
     AuthFailed(&'static str),
+    #[error("data-plane {0}")]
+    BadTag(#[from] BadTag),
     #[error("{0} established connections already; told the peer so")]
     Busy(usize),
     #[error("the sender abandoned admitted batch {0} before its payload (another part of it was refused)")]
@@ -141,7 +144,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: 
     if let Err(error) = stream.set_nodelay(true) {
         debug!(%peer, %error, "cannot set TCP_NODELAY");
     }
-    let conn = Connection { shared, peer };
+    let conn = Connection { shared, peer, session: None };
     let outcome = tokio::select! {
         biased;
         () = shared.token.cancelled() => Ok(End::Shutdown),
@@ -165,15 +168,18 @@ enum AfterAccept<'a> {
 struct Connection<'s> {
     shared: &'s Shared,
     peer: SocketAddr,
+    /// Checks every header and op list, tags every reply, once authenticated.
+    session: Option<Session>,
 }
 
 impl Connection<'_> {
     async fn run(mut self, stream: &mut TcpStream, place: HandshakePlace) -> Result<End, ConnError> {
         let deadline = self.shared.config.handshake_timeout;
-        let _established = tokio::time::timeout(deadline, self.handshake(stream))
+        let (_established, session) = tokio::time::timeout(deadline, self.handshake(stream))
             .await
             .map_err(|_| ConnError::HandshakeTimeout(deadline))??;
         drop(place);
+        self.session = session;
 
         let config = &self.shared.config;
         loop {
@@ -186,6 +192,11 @@ impl Connection<'_> {
             }
             let mut header = [0u8; BATCH_HEADER_LEN];
             read_exact(stream, &mut header, config.io_timeout, "batch header").await?;
+            if let Some(session) = &mut self.session {
+                let mut tag = [0u8; FRAME_TAG_LEN];
+                read_exact(stream, &mut tag, config.io_timeout, "batch header tag").await?;
+                session.recv.open(&[&header], &tag)?;
+            }
             self.batch(stream, BatchHeader::decode(&header)).await?;
         }
     }
@@ -194,7 +205,7 @@ impl Connection<'_> {
     /// connection's established place, taken once all of that succeeded
     /// (a peer past the limit is told so). The caller bounds the whole of it
     /// by `handshake_timeout`.
-    async fn handshake(&self, stream: &mut TcpStream) -> Result<OwnedSemaphorePermit, ConnError> {
+    async fn handshake(&self, stream: &mut TcpStream) -> Result<(OwnedSemaphorePermit, Option<Session>), ConnError> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;
         let mut preamble_bytes = [0u8; PREAMBLE_LEN];
@@ -235,10 +246,12 @@ impl Connection<'_> {
         write_all(stream, &accept, io_timeout, "accept reply").await?;
         match next {
             Err((_, refusal)) => Err(refusal),
-            Ok(AfterAccept::Established(place)) => Ok(place),
+            Ok(AfterAccept::Established(place)) => Ok((place, None)),
             Ok(AfterAccept::Authenticate(secret)) => {
                 let context = auth_context(&preamble_bytes, &accept);
-                authenticate(stream, secret, &client_nonce, &context, io_timeout, || self.establish()).await
+                let (place, session) =
+                    authenticate(stream, secret, &client_nonce, &context, io_timeout, || self.establish()).await?;
+                Ok((place, Some(session)))
             }
         }
     }
@@ -276,7 +289,7 @@ impl Connection<'_> {
         match shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
             Ok(_) => {}
             Err(DestinationError::Closed) => return Err(ConnError::Closed),
-            Err(refusal) => return self.refuse(stream, &header, buffer.count(), &refusal.to_string()).await,
+            Err(refusal) => return self.refuse(stream, &header, Some(buffer.count()), &refusal.to_string()).await,
         }
 
         // The op list, charged to the transport's budget as it grows, all
@@ -290,7 +303,7 @@ impl Connection<'_> {
                     let unread = buffer.count() - buffer.filled();
                     drop(buffer);
                     share.release();
-                    return self.refuse_for_room(stream, &header, unread, no_room).await;
+                    return self.refuse_for_room(stream, &header, Some(unread), no_room).await;
                 }
             }
             let read = read_exact(stream, buffer.next_chunk(), io_timeout, "op list");
@@ -303,6 +316,11 @@ impl Connection<'_> {
             }
         }
         let list = buffer.into_entries();
+        if let Some(session) = &mut self.session {
+            let mut tag = [0u8; FRAME_TAG_LEN];
+            read_exact(stream, &mut tag, io_timeout, "op list tag").await?;
+            session.recv.open(&[list.as_flattened()], &tag)?;
+        }
 
         // The grant check: every op inside the named, live grant, before a
         // payload byte is read.
@@ -317,7 +335,7 @@ impl Connection<'_> {
             Err((list, refusal)) => {
                 drop(list);
                 share.release();
-                self.refuse(stream, &header, 0, &refusal.to_string()).await
+                self.refuse(stream, &header, None, &refusal.to_string()).await
             }
         }
     }
@@ -327,10 +345,10 @@ impl Connection<'_> {
     /// op-list entries not read yet and, unless it was pre-checked, its
     /// payload, so the connection stays usable.
     async fn refuse(
-        &self,
+        &mut self,
         stream: &mut TcpStream,
         header: &BatchHeader,
-        unread: usize,
+        unread: Option<usize>,
         reason: &str,
     ) -> Result<(), ConnError> {
         let batch_id = header.batch_id;
@@ -343,11 +361,23 @@ impl Connection<'_> {
     }
 
     /// Reads and discards the `unread` op-list entries of a refused batch
-    /// and, unless it was pre-checked (no payload follows a refusal then),
-    /// its payload.
-    async fn discard(&self, stream: &mut TcpStream, header: &BatchHeader, unread: usize) -> Result<(), ConnError> {
+    /// (and their tag; `None`: the op list was read whole) and, unless it
+    /// was pre-checked (no payload follows a refusal then), its payload.
+    async fn discard(
+        &mut self,
+        stream: &mut TcpStream,
+        header: &BatchHeader,
+        unread: Option<usize>,
+    ) -> Result<(), ConnError> {
         let io_timeout = self.shared.config.io_timeout;
-        drain(stream, unread as u64 * OP_LEN as u64, io_timeout).await?;
+        if let Some(unread) = unread {
+            drain(stream, unread as u64 * OP_LEN as u64, io_timeout).await?;
+            if let Some(session) = &mut self.session {
+                // The op list is discarded unread, and so is its tag.
+                drain(stream, FRAME_TAG_LEN as u64, io_timeout).await?;
+                session.recv.skip();
+            }
+        }
         if !header.wants_precheck() {
             drain(stream, header.total_bytes, io_timeout).await?;
         }
@@ -357,10 +387,10 @@ impl Connection<'_> {
     /// Refuses a batch whose op list found no room in the budget (log line
     /// rate-limited); the rest of it is discarded.
     async fn refuse_for_room(
-        &self,
+        &mut self,
         stream: &mut TcpStream,
         header: &BatchHeader,
-        unread: usize,
+        unread: Option<usize>,
         no_room: NoRoom,
     ) -> Result<(), ConnError> {
         let shared = self.shared;
@@ -376,7 +406,7 @@ impl Connection<'_> {
 
     /// Receives an admitted batch's payload under its grant and replies.
     async fn write_admitted(
-        &self,
+        &mut self,
         stream: &mut TcpStream,
         header: &BatchHeader,
         destinations: Destinations,
@@ -413,20 +443,25 @@ impl Connection<'_> {
     }
 
     async fn reply(
-        &self,
+        &mut self,
         stream: &mut TcpStream,
         batch_id: u64,
         status: ReplyStatus,
         reason: &str,
     ) -> Result<(), ConnError> {
         let io_timeout = self.shared.config.io_timeout;
-        write_all(stream, &encode_reply(batch_id, status, reason), io_timeout, "reply").await?;
+        let mut reply = encode_reply(batch_id, status, reason);
+        if let Some(session) = &mut self.session {
+            let tag = session.send.seal(&[&reply]);
+            reply.extend_from_slice(&tag);
+        }
+        write_all(stream, &reply, io_timeout, "reply").await?;
         Ok(())
     }
 
     /// Tells the peer why its connection is being closed (best effort) and
     /// returns the error that closes it.
-    async fn protocol_error(&self, stream: &mut TcpStream, batch_id: u64, error: ConnError) -> ConnError {
+    async fn protocol_error(&mut self, stream: &mut TcpStream, batch_id: u64, error: ConnError) -> ConnError {
         if let Err(reply_error) = self.reply(stream, batch_id, ReplyStatus::ProtocolError, &error.to_string()).await {
             debug!(peer = %self.peer, error = %reply_error, "cannot report protocol error to peer");
         }
@@ -437,8 +472,9 @@ impl Connection<'_> {
 /// Proves the shared secret to the sender and checks its proof, both bound
 /// to the whole transcript (this channel, both nonces, `context`); then
 /// takes the connection's established place with `establish` (a sender
-/// past the limit is told so). Nothing of a batch is read before this
-/// returns `Ok`.
+/// past the limit is told so), and derives the session that checks every
+/// later header and op list. Nothing of a batch is read before this returns
+/// `Ok`.
 async fn authenticate(
     stream: &mut TcpStream,
     secret: &AuthSecret,
@@ -446,7 +482,7 @@ async fn authenticate(
     context: &[u8],
     io_timeout: Duration,
     establish: impl FnOnce() -> Result<OwnedSemaphorePermit, ConnError>,
-) -> Result<OwnedSemaphorePermit, ConnError> {
+) -> Result<(OwnedSemaphorePermit, Session), ConnError> {
     let server_nonce = auth::fresh_nonce().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
     let transcript = Transcript { channel: Channel::DataTcp, client_nonce, server_nonce: &server_nonce, context };
     let mut challenge = [0u8; CHALLENGE_LEN];
@@ -467,7 +503,9 @@ async fn authenticate(
         Err(_) => AUTH_FAILED,
     };
     write_all(stream, &[byte], io_timeout, "authentication verdict").await?;
-    verdict
+    let session = Session::derive(secret, &transcript, SessionEnd::Server)
+        .ok_or(ConnError::AuthFailed("cannot derive the session keys"))?;
+    Ok((verdict?, session))
 }
 
 fn is_revoked(error: &io::Error) -> bool {

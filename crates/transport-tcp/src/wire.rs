@@ -15,8 +15,10 @@ pub use kv_proto::dataplane::{decode_op, encode_op, OpEntry, MAX_REASON_LEN, OP_
 
 /// The four bytes a data-plane connection starts with.
 pub const MAGIC: [u8; 4] = *b"KVLT";
-/// The data-plane wire version this build speaks (2: batches name a grant).
-pub const VERSION: u16 = 2;
+/// The data-plane wire version this build speaks (2: batches name a grant;
+/// 3: once authenticated, every batch header, op list and reply is followed
+/// by its tag, [`kv_proto::session`]).
+pub const VERSION: u16 = 3;
 /// Preamble flag: the sender holds the shared secret and sends its nonce
 /// ([`AUTH_TAG_LEN`] bytes) right after the preamble.
 pub const FLAG_AUTH: u16 = 1;
@@ -367,7 +369,7 @@ mod tests {
         let b = h.encode();
         assert_eq!((b[0], b[8], b[12], b[16], b[24]), (1, 2, 3, 4, 5));
         assert_eq!(&b[32..], &grant.to_bytes());
-        assert_eq!(&Preamble::current().encode(), b"KVLT\x02\x00\x00\x00");
+        assert_eq!(&Preamble::current().encode(), b"KVLT\x03\x00\x00\x00");
         let p = [1u8; PREAMBLE_LEN];
         let a = [2u8; ACCEPT_LEN];
         let c = auth_context(&p, &a);

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::{check, dst_ranges, fill, isolated, ops, Node, RawClient, BOUND};
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::ReplyStatus;
+use kv_proto::session::{End, Session};
 use kv_proto::{BatchWriter, GrantId, TransportError};
 use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -118,11 +119,17 @@ impl Exchange {
         Transcript { channel, client_nonce: &self.client_nonce, server_nonce: &self.server_nonce, context }
     }
 
-    /// Sends `proof` and returns the receiver's verdict byte.
+    /// Sends `proof` and returns the receiver's verdict byte; once accepted
+    /// the client tags what it sends under the session's keys.
     async fn prove(&mut self, proof: &[u8]) -> u8 {
         self.client.send(proof).await;
         let mut verdict = [0u8; 1];
         tokio::time::timeout(BOUND, self.client.stream.read_exact(&mut verdict)).await.unwrap().unwrap();
+        if verdict[0] == AUTH_OK {
+            let context = self.context();
+            let transcript = self.transcript(Channel::DataTcp, &context);
+            self.client.session = Session::derive(&AuthSecret::new(SECRET), &transcript, End::Client);
+        }
         verdict[0]
     }
 }

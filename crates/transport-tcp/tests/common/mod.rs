@@ -174,6 +174,8 @@ pub async fn assert_still_serves(victim: &Node) {
 /// A raw client speaking the data-plane wire by hand.
 pub struct RawClient {
     pub stream: TcpStream,
+    /// Once authenticated: tags the batches it sends, checks the replies.
+    pub session: Option<kv_proto::session::Session>,
 }
 
 impl RawClient {
@@ -184,7 +186,7 @@ impl RawClient {
     pub async fn connect_to(addr: SocketAddr) -> Self {
         let stream = TcpStream::connect(addr).await.unwrap();
         stream.set_nodelay(true).unwrap();
-        Self { stream }
+        Self { stream, session: None }
     }
 
     /// Connects to `node` from the loopback address `source` (any of
@@ -194,7 +196,7 @@ impl RawClient {
         socket.bind(SocketAddr::from((source, 0))).unwrap();
         let stream = socket.connect(node.transport.local_addr()).await.unwrap();
         stream.set_nodelay(true).unwrap();
-        Self { stream }
+        Self { stream, session: None }
     }
 
     /// Connects and completes the preamble exchange.
@@ -237,8 +239,17 @@ impl RawClient {
     ) {
         let header = BatchHeader { batch_id, flags, reserved: 0, op_count: ops.len() as u64, total_bytes, grant };
         let mut bytes = header.encode().to_vec();
+        if let Some(session) = &mut self.session {
+            let tag = session.send.seal(&[&bytes]);
+            bytes.extend_from_slice(&tag);
+        }
+        let op_list = bytes.len();
         for &(dst, len) in ops {
             bytes.extend_from_slice(&encode_op(dst, len));
+        }
+        if let Some(session) = &mut self.session {
+            let tag = session.send.seal(&[&bytes[op_list..]]);
+            bytes.extend_from_slice(&tag);
         }
         bytes.extend_from_slice(payload);
         self.send(&bytes).await;
@@ -252,6 +263,11 @@ impl RawClient {
         assert!(header.reason_len as usize <= MAX_REASON_LEN);
         let mut reason = vec![0u8; header.reason_len as usize];
         tokio::time::timeout(BOUND, self.stream.read_exact(&mut reason)).await.unwrap().unwrap();
+        if let Some(session) = &mut self.session {
+            let mut tag = [0u8; kv_proto::session::FRAME_TAG_LEN];
+            tokio::time::timeout(BOUND, self.stream.read_exact(&mut tag)).await.unwrap().unwrap();
+            session.recv.open(&[&h, &reason], &tag).expect("a reply whose tag does not match");
+        }
         (header, String::from_utf8(reason).unwrap())
     }
 
