@@ -6,7 +6,7 @@
 //! scheduler's metadata feeds the sender's updates (prefill side) and the
 //! receiver's pulls (decode side); other events reach the cores directly.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use arbitrary::{Arbitrary, Unstructured};
@@ -564,6 +564,8 @@ struct Sender {
     renewal: Duration,
     /// Requests held for a decode instance that renews them: until when, and who.
     renewals: HashMap<ReqId, (Instant, EngineId)>,
+    /// Requests two decode instances renewed: held for their whole lease.
+    contested: HashSet<ReqId>,
     entries: HashMap<ReqId, Entry>,
     finished: BTreeSet<ReqId>,
     /// Per request: times its blocks were handed to P (Ready), and times it
@@ -585,6 +587,7 @@ impl Sender {
             lease,
             renewal,
             renewals: HashMap::new(),
+            contested: HashSet::new(),
             entries: HashMap::new(),
             finished: BTreeSet::new(),
             held: HashMap::new(),
@@ -613,6 +616,7 @@ impl Sender {
                     *self.held.entry(id.clone()).or_default() += 1;
                     self.entries.remove(id);
                     self.renewals.remove(id);
+                    self.contested.remove(id);
                     self.finished.insert(id.clone());
                 }
                 entry => {
@@ -632,10 +636,12 @@ impl Sender {
                     *self.held.entry(id.clone()).or_default() -= 1;
                     self.entries.remove(id);
                     self.renewals.remove(id);
+                    self.contested.remove(id);
                 }
                 Some(Entry::Expected | Entry::Abandoned) => {
                     self.entries.remove(id);
                     self.renewals.remove(id);
+                    self.contested.remove(id);
                 }
             },
         }
@@ -645,12 +651,16 @@ impl Sender {
     fn expire(&mut self, id: &ReqId) {
         self.entries.remove(id);
         self.renewals.remove(id);
+        self.contested.remove(id);
         self.finished.insert(id.clone());
     }
 
     /// When a ready entry is freed unless claimed: its lease, or sooner its
-    /// last renewal's end.
+    /// last renewal's end (unless two instances renewed it).
     fn ready_until(&self, id: &ReqId, lease_end: Instant) -> Instant {
+        if self.contested.contains(id) {
+            return lease_end;
+        }
         self.renewals.get(id).map_or(lease_end, |(until, _)| (*until).min(lease_end))
     }
 
@@ -658,9 +668,12 @@ impl Sender {
         let got = self.core.renew([id], by, now);
         let holds = matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. }));
         // Only the first decode instance to renew a request renews it, and
-        // a renewal never brings its end closer.
+        // a renewal never brings its end closer; a second one contests it.
         let someone_else = self.renewals.get(id).is_some_and(|(_, who)| who != by);
-        let renewed = !self.renewal.is_zero() && holds && !someone_else;
+        if !self.renewal.is_zero() && holds && someone_else {
+            self.contested.insert(id.clone());
+        }
+        let renewed = !self.renewal.is_zero() && holds && !someone_else && !self.contested.contains(id);
         if renewed {
             let until = self.renewals.get(id).map_or(now + self.renewal, |(u, _)| (*u).max(now + self.renewal));
             self.renewals.insert(id.clone(), (until, by.clone()));
@@ -673,7 +686,10 @@ impl Sender {
         let got = self.core.renew_all_by(by, now);
         let mut expected = 0;
         if !self.renewal.is_zero() {
-            for (until, _) in self.renewals.values_mut().filter(|(_, who)| who == by) {
+            let contested = &self.contested;
+            for (_, (until, _)) in
+                self.renewals.iter_mut().filter(|(id, (_, who))| who == by && !contested.contains(*id))
+            {
                 *until = (*until).max(now + self.renewal);
                 expected += 1;
             }
@@ -691,6 +707,7 @@ impl Sender {
             Some(Entry::Expected | Entry::Abandoned) => {
                 self.entries.insert(id.clone(), Entry::Expected);
                 self.renewals.remove(id);
+                self.contested.remove(id);
                 Claim::NotReady
             }
             Some(Entry::InFlight) => Claim::InFlight,
@@ -701,6 +718,7 @@ impl Sender {
             Some(Entry::Ready { blocks, .. }) => {
                 self.entries.insert(id.clone(), Entry::InFlight);
                 self.renewals.remove(id);
+                self.contested.remove(id);
                 Claim::Ready(blocks)
             }
         };
@@ -715,6 +733,7 @@ impl Sender {
         if self.entries.get(id) == Some(&Entry::Expected) {
             self.entries.insert(id.clone(), Entry::Abandoned);
             self.renewals.remove(id);
+            self.contested.remove(id);
         }
         self.check();
     }

@@ -12,11 +12,16 @@ use std::time::{Duration, Instant};
 
 use kv_proto::{BlockId, EngineId, ReqId, SendUpdate};
 
-/// The last renewal of a request: who renewed it and until when.
+/// The last renewal of a request: who renewed it and until when, and
+/// whether another decode instance renewed it too.
 #[derive(Debug, Clone)]
 struct Renewal {
     until: Instant,
     by: EngineId,
+    /// Two decode instances renewed it: P cannot tell which one the proxy
+    /// chose, so it holds the request for its whole lease (as it would with
+    /// renewals off) and renewals no longer count.
+    contested: bool,
 }
 
 #[derive(Debug)]
@@ -53,9 +58,10 @@ impl SendEntry {
     /// When a ready entry's blocks are freed unless a pull claims them.
     fn ready_until(&self) -> Option<Instant> {
         match self {
-            SendEntry::Ready { lease_end, renewed, .. } => {
-                Some(renewed.as_ref().map_or(*lease_end, |r| r.until.min(*lease_end)))
-            }
+            SendEntry::Ready { lease_end, renewed, .. } => Some(match renewed {
+                Some(r) if !r.contested => r.until.min(*lease_end),
+                _ => *lease_end,
+            }),
             _ => None,
         }
     }
@@ -178,9 +184,12 @@ impl SenderCore {
     /// renewed; ids P does not hold are ignored (already pulled, forgotten,
     /// or never here).
     ///
-    /// The first decode instance to renew a request owns its renewals: one
-    /// from another instance changes nothing (it could otherwise cut short
-    /// the owner's hold), and a renewal never brings a hold's end closer.
+    /// The first decode instance to renew a request owns its renewals, and
+    /// a renewal never brings a hold's end closer. A renewal from a second
+    /// instance makes the request contested: it is held for its whole lease
+    /// from then on, whoever renews, so neither instance can cut the
+    /// other's hold short (whichever renewed first), and the most a
+    /// contender costs is the hold every request has with renewals off.
     /// Renewals name P's own id of a request, which only the proxy and the
     /// decode instance it chose have been told.
     pub fn renew<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>, by: &EngineId, now: Instant) -> usize {
@@ -192,14 +201,16 @@ impl SenderCore {
         for req in reqs {
             if let Some(slot) = self.entries.get_mut(req).and_then(SendEntry::renewal_mut) {
                 match slot {
+                    Some(owner) if owner.contested => continue,
                     Some(owner) if &owner.by != by => {
-                        tracing::debug!(req_id = %req, decode_engine = %by, owner = %owner.by, "renewal from a decode instance that does not own the request; ignored");
+                        tracing::debug!(req_id = %req, decode_engine = %by, owner = %owner.by, "two decode instances renew one request; holding it for its whole lease");
+                        owner.contested = true;
                         continue;
                     }
                     Some(owner) => owner.until = owner.until.max(until),
                     None => {
                         tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
-                        *slot = Some(Renewal { until, by: by.clone() });
+                        *slot = Some(Renewal { until, by: by.clone(), contested: false });
                     }
                 }
                 renewed += 1;
@@ -219,7 +230,7 @@ impl SenderCore {
         let until = now + self.renewal;
         let mut renewed = 0;
         for slot in self.entries.values_mut().filter_map(SendEntry::renewal_mut) {
-            if let Some(renewal) = slot.as_mut().filter(|r| &r.by == by) {
+            if let Some(renewal) = slot.as_mut().filter(|r| &r.by == by && !r.contested) {
                 renewal.until = renewal.until.max(until);
                 renewed += 1;
             }

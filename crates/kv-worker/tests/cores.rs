@@ -113,9 +113,14 @@ fn secs(s: f64) -> Duration {
 #[case::p_renews_for_the_instance_it_keeps_waiting(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("d1")), (9.0, SendEvent::RenewAllBy("d1"))], 18.0, false)]
 #[case::p_renews_only_for_that_instance(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("d1")), (9.0, SendEvent::RenewAllBy("d2"))], 11.0, true)]
 #[case::p_renewing_never_starts_a_hold(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (9.0, SendEvent::RenewAllBy("d"))], 100.0, false)]
-// The attack run's hole: another decode instance's renewal cut the owner's hold short.
+// The attack run's hole: another decode instance's renewal cut the owner's
+// hold short. Whichever renews first, a second one makes the request
+// contested: held for its whole lease, renewals no longer counting.
 #[case::another_instance_cannot_cut_the_owners_hold_short(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (6.0, SendEvent::Renew("other")), (14.0, SendEvent::RenewAllBy("owner"))], 20.0, false)]
-#[case::another_instance_cannot_extend_the_owners_hold(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (14.0, SendEvent::Renew("other"))], 15.0, true)]
+#[case::another_instance_renewing_first_cannot_cut_it_short(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Renew("other")), (5.0, SendEvent::Renew("owner"))], 30.0, false)]
+#[case::a_contested_request_is_held_for_its_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (6.0, SendEvent::Renew("other"))], 479.0, false)]
+#[case::a_contested_request_is_freed_at_its_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (6.0, SendEvent::Renew("other")), (400.0, SendEvent::Renew("owner"))], 480.0, true)]
+#[case::contested_before_ready_still_holds_for_the_lease(RENEWAL, &[(0.0, SendEvent::Update(SendUpdate::Expect)), (1.0, SendEvent::Renew("other")), (2.0, SendEvent::Renew("owner")), (5.0, SendEvent::Update(ready(&[1])))], 400.0, false)]
 #[case::a_claimed_request_ignores_renewals(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Claim(Claim::Ready(vec![1]))), (2.0, SendEvent::Renew("d"))], 100.0, false)]
 fn sender_renewals(
     #[case] renewal: Duration,
@@ -146,15 +151,17 @@ fn sender_renewals(
 }
 
 #[test]
-fn a_renewal_from_another_instance_changes_nothing() {
+fn a_renewal_from_another_instance_contests_the_request() {
     let t0 = Instant::now();
     let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &ready(&[1]), t0);
     assert_eq!(core.renew([&r("a")], &EngineId::new("owner"), t0 + secs(5.0)), 1);
-    assert_eq!(core.renew([&r("a")], &EngineId::new("other"), t0 + secs(6.0)), 0, "not counted as renewed");
-    assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL), "the owner's hold is unchanged");
-    assert_eq!(core.renew_all_by(&EngineId::new("other"), t0 + secs(7.0)), 0);
     assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL));
+    assert_eq!(core.renew([&r("a")], &EngineId::new("other"), t0 + secs(6.0)), 0, "not counted as renewed");
+    assert_eq!(core.next_deadline(), Some(t0 + LEASE), "contested: held for the whole lease");
+    assert_eq!(core.renew([&r("a")], &EngineId::new("owner"), t0 + secs(7.0)), 0, "renewals no longer count");
+    assert_eq!(core.renew_all_by(&EngineId::new("owner"), t0 + secs(8.0)), 0);
+    assert_eq!(core.next_deadline(), Some(t0 + LEASE));
 }
 
 #[test]
