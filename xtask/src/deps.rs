@@ -92,7 +92,14 @@ const RULES: &[Rule] = &[
         subjects: &[Prefix("transport-")],
         features: Features::All,
         forbidden: &[Exact("kv-sched"), Exact("kv-worker"), Exact("kvlink"), Prefix("transport-")],
-        why: "a transport depends on kv-proto only: not on kv-sched, kv-worker, kvlink, nor another transport",
+        why:
+            "a transport depends on kv-proto and kv-net only: not on kv-sched, kv-worker, kvlink, nor another transport",
+    },
+    Rule {
+        subjects: &[Exact("kv-net")],
+        features: Features::All,
+        forbidden: &[Exact("kv-sched"), Exact("kv-worker"), Exact("kvlink"), Prefix("transport-")],
+        why: "kv-net is what transports share: it depends on kv-proto, never on a transport or what uses them",
     },
     Rule {
         subjects: &[Exact("kv-worker")],

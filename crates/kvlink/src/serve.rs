@@ -56,9 +56,6 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on any wait a client asks for (`drain`, `complete`), and on
 /// waiting for prefill blocks to be freed before a `prefill`.
 const MAX_WAIT: Duration = Duration::from_secs(120);
-/// Pause after a failed `accept` (e.g. out of file descriptors), so the
-/// loop does not spin.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one line per this interval for each kind of log line a peer can
 /// provoke at will.
 const LOG_INTERVAL: Duration = Duration::from_secs(1);
@@ -317,16 +314,18 @@ impl Server {
         let mut connections = JoinSet::new();
         let instances = Arc::new(Instances::new(opts.max_sessions));
         let refusals = Arc::new(Mutex::new(LogThrottle::new(LOG_INTERVAL)));
-        let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
-        let mut over_limit = LogThrottle::new(LOG_INTERVAL);
         let over_limit_reply = error_frame(&format!(
             "too many connections in their handshake (at most {} at once, {} from one host); try again",
             opts.max_handshakes, opts.max_handshakes_per_host
         ));
+        // A client refused a handshake place is told why, with one write
+        // that never waits (best effort), then closed.
+        let mut admission =
+            kv_net::Admission::new(&listener, &handshakes, "bench control").with_refusal(&over_limit_reply);
         let mut summary = ServeSummary { sessions: 0, interrupted: false };
         tokio::pin!(shutdown);
         while limit.is_none_or(|n| summary.sessions < n) {
-            let accepted = tokio::select! {
+            let admitted = tokio::select! {
                 () = &mut shutdown => {
                     summary.interrupted = true;
                     break;
@@ -335,39 +334,12 @@ impl Server {
                     ended(joined, connections.is_empty(), &mut summary, &mut on_session).await;
                     continue;
                 }
-                accepted = listener.accept() => accepted,
+                admitted = admission.next() => admitted,
             };
-            match accepted {
-                Ok((stream, peer)) => {
-                    let Ok(place) = handshakes.enter(peer.ip()) else {
-                        // Tell the client why with one write that never
-                        // waits (best effort), then close.
-                        let _ = stream.try_write(&over_limit_reply);
-                        if let Some(suppressed) = over_limit.allow(std::time::Instant::now()) {
-                            tracing::warn!(%peer, limit = opts.max_handshakes, per_host = opts.max_handshakes_per_host,
-                                suppressed, "control handshake limit reached, closing new connections");
-                        }
-                        continue;
-                    };
-                    let (opts, cancel, instances) = (opts.clone(), cancel.child_token(), instances.clone());
-                    let refusals = refusals.clone();
-                    connections
-                        .spawn(async move { session(stream, peer, opts, cancel, &instances, place, &refusals).await });
-                }
-                Err(error) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    if let Some(suppressed) = accept_errors.allow(std::time::Instant::now()) {
-                        tracing::warn!(%error, suppressed, "cannot accept a control connection");
-                    }
-                    tokio::select! {
-                        () = &mut shutdown => {
-                            summary.interrupted = true;
-                            break;
-                        }
-                        () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
-                    }
-                }
-            }
+            let (stream, peer, place) = admitted;
+            let (opts, cancel, instances) = (opts.clone(), cancel.child_token(), instances.clone());
+            let refusals = refusals.clone();
+            connections.spawn(async move { session(stream, peer, opts, cancel, &instances, place, &refusals).await });
         }
         drop(listener);
         cancel.cancel();

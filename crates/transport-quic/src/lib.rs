@@ -198,7 +198,6 @@
 //! acknowledging but never answers cannot hold a batch, and the sender's
 //! blocks, any longer. Dropping a `batch_write` future resets its stream.
 
-mod budget;
 mod client;
 mod config;
 pub mod details;

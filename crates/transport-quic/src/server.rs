@@ -37,12 +37,12 @@ use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, trace, warn};
 
-use crate::budget::NoRoom;
 use crate::hello;
 use crate::io::{read_full, WireError};
 use crate::memory::Destinations;
 use crate::transport::Shared;
 use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
+use kv_net::NoRoom;
 
 /// Received chunks taken from quinn per read (and copied under one hold of
 /// the grant).

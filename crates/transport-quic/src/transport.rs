@@ -20,7 +20,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::budget::OpListBudget;
 use crate::client::{self, Connections};
 use crate::config::QuicConfig;
 use crate::details::{EndpointDetails, Fingerprint};
@@ -28,6 +27,7 @@ use crate::memory::{LocalMemory, Sources};
 use crate::server;
 use crate::tls;
 use crate::wire::CLOSE_SHUTDOWN;
+use kv_net::OpListBudget;
 
 /// State shared by the transport handle, the accept loop and the connection
 /// and stream tasks. The tasks hold it, never the [`QuicTransport`], so

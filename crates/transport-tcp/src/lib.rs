@@ -183,7 +183,6 @@
 //! Endpoint details are empty for TCP: the grant, not the endpoint, says
 //! where a peer may write.
 
-mod budget;
 mod client;
 mod config;
 mod io;

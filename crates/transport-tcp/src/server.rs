@@ -22,13 +22,12 @@ use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
 use kv_proto::session::{BadTag, End as SessionEnd, Session, FRAME_TAG_LEN};
-use kv_proto::{HandshakePlace, LogThrottle, Revoked};
+use kv_proto::{HandshakePlace, Revoked};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, warn};
 
-use crate::budget::{NoRoom, Share};
 use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
@@ -36,13 +35,8 @@ use crate::wire::{
     auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_BUSY, AUTH_FAILED, AUTH_OK,
     AUTH_TAG_LEN, BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
 };
+use kv_net::{Admission, NoRoom, Share};
 
-/// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
-/// does not spin.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-/// At most one line per this interval for log lines a peer can provoke at
-/// will (accept failures, connections over the limit).
-const LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
 
@@ -100,42 +94,16 @@ enum Received {
 /// Accepts connections until the transport's token is cancelled.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let local = listener.local_addr().ok();
-    // Peers can provoke these two at will: one line per interval, with the
-    // count of those left out.
-    let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
-    let mut refusals = LogThrottle::new(LOG_INTERVAL);
+    let mut admission = Admission::new(&listener, &shared.handshakes, "tcp data plane");
     loop {
-        let accepted = tokio::select! {
+        let (stream, peer, place) = tokio::select! {
             biased;
             () = shared.token.cancelled() => break,
-            accepted = listener.accept() => accepted,
+            admitted = admission.next() => admitted,
         };
-        match accepted {
-            Ok((stream, peer)) => {
-                let place = match shared.handshakes.enter(peer.ip()) {
-                    Ok(place) => place,
-                    Err(no_place) => {
-                        if let Some(suppressed) = refusals.allow(Instant::now()) {
-                            warn!(%peer, reason = %no_place, suppressed, "handshake limit reached, closing new connections");
-                        }
-                        continue;
-                    }
-                };
-                shared.accepted.fetch_add(1, Ordering::Relaxed);
-                let task_shared = Arc::clone(&shared);
-                shared.tracker.spawn(async move { serve(&task_shared, stream, peer, place).await });
-            }
-            Err(error) => {
-                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
-                    warn!(listener = ?local, %error, suppressed, "accept failed");
-                }
-                tokio::select! {
-                    biased;
-                    () = shared.token.cancelled() => break,
-                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
-                }
-            }
-        }
+        shared.accepted.fetch_add(1, Ordering::Relaxed);
+        let task_shared = Arc::clone(&shared);
+        shared.tracker.spawn(async move { serve(&task_shared, stream, peer, place).await });
     }
     debug!(listener = ?local, "data-plane listener stopped");
 }

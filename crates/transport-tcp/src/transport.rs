@@ -17,12 +17,12 @@ use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::budget::OpListBudget;
 use crate::client::{self, Pool};
 use crate::config::TcpConfig;
 use crate::memory::{LocalMemory, SourceError, Sources};
 use crate::server;
 use crate::split;
+use kv_net::OpListBudget;
 
 /// State shared by the transport handle, the accept loop and the connection
 /// tasks. The tasks hold it, never the [`TcpTransport`], so dropping the last

@@ -31,10 +31,6 @@ const MAX_WAIT_BUDGET: Duration = Duration::from_secs(24 * 60 * 60);
 /// instance's messages wait.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
 
-/// Pause after a failed `accept` (e.g. out of file descriptors), so the loop
-/// does not spin.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-
 /// Accepts connections until the worker shuts down. A connection first needs
 /// a handshake place (hello and authentication, bounded in number and time),
 /// then an established place; the two pools are separate, so connections
@@ -44,56 +40,33 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
         shared.config.side_channel_max_handshakes,
         shared.config.side_channel_max_handshakes_per_host,
     );
-    let mut accept_errors = LogThrottle::new(Duration::from_secs(1));
-    let mut refusals = LogThrottle::new(Duration::from_secs(1));
+    let mut admission = kv_net::Admission::new(&listener, &handshakes, "side channel");
     // Any host that reaches the port can end connections badly, as fast as
     // it can open them: one line a second for all of them.
-    let dropped = Arc::new(std::sync::Mutex::new(LogThrottle::new(Duration::from_secs(1))));
+    let dropped = Arc::new(std::sync::Mutex::new(LogThrottle::new(kv_net::LOG_INTERVAL)));
     loop {
-        let accepted = tokio::select! {
+        let (stream, peer, handshake) = tokio::select! {
             () = shared.cancel.cancelled() => break,
-            accepted = listener.accept() => accepted,
+            admitted = admission.next() => admitted,
         };
-        match accepted {
-            Ok((stream, peer)) => {
-                let handshake = match handshakes.enter(peer.ip()) {
-                    Ok(place) => place,
-                    Err(no_place) => {
-                        if let Some(suppressed) = refusals.allow(Instant::now()) {
-                            tracing::warn!(%peer, reason = %no_place, suppressed, "side-channel handshake limit reached, closing new connections");
+        let _ = stream.set_nodelay(true);
+        let conn_shared = shared.clone();
+        let dropped = dropped.clone();
+        shared.tracker.spawn(async move {
+            match serve_connection(conn_shared, stream, peer, handshake).await {
+                Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
+                Err(reason) => {
+                    let allowed =
+                        dropped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
+                    match allowed {
+                        Some(suppressed) => {
+                            tracing::warn!(%peer, %reason, suppressed, "side-channel connection dropped");
                         }
-                        continue;
+                        None => tracing::debug!(%peer, %reason, "side-channel connection dropped"),
                     }
-                };
-                let _ = stream.set_nodelay(true);
-                let conn_shared = shared.clone();
-                let dropped = dropped.clone();
-                shared.tracker.spawn(async move {
-                    match serve_connection(conn_shared, stream, peer, handshake).await {
-                        Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
-                        Err(reason) => {
-                            let allowed =
-                                dropped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
-                            match allowed {
-                                Some(suppressed) => {
-                                    tracing::warn!(%peer, %reason, suppressed, "side-channel connection dropped");
-                                }
-                                None => tracing::debug!(%peer, %reason, "side-channel connection dropped"),
-                            }
-                        }
-                    }
-                });
-            }
-            Err(error) => {
-                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
-                    tracing::warn!(%error, suppressed, "side-channel accept failed");
-                }
-                tokio::select! {
-                    () = shared.cancel.cancelled() => break,
-                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
                 }
             }
-        }
+        });
     }
 }
 

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_proto::{DestinationError, GrantId, HandshakePlace, LogThrottle};
+use kv_proto::{DestinationError, GrantId, HandshakePlace};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
@@ -26,46 +26,16 @@ use crate::handshake::{self, opening, ConnectionInfo, HandshakeLimits};
 use crate::region::{RegionTable, RemoteRegion};
 use crate::verbs::{BindWindow, MemoryWindow};
 
-/// Pause after a failed `accept` (e.g. out of file descriptors) so the loop
-/// does not spin.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-/// At most one line per this interval for log lines a peer can provoke.
-const LOG_INTERVAL: Duration = Duration::from_secs(1);
-
 /// Accepts control connections until the transport is shut down.
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let mut accept_errors = LogThrottle::new(LOG_INTERVAL);
-    let mut refusals = LogThrottle::new(LOG_INTERVAL);
+    let mut admission = kv_net::Admission::new(&listener, &shared.handshakes, "rdma control");
     loop {
-        let accepted = tokio::select! {
+        let (stream, peer, place) = tokio::select! {
             biased;
             () = shared.token.cancelled() => return,
-            accepted = listener.accept() => accepted,
+            admitted = admission.next() => admitted,
         };
-        match accepted {
-            Ok((stream, peer)) => {
-                let place = match shared.handshakes.enter(peer.ip()) {
-                    Ok(place) => place,
-                    Err(no_place) => {
-                        if let Some(suppressed) = refusals.allow(Instant::now()) {
-                            tracing::warn!(%peer, reason = %no_place, suppressed, "rdma control connection refused: handshake limit reached");
-                        }
-                        continue;
-                    }
-                };
-                shared.tracker.spawn(serve(Arc::clone(&shared), stream, peer, place));
-            }
-            Err(err) => {
-                if let Some(suppressed) = accept_errors.allow(Instant::now()) {
-                    tracing::warn!(error = %err, suppressed, "rdma control listener: accept failed");
-                }
-                tokio::select! {
-                    biased;
-                    () = shared.token.cancelled() => return,
-                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
-                }
-            }
-        }
+        shared.tracker.spawn(serve(Arc::clone(&shared), stream, peer, place));
     }
 }
 

@@ -1,5 +1,5 @@
-//! The op-list budget every incoming stream of one transport shares
-//! ([`crate::QuicConfig::op_list_budget`]): a batch's share grows as its op
+//! The op-list budget every incoming connection (or stream) of one transport
+//! shares (`op_list_budget` of its config): a batch's share grows as its op
 //! list arrives, waits (bounded) for room when there is none (or gives way
 //! at once if it holds an equal share of the budget or more, so batches
 //! that wait for each other cannot lock it up), and is given back, waking
@@ -13,49 +13,55 @@ use tokio::time::Instant;
 
 /// The budget and the waiters for room in it.
 #[derive(Debug)]
-pub(crate) struct OpListBudget {
+pub struct OpListBudget {
     budget: Arc<MemoryBudget>,
     room: Notify,
 }
 
 impl OpListBudget {
-    pub(crate) fn new(limit: u64) -> Self {
+    /// A budget of `limit` bytes, empty.
+    pub fn new(limit: u64) -> Self {
         Self { budget: MemoryBudget::new(limit), room: Notify::new() }
     }
 
     /// The bound, bytes.
-    pub(crate) fn limit(&self) -> u64 {
+    pub fn limit(&self) -> u64 {
         self.budget.limit()
     }
 
     /// Bytes held now.
-    pub(crate) fn used(&self) -> u64 {
+    pub fn used(&self) -> u64 {
         self.budget.used()
     }
 
     /// The most bytes ever held at once.
-    pub(crate) fn peak(&self) -> u64 {
+    pub fn peak(&self) -> u64 {
         self.budget.peak()
     }
 
     /// An empty share, for one batch.
-    pub(crate) fn share(&self) -> Share<'_> {
+    pub fn share(&self) -> Share<'_> {
         Share { charge: self.budget.charge(), room: &self.room }
     }
 }
 
 /// Why a share could not grow.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum NoRoom {
+pub enum NoRoom {
     /// The budget stayed full until the deadline.
     Timeout,
     /// The budget is full and this batch holds an equal share of it or
     /// more (`held` bytes, among `holders` batches): it gives way.
-    GiveWay { held: u64, holders: u64 },
+    GiveWay {
+        /// Bytes this batch holds.
+        held: u64,
+        /// Batches holding a share.
+        holders: u64,
+    },
 }
 
 /// One batch's share of the budget; given back (and waiters woken) on drop.
-pub(crate) struct Share<'a> {
+pub struct Share<'a> {
     charge: Charge,
     room: &'a Notify,
 }
@@ -63,7 +69,7 @@ pub(crate) struct Share<'a> {
 impl Share<'_> {
     /// Takes `more` bytes, waiting for room until `deadline`; on `Err`
     /// nothing was taken.
-    pub(crate) async fn grow(&mut self, more: u64, deadline: Instant) -> Result<(), NoRoom> {
+    pub async fn grow(&mut self, more: u64, deadline: Instant) -> Result<(), NoRoom> {
         loop {
             // Registered before the attempt, so a release between the two
             // is not missed.
@@ -83,7 +89,7 @@ impl Share<'_> {
     }
 
     /// Gives every byte back now and wakes the waiters.
-    pub(crate) fn release(&mut self) {
+    pub fn release(&mut self) {
         if self.charge.release() > 0 {
             self.room.notify_waiters();
         }
@@ -92,7 +98,7 @@ impl Share<'_> {
 
 impl NoRoom {
     /// Why the batch is refused, for its sender.
-    pub(crate) fn reason(self, ops: u64, limit: u64, timeout: std::time::Duration) -> String {
+    pub fn reason(self, ops: u64, limit: u64, timeout: std::time::Duration) -> String {
         match self {
             NoRoom::Timeout => format!(
                 "no room for the op list of {ops} ops within {timeout:?}: the receiver's op-list budget of {limit} \
