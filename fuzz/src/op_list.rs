@@ -148,13 +148,13 @@ pub(crate) fn receive_op_list(
     };
     assert!(op_count <= max_ops, "a count of {op_count} over the limit of {max_ops} got a buffer");
     assert_eq!(buffer.count() as u64, op_count);
-    match memory.admit(grant, std::iter::empty(), 0, now) {
-        Ok(_) => {}
+    match memory.check_grant(grant, now) {
+        Ok(()) => {}
         Err(DestinationError::UnknownGrant | DestinationError::ExpiredGrant) => {
             assert_ne!(grant, &GrantId::from_bytes(GRANT_BYTES), "the live grant was refused");
             return ListOutcome::DeadGrant;
         }
-        Err(e) => panic!("an empty admission failed with {e}"),
+        Err(e) => panic!("the grant check failed with {e}"),
     }
 
     let budget = MemoryBudget::new(budget);

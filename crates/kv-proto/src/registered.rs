@@ -288,6 +288,33 @@ impl RegisteredMemory {
         self.lock_grants().len()
     }
 
+    /// Whether `grant` is live at `now` (issued here, neither revoked nor
+    /// expired, the memory not closed): what a receiver asks before it
+    /// buffers a batch's op list. Admitting the ops is [`Self::admit`].
+    pub fn check_grant(&self, grant: &GrantId, now: Instant) -> Result<(), DestinationError> {
+        self.live_entry(grant, now).map(drop)
+    }
+
+    /// The entry of `grant` if it is live at `now`; an expired one is
+    /// purged (and fenced) on the way.
+    fn live_entry(&self, grant: &GrantId, now: Instant) -> Result<Arc<GrantEntry>, DestinationError> {
+        if self.is_closed() {
+            return Err(DestinationError::Closed);
+        }
+        let mut grants = self.lock_grants();
+        let Some(entry) = grants.get(grant).cloned() else { return Err(DestinationError::UnknownGrant) };
+        if !*entry.live.read().unwrap_or_else(PoisonError::into_inner) {
+            return Err(DestinationError::UnknownGrant);
+        }
+        if entry.expires_at <= now {
+            grants.remove(grant);
+            drop(grants);
+            entry.fence();
+            return Err(DestinationError::ExpiredGrant);
+        }
+        Ok(entry)
+    }
+
     /// Checks a peer's batch: the ops' lengths must add up to `declared`, the
     /// grant must be live at `now`, and every op must lie inside one of its
     /// ranges. The result is the only way to write the batch.
@@ -305,23 +332,7 @@ impl RegisteredMemory {
         if sum != Some(declared) {
             return Err(DestinationError::LengthMismatch { declared, sum });
         }
-        if self.is_closed() {
-            return Err(DestinationError::Closed);
-        }
-        let entry = {
-            let mut grants = self.lock_grants();
-            let Some(entry) = grants.get(grant).cloned() else { return Err(DestinationError::UnknownGrant) };
-            if !*entry.live.read().unwrap_or_else(PoisonError::into_inner) {
-                return Err(DestinationError::UnknownGrant);
-            }
-            if entry.expires_at <= now {
-                grants.remove(grant);
-                drop(grants);
-                entry.fence();
-                return Err(DestinationError::ExpiredGrant);
-            }
-            entry
-        };
+        let entry = self.live_entry(grant, now)?;
         // One pass checks the grant and, for ops in ascending order (the
         // common case), that none overlaps the previous one.
         let mut ascending_end = Some(0u64);
@@ -410,6 +421,24 @@ mod tests {
             mem.check_sources(&[WriteOp { src: 1000, dst: 0, len: 100 }, WriteOp { src: 1000, dst: 0, len: u64::MAX }]),
             Err(SourceError::Outside { addr: 1000, len: u64::MAX })
         );
+    }
+
+    #[test]
+    fn the_grant_check_sees_live_grants_only() {
+        let mem = memory();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(10);
+        mem.issue_grant(id(1), &[MemoryRegion::new(5100, 100)], now, ttl).unwrap();
+        mem.issue_grant(id(2), &[MemoryRegion::new(5300, 100)], now, ttl).unwrap();
+        assert_eq!(mem.check_grant(&id(1), now), Ok(()));
+        assert_eq!(mem.check_grant(&id(9), now), Err(DestinationError::UnknownGrant));
+        assert_eq!(mem.check_grant(&id(1), now + ttl), Err(DestinationError::ExpiredGrant));
+        assert_eq!(mem.check_grant(&id(1), now), Err(DestinationError::UnknownGrant), "an expired grant is purged");
+        assert_eq!(mem.live_grants(), 1);
+        mem.revoke(&id(2));
+        assert_eq!(mem.check_grant(&id(2), now), Err(DestinationError::UnknownGrant));
+        mem.close();
+        assert_eq!(mem.check_grant(&id(2), now), Err(DestinationError::Closed));
     }
 
     #[test]

@@ -318,8 +318,8 @@ impl Batch<'_> {
 
         // A batch for a grant that is not live is refused before its op
         // list is read (and buffered).
-        match self.shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
-            Ok(_) => {}
+        match self.shared.memory.check_grant(&header.grant, Instant::now()) {
+            Ok(()) => {}
             Err(DestinationError::Closed) => return Err(StreamError::Closed),
             Err(error) => return self.refuse(&header.grant, &error.to_string()).await,
         }

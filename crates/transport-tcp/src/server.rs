@@ -254,8 +254,8 @@ impl Connection<'_> {
 
         // A batch for a grant that is not live is refused before its op list
         // is buffered (the list and the payload are read and discarded).
-        match shared.memory.admit(&header.grant, std::iter::empty(), 0, Instant::now()) {
-            Ok(_) => {}
+        match shared.memory.check_grant(&header.grant, Instant::now()) {
+            Ok(()) => {}
             Err(DestinationError::Closed) => return Err(ConnError::Closed),
             Err(refusal) => return self.refuse(stream, &header, Some(buffer.count()), &refusal.to_string()).await,
         }
