@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use crate::{cmd, deps, engine_test, fuzz, python, rdma_test, setup, soak};
+use crate::{cmd, deps, engine_test, fuzz, python, rdma_test, setup, soak, unsafe_files};
 
 /// Crates left out of the workspace-wide all-features clippy, test and doc
 /// steps: transport-rdma's device tests need an RDMA device. Its own steps
@@ -59,6 +59,8 @@ enum Action {
     Cargo { args: Vec<&'static str>, env: Vec<(&'static str, OsString)> },
     /// The crate dependency rule (see [`deps`]).
     DependencyRule,
+    /// Where `unsafe` may live (see [`unsafe_files`]).
+    UnsafeFiles,
     /// `cargo xtask rdma-test` (see [`rdma_test`]).
     RdmaTest,
     /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
@@ -102,6 +104,7 @@ impl Step {
                 fuzz::CARGO_FUZZ_VERSION
             ),
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
+            Action::UnsafeFiles => "`unsafe` only in the files ARCHITECTURE.md lists, and all of them".to_owned(),
             Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
                                  and end-to-end test, in a Soft-RoCE guest)"
                 .to_owned(),
@@ -137,6 +140,7 @@ impl Step {
             }
             Action::Setup => setup::ensure(root, false),
             Action::DependencyRule => deps::check(root),
+            Action::UnsafeFiles => unsafe_files::check(root),
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
             Action::Engine => engine_test::ci(root),
@@ -154,6 +158,7 @@ fn steps() -> Vec<Step> {
         Step::cargo("fmt", "fmt", vec!["fmt", "--all", "--", "--check"]),
         Step::cargo("fmt:fuzz", "fmt", vec!["fmt", "--manifest-path", "fuzz/Cargo.toml", "--", "--check"]),
         Step { name: "deps".to_owned(), group: "deps", action: Action::DependencyRule },
+        Step { name: "unsafe".to_owned(), group: "unsafe", action: Action::UnsafeFiles },
     ];
     for (suffix, feature_args) in CLIPPY_FEATURE_SETS {
         let mut args = vec!["clippy"];

@@ -55,6 +55,7 @@ mod python;
 mod rdma_test;
 mod setup;
 mod soak;
+mod unsafe_files;
 mod vm;
 
 use std::process::ExitCode;
