@@ -222,6 +222,15 @@ impl RegisteredMemory {
         self.read().closed
     }
 
+    /// Issues a grant with a fresh random id over `ranges` (each inside one
+    /// destination region), valid for `valid_for` from `now`: what every
+    /// transport's `grant` does. Returns the id.
+    pub fn grant(&self, ranges: &[MemoryRegion], now: Instant, valid_for: Duration) -> Result<GrantId, GrantError> {
+        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
+        self.issue_grant(id, ranges, now, valid_for)?;
+        Ok(id)
+    }
+
     /// Issues grant `id` over `ranges` (each inside one destination region),
     /// valid for `valid_for` from `now`. Grants that expired by `now` are
     /// purged (and fenced) on the way.

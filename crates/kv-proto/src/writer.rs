@@ -125,9 +125,10 @@ pub enum TransportError {
     /// Regions could not be registered.
     #[error("memory registration failed: {0}")]
     Registration(#[from] RegionError),
-    /// A grant could not be issued.
+    /// A grant could not be issued (a closed memory is
+    /// [`TransportError::Shutdown`]).
     #[error("cannot issue a grant: {0}")]
-    Grant(#[from] GrantError),
+    Grant(GrantError),
     /// A local source range is outside every registered region.
     #[error("source range {addr:#x}+{len} is outside the registered regions")]
     SourceOutOfBounds {
@@ -189,6 +190,15 @@ pub enum TransportError {
     /// The writer is shut down.
     #[error("transport is shut down")]
     Shutdown,
+}
+
+impl From<GrantError> for TransportError {
+    fn from(error: GrantError) -> Self {
+        match error {
+            GrantError::Closed => TransportError::Shutdown,
+            other => TransportError::Grant(other),
+        }
+    }
 }
 
 /// A data-plane transport: registers local memory, advertises an endpoint,

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use kv_proto::{
-    BatchWriter, DestinationError, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess,
-    RegisteredMemory, SourceError, TransportError, WriteOp,
+    BatchWriter, DestinationError, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, RegisteredMemory,
+    SourceError, TransportError, WriteOp,
 };
 
 /// The address scheme of in-memory endpoints.
@@ -137,12 +137,7 @@ impl BatchWriter for InMemoryWriter {
     }
 
     async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
-        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
-        match self.node.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
-            Ok(()) => Ok(Grant::plain(id)),
-            Err(GrantError::Closed) => Err(TransportError::Shutdown),
-            Err(e) => Err(e.into()),
-        }
+        Ok(Grant::plain(self.node.memory.grant(ranges, Instant::now(), valid_for)?))
     }
 
     async fn revoke(&self, grant: &GrantId) {

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use kv_proto::{
-    BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError,
-    TransportError, WriteOp,
+    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError, TransportError, WriteOp,
 };
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{IdleTimeout, TransportConfig, VarInt};
@@ -273,15 +272,9 @@ impl BatchWriter for QuicTransport {
     }
 
     async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
-        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
-        match self.shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
-            Ok(()) => {
-                debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
-                Ok(Grant::plain(id))
-            }
-            Err(GrantError::Closed) => Err(TransportError::Shutdown),
-            Err(e) => Err(e.into()),
-        }
+        let id = self.shared.memory.grant(ranges, Instant::now(), valid_for)?;
+        debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
+        Ok(Grant::plain(id))
     }
 
     async fn revoke(&self, grant: &GrantId) {

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{
-    BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp,
-};
+use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -398,15 +396,9 @@ impl BatchWriter for TcpTransport {
     }
 
     async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
-        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
-        match self.shared.memory.issue_grant(id, ranges, Instant::now(), valid_for) {
-            Ok(()) => {
-                debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
-                Ok(Grant::plain(id))
-            }
-            Err(GrantError::Closed) => Err(TransportError::Shutdown),
-            Err(error) => Err(error.into()),
-        }
+        let id = self.shared.memory.grant(ranges, Instant::now(), valid_for)?;
+        debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
+        Ok(Grant::plain(id))
     }
 
     async fn revoke(&self, grant: &GrantId) {

@@ -330,13 +330,8 @@ impl BatchWriter for RdmaTransport {
         if shared.memory.is_closed() {
             return Err(TransportError::Shutdown);
         }
-        let id = GrantId::random().ok_or(GrantError::NoRandomness)?;
         let issued = Instant::now();
-        match shared.memory.issue_grant(id, ranges, issued, valid_for) {
-            Ok(()) => {}
-            Err(GrantError::Closed) => return Err(TransportError::Shutdown),
-            Err(err) => return Err(err.into()),
-        }
+        let id = shared.memory.grant(ranges, issued, valid_for)?;
         let destinations: Vec<MemoryRegion> =
             shared.registrations().destinations.iter().map(|r| MemoryRegion::new(r.addr(), r.len())).collect();
         let specs = match crate::fence::window_specs(ranges, &destinations) {
