@@ -65,8 +65,10 @@ enum Action {
     RdmaTest,
     /// The `kvlink_vllm` Python package: install and pytest (see [`python`]).
     Python,
-    /// P and D as real vLLM engines with kvlink (see [`engine_test`]).
-    Engine,
+    /// P and D as real vLLM engines of this release with kvlink (see [`engine_test`]).
+    Engine(&'static str),
+    /// vLLM's own connector tests of this release against kvlink (see [`python`]).
+    VllmCheck(&'static str),
     /// `cargo xtask fuzz` with these options (see [`fuzz`]).
     Fuzz(fuzz::FuzzArgs),
     /// `cargo xtask soak` with these options (see [`soak`]).
@@ -108,9 +110,15 @@ impl Step {
             Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
                                  and end-to-end test, in a Soft-RoCE guest)"
                 .to_owned(),
-            Action::Engine => "cargo xtask engine-test (vLLM 0.14 CPU: baseline, P and D as `vllm serve`, \
-                                vllm-router; a cached venv from engine_test/requirements-vllm-0.14.0.txt)"
-                .to_owned(),
+            Action::Engine(release) => format!(
+                "cargo xtask engine-test --vllm {release} (vLLM {release} CPU: baseline, P and D as `vllm serve`, \
+                 vllm-router; a cached venv from engine_test/{})",
+                engine_test::lock_name(release)
+            ),
+            Action::VllmCheck(release) => format!(
+                "cargo xtask vllm-check --vllm {release} (kvlink under vLLM {release}'s scheduler, then vLLM's own \
+                 tests/v1/kv_connector/unit against KvlinkConnector; the engine test's venv)"
+            ),
             Action::Python => format!(
                 "kvlink_vllm: venv, pip install {} {}, pip install crates/kvlink-py, pytest",
                 python::MATURIN,
@@ -143,7 +151,8 @@ impl Step {
             Action::UnsafeFiles => unsafe_files::check(root),
             Action::RdmaTest => rdma_test::run_step(),
             Action::Python => python::ci(root),
-            Action::Engine => engine_test::ci(root),
+            Action::Engine(release) => engine_test::ci(root, release),
+            Action::VllmCheck(release) => python::vllm_check_ci(root, release),
             Action::Fuzz(args) => fuzz::run(args),
             Action::Soak(args) => soak::soak(args),
         }
@@ -218,7 +227,17 @@ fn steps() -> Vec<Step> {
         },
     });
     steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
-    steps.push(Step { name: "engine".to_owned(), group: "engine", action: Action::Engine });
+    // Each supported vLLM release: its connector tests, then its engines
+    // (the first builds the release's cached environment).
+    for release in engine_test::RELEASES {
+        let minor = engine_test::minor(release);
+        steps.push(Step {
+            name: format!("vllm-check:{minor}"),
+            group: "vllm-check",
+            action: Action::VllmCheck(release),
+        });
+        steps.push(Step { name: format!("engine:{minor}"), group: "engine", action: Action::Engine(release) });
+    }
     // The fuzz crate is outside the workspace: its corpus replayed on stable,
     // then a short fuzzing smoke from that corpus on nightly.
     steps.push(Step { name: "fuzz-replay".to_owned(), group: "fuzz", action: Action::Fuzz(fuzz::FuzzArgs::replay()) });
@@ -235,7 +254,7 @@ fn select(all: Vec<Step>, wanted: &[String]) -> Result<Vec<Step>> {
         if !all.iter().any(|step| step.name == *name || step.group == name) {
             let known: Vec<&str> = all.iter().map(|step| step.name.as_str()).collect();
             bail!(
-                "unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`, `fuzz`)",
+                "unknown step `{name}`; steps are: {} (and the groups `clippy`, `test`, `doc`, `fuzz`, `vllm-check`, `engine`)",
                 known.join(", ")
             );
         }

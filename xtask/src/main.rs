@@ -12,8 +12,10 @@
 //!   root, installs what is missing (else prints the command that would).
 //! * `cargo xtask bench` builds kvlink in release mode and measures the
 //!   performance targets as ratios against iperf3 on loopback.
-//! * `cargo xtask vllm-check` installs vLLM 0.14.0 in a scratch virtual
-//!   environment and runs the connector against vLLM's own scheduler (not in CI).
+//! * `cargo xtask vllm-check [--vllm RELEASE]` runs the connector under each
+//!   supported vLLM release's own scheduler, then that release's own
+//!   KV-connector unit tests against it, in the engine test's environment of
+//!   the release (also the CI steps `vllm-check:0.14`, `vllm-check:0.32`).
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
 //! * `cargo xtask rdma-test` builds the RDMA tests (transport-rdma's, with
@@ -32,10 +34,11 @@
 //!   `cargo xtask fuzz --replay` runs that corpus through the same checks
 //!   on stable.
 //!
-//! * `cargo xtask engine-test [PYTEST_ARGS]` runs kvlink between two real
-//!   vLLM 0.14 engines (CPU build, tiny generated models) behind
+//! * `cargo xtask engine-test [--vllm RELEASE] [PYTEST_ARGS]` runs kvlink
+//!   between two real vLLM engines of a supported release (0.14.0 by
+//!   default, or 0.32.0; CPU build, tiny generated models) behind
 //!   vllm-router, against a baseline engine, with faults and TTFT figures
-//!   (also the CI step `engine`).
+//!   (also the CI steps `engine:0.14`, `engine:0.32`).
 //!
 //! Modules, one job each: [`cmd`] spawns cargo, [`ci`] owns the step table and
 //! the runner, [`deps`] checks the crate dependency rule, [`vm`] boots the
@@ -83,13 +86,13 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Build the RDMA tests and run them in a Soft-RoCE QEMU guest (`--bench`: demo, bench, ib_write_bw).
     RdmaTest(rdma_test::RdmaTestArgs),
-    /// Install vLLM 0.14.0 in a scratch venv and run kvlink against vLLM's own scheduler (offline, CPU).
+    /// kvlink under each supported vLLM's own scheduler, then that vLLM's own connector unit tests (offline, CPU).
     VllmCheck(python::VllmCheckArgs),
     /// Fuzz the decoders and state machines (nightly, cargo-fuzz), or replay their corpus on stable.
     Fuzz(fuzz::FuzzArgs),
     /// Many requests between separate kvlink processes (4 P -> 1 D, then 1 P -> 2 D): no failure, flat RSS, no leak.
     Soak(soak::SoakArgs),
-    /// kvlink between two real vLLM 0.14 engines (CPU): P/D through vllm-router against a baseline, faults, TTFT.
+    /// kvlink between two real vLLM engines (CPU, 0.14.0 or 0.32.0): P/D through vllm-router against a baseline, faults, TTFT.
     EngineTest(engine_test::EngineTestArgs),
 }
 

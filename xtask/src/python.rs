@@ -5,10 +5,16 @@
 //!   installs the pinned build and test tools from PyPI, installs the
 //!   package exactly as the README tells users to (`pip install
 //!   crates/kvlink-py`), and runs its pytest suite (P and D as processes,
-//!   fork safety, the signature check against the released vLLM 0.14.0).
-//! * `cargo xtask vllm-check` (not in CI): a second environment with
-//!   `vllm==0.14.0` itself, running `crates/kvlink-py/vllm_check/` against
-//!   vLLM's real scheduler and connector factory.
+//!   fork safety, the signature check against each supported release's
+//!   connector base class).
+//! * `cargo xtask vllm-check [--vllm RELEASE]` (CI steps
+//!   `vllm-check:0.14`, `vllm-check:0.32`): in the release's engine-test
+//!   environment (see [`crate::engine_test`]), kvlink's own checks under
+//!   vLLM's real scheduler and connector factory
+//!   (`crates/kvlink-py/vllm_check/test_vllm_scheduler.py`), then vLLM's own
+//!   KV-connector unit tests from the release's source distribution, run
+//!   against `KvlinkConnector` (`vllm_check/kvlink_unit_plugin.py`; what is
+//!   not run, and why, is in `vllm_check/unit_manifest.py`).
 //!
 //! The interpreter is `$PYTHON`, else `python3` (3.10 or newer).
 
@@ -18,15 +24,12 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::cmd;
+use crate::{cmd, engine_test};
 
 /// maturin, the build backend (also pinned in crates/kvlink-py/pyproject.toml).
 pub(crate) const MATURIN: &str = "maturin==1.16.0";
 /// pytest, the test runner.
 pub(crate) const PYTEST: &str = "pytest==8.4.2";
-/// The vLLM release the connector targets.
-pub(crate) const VLLM: &str = "vllm==0.14.0";
-
 /// The package's directory.
 pub(crate) fn package_dir(root: &Path) -> PathBuf {
     root.join("crates").join("kvlink-py")
@@ -91,37 +94,88 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     pip(&python, &["install", "--quiet", MATURIN, PYTEST])?;
     install_package(root, &python, "dev")?;
     let mut pytest = Command::new(&python);
+    // The signature test reads the supported releases' source distributions
+    // (cached under `${XDG_CACHE_HOME:-$HOME/.cache}/kvlink/vllm-sdist`).
     pytest.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]).current_dir(package_dir(root));
-    // The vLLM wheel the signature test reads is kept between runs.
-    pytest.env("KVLINK_VLLM_DIST_DIR", target_dir(root).join("vllm-dist"));
     run(pytest, "pytest -q tests")
 }
 
 /// Arguments of `cargo xtask vllm-check`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct VllmCheckArgs {
-    /// Extra arguments for pytest (e.g. `-k scheduler -x`).
+    /// Only this vLLM release (default: every supported one).
+    #[arg(long = "vllm", value_name = "RELEASE",
+          value_parser = clap::builder::PossibleValuesParser::new(engine_test::RELEASES))]
+    release: Option<String>,
+    /// Extra arguments for both pytest runs (e.g. `-x`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pytest_args: Vec<String>,
 }
 
-/// `cargo xtask vllm-check`: vLLM 0.14.0's own scheduler and factory with kvlink.
+/// `cargo xtask vllm-check`.
 pub(crate) fn vllm_check(args: &VllmCheckArgs) -> Result<std::process::ExitCode> {
     let root = cmd::workspace_root()?;
-    let python = venv(&root, "vllm-check-venv")?;
-    pip(&python, &["install", "--quiet", MATURIN, PYTEST, VLLM])?;
-    install_package(&root, &python, "release")?;
-    let mut pytest = Command::new(&python);
-    pytest
-        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "vllm_check"])
-        .args(&args.pytest_args)
-        .current_dir(package_dir(&root))
-        // Offline: the model is a local config.json, nothing is fetched.
+    let releases: Vec<&str> = match &args.release {
+        Some(release) => vec![release.as_str()],
+        None => engine_test::RELEASES.to_vec(),
+    };
+    for release in releases {
+        check_release(&root, release, &args.pytest_args)?;
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The CI step `vllm-check:<major.minor>` of `release`.
+pub(crate) fn vllm_check_ci(root: &Path, release: &str) -> Result<()> {
+    check_release(root, release, &[])
+}
+
+/// The offline, CPU-only environment of every check.
+fn offline(command: &mut Command) -> &mut Command {
+    command
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
         .env("VLLM_NO_USAGE_STATS", "1")
         .env("VLLM_HOST_IP", "127.0.0.1")
-        .env("VLLM_TARGET_DEVICE", "cpu");
-    run(pytest, "pytest -v vllm_check")?;
-    Ok(std::process::ExitCode::SUCCESS)
+        .env("VLLM_TARGET_DEVICE", "cpu")
+}
+
+fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
+    let python = engine_test::environment(root, release)?;
+    install_package(root, &python, "dev")?;
+    let package = package_dir(root);
+    let checks = package.join("vllm_check");
+    let work = target_dir(root).join(format!("vllm-check-{release}"));
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+
+    // kvlink's own checks under the release's scheduler.
+    let mut pytest = Command::new(&python);
+    offline(&mut pytest)
+        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "vllm_check/test_vllm_scheduler.py"])
+        .args(pytest_args)
+        .current_dir(&package);
+    run(pytest, &format!("pytest -v vllm_check/test_vllm_scheduler.py (vLLM {release})"))?;
+
+    // vLLM's own connector unit tests, on a tiny local checkpoint made by
+    // this release's transformers.
+    let model = work.join("model");
+    let mut make = Command::new(&python);
+    make.arg(package.join("engine_test").join("make_model.py")).arg(&model).arg("0");
+    run(make, "python engine_test/make_model.py (tiny checkpoint)")?;
+    let mut fetch = Command::new(&python);
+    fetch.arg(checks.join("vllm_sdist.py")).arg(release).arg(&work);
+    run(fetch, &format!("python vllm_check/vllm_sdist.py {release} (vLLM's tests from its source distribution)"))?;
+    let unit = work.join(format!("vllm-{release}")).join("tests/v1/kv_connector/unit");
+    let mut pytest = Command::new(&python);
+    offline(&mut pytest)
+        .args(["-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", "-p", "kvlink_unit_plugin"])
+        .args(pytest_args)
+        .current_dir(&unit)
+        .env("PYTHONPATH", &checks)
+        .env("KVLINK_VLLM_RELEASE", release)
+        .env("KVLINK_TINY_MODEL", &model);
+    run(pytest, &format!("pytest -p kvlink_unit_plugin tests/v1/kv_connector/unit (vLLM {release})"))
 }

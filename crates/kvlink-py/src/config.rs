@@ -34,11 +34,20 @@ pub(crate) const EXTRA_KEYS: &[(&str, &str)] = &[
 /// with the connector that reads each: accepted and ignored (the caller logs
 /// them once), so a deployment switches connector by `kv_connector` alone.
 /// `mooncake_protocol` and `num_workers`, `MooncakeConnector`'s, are kvlink's
-/// own keys too.
+/// own keys too (and `transfer_timeout`, also MoRIIO's). vLLM 0.14's and
+/// 0.32's keys.
 pub(crate) const FOREIGN_KEYS: &[(&str, &str)] = &[
     ("backends", "NixlConnector"),
     ("num_threads", "NixlConnector"),
     ("enforce_handshake_compat", "NixlConnector"),
+    ("kv_lease_duration", "NixlConnector"),
+    ("kv_recompute_threshold", "NixlConnector"),
+    ("bidirectional_kv_xfer", "NixlConnector"),
+    ("decoder_kv_blocks_ttl", "NixlConnector"),
+    ("push_registration_timeout", "NixlConnector"),
+    ("engine_ttl", "NixlConnector"),
+    ("device_name", "MooncakeConnector"),
+    ("bootstrap_server_address", "MooncakeConnector"),
     ("proxy_ip", "P2pNcclConnector, MoRIIOConnector"),
     ("proxy_port", "P2pNcclConnector"),
     ("http_port", "P2pNcclConnector, MoRIIOConnector"),
@@ -48,6 +57,13 @@ pub(crate) const FOREIGN_KEYS: &[(&str, &str)] = &[
     ("proxy_ping_port", "MoRIIOConnector"),
     ("handshake_port", "MoRIIOConnector"),
     ("notify_port", "MoRIIOConnector"),
+    ("backend", "MoRIIOConnector"),
+    ("host_ip", "MoRIIOConnector"),
+    ("defer_timeout", "MoRIIOConnector"),
+    ("post_batch_size", "MoRIIOConnector"),
+    ("qp_per_transfer", "MoRIIOConnector"),
+    ("read_mode", "MoRIIOConnector"),
+    ("recv_abort_timeout", "MoRIIOConnector"),
 ];
 
 /// Parsed settings of one engine instance.

@@ -25,14 +25,23 @@ use crate::step::Envelope;
 /// afresh (a request may then be warned about twice, never unboundedly).
 const MAX_WARNED: usize = 64 * 1024;
 
-/// vLLM's `RequestStatus` names, mapped to what the connector distinguishes;
-/// `None` for a name this build does not know.
+/// vLLM's `RequestStatus` names (0.14 and later releases), mapped to what
+/// the connector distinguishes; `None` for a name this build does not know.
 fn status(name: &str) -> Option<RequestStatus> {
     Some(match name {
-        "WAITING" | "WAITING_FOR_FSM" | "WAITING_FOR_REMOTE_KVS" => RequestStatus::Waiting,
+        // 0.14 names the grammar wait WAITING_FOR_FSM, later releases
+        // WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR; WAITING_FOR_STREAMING_REQ
+        // (a streamed request waiting for more input) is new.
+        "WAITING"
+        | "WAITING_FOR_FSM"
+        | "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
+        | "WAITING_FOR_REMOTE_KVS"
+        | "WAITING_FOR_STREAMING_REQ" => RequestStatus::Waiting,
         "RUNNING" => RequestStatus::Running,
         "PREEMPTED" => RequestStatus::Preempted,
-        "FINISHED_STOPPED" => RequestStatus::FinishedStopped,
+        // FINISHED_REPETITION (later releases): stopped by repetition
+        // detection, an early stop like any other, not a prefill's end.
+        "FINISHED_STOPPED" | "FINISHED_REPETITION" => RequestStatus::FinishedStopped,
         "FINISHED_LENGTH_CAPPED" => RequestStatus::FinishedLengthCapped,
         "FINISHED_ABORTED" | "FINISHED_ERROR" => RequestStatus::FinishedAborted,
         "FINISHED_IGNORED" => RequestStatus::FinishedIgnored,

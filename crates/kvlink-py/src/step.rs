@@ -7,6 +7,15 @@
 //! before it was scheduled. Their only purpose is to let the prefill
 //! instance free its blocks; vLLM's scheduler never expects them in
 //! `finished_recving`, so the worker does not report them.
+//!
+//! A pull whose request vLLM finished (aborted) while it was in flight is
+//! fenced by the worker in the step that cancels it (`reqs_to_cancel`):
+//! once that step's `start_load_kv` returns, no byte of it can land. What
+//! vLLM expects to hear of it then depends on the release (chosen by
+//! `kvlink_vllm.versions`): vLLM 0.14 freed the request's blocks when it
+//! finished it and must never hear of it again; later releases hold the
+//! blocks until the pull is reported in `finished_recving`, so it is
+//! reported there, once, after the fence.
 
 use std::collections::{BTreeSet, HashSet};
 
@@ -63,25 +72,66 @@ pub(crate) struct Report {
     pub(crate) recving: BTreeSet<ReqId>,
 }
 
+/// What vLLM expects to hear of a pull whose request it finished while the
+/// pull was in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum AbandonedPulls {
+    /// Nothing: vLLM freed the blocks when it finished the request (0.14).
+    #[default]
+    Unreported,
+    /// `finished_recving`, once no byte of the pull can land any more: vLLM
+    /// holds the request's blocks until then (later releases).
+    Reported,
+}
+
 /// The worker-side filter between kv-worker's outcomes and vLLM.
 ///
-/// vLLM may only hear of a request it handed to this worker and has not
-/// finished: notify-only pulls are dropped, and so is the outcome of a pull
-/// whose request vLLM finished (aborted) while it was in flight: its blocks
-/// may already belong to another request, so they are not reported as load
-/// errors either.
+/// vLLM may only hear of a request it handed to this worker and is waiting
+/// for: notify-only pulls are dropped. A pull whose request vLLM finished
+/// (aborted) while it was in flight is never reported as a load error (its
+/// blocks hold nothing vLLM will read), and is reported in
+/// `finished_recving` only under [`AbandonedPulls::Reported`], after its
+/// fence. A request is reported at most once.
 #[derive(Debug, Default)]
 pub(crate) struct ReportFilter {
+    abandoned: AbandonedPulls,
     notify_only: HashSet<ReqId>,
     /// Pulls vLLM waits for, in flight.
     awaited: HashSet<ReqId>,
     /// Of `awaited`, the requests vLLM finished meanwhile.
     finished_by_engine: HashSet<ReqId>,
+    /// Fenced pulls of requests vLLM finished, to report once
+    /// ([`AbandonedPulls::Reported`] only).
+    fenced: BTreeSet<ReqId>,
     /// Blocks of failed pulls, for `get_block_ids_with_load_errors`.
     load_errors: BTreeSet<BlockId>,
 }
 
 impl ReportFilter {
+    /// A filter for a vLLM that expects `abandoned` of abandoned pulls.
+    pub(crate) fn new(abandoned: AbandonedPulls) -> Self {
+        Self { abandoned, ..Self::default() }
+    }
+
+    /// Records the pulls a step cancels; call it only once the worker has
+    /// fenced them (kv-worker's `start_load_kv` has returned), since from
+    /// then on vLLM may be told. Pulls already reported, or never awaited,
+    /// are ignored (vLLM no longer holds anything for them).
+    pub(crate) fn cancelled<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>) {
+        for req in reqs {
+            if !self.awaited.remove(req) {
+                continue;
+            }
+            self.finished_by_engine.remove(req);
+            if self.abandoned == AbandonedPulls::Reported {
+                tracing::debug!(req_id = %req, "pull fenced after the engine finished the request; reporting it so the engine frees its blocks");
+                self.fenced.insert(req.clone());
+            } else {
+                tracing::debug!(req_id = %req, "pull fenced after the engine finished the request; not reported");
+            }
+        }
+    }
+
     /// Records the pulls a step starts.
     pub(crate) fn started(&mut self, envelope: &Envelope) {
         for req in envelope.meta.reqs_to_recv.keys() {
@@ -105,7 +155,7 @@ impl ReportFilter {
                 self.finished_by_engine.insert(req);
             }
         }
-        let mut report = Report { sending: finished.sending, recving: BTreeSet::new() };
+        let mut report = Report { sending: finished.sending, recving: std::mem::take(&mut self.fenced) };
         let outcomes = finished
             .receiving
             .into_iter()
@@ -120,7 +170,14 @@ impl ReportFilter {
             }
             self.awaited.remove(&req);
             if self.finished_by_engine.remove(&req) {
-                tracing::debug!(req_id = %req, failed = failed_blocks.is_some(), "pull ended after the engine finished the request; not reported");
+                // Ended on its own (no cancellation reached the worker first):
+                // no byte of it can land any more either.
+                if self.abandoned == AbandonedPulls::Reported {
+                    tracing::debug!(req_id = %req, failed = failed_blocks.is_some(), "pull ended after the engine finished the request; reported without load errors");
+                    report.recving.insert(req);
+                } else {
+                    tracing::debug!(req_id = %req, failed = failed_blocks.is_some(), "pull ended after the engine finished the request; not reported");
+                }
                 continue;
             }
             if let Some(blocks) = failed_blocks {

@@ -14,7 +14,7 @@ use crate::engine::{self, Engine, Placement, TensorDesc};
 use crate::error::{Error, Result};
 use crate::runtime;
 use crate::settings::PySettings;
-use crate::step::{Envelope, ReportFilter};
+use crate::step::{AbandonedPulls, Envelope, ReportFilter};
 
 /// Bound on stopping a worker (its tasks are cancelled, then the transport closes).
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -92,7 +92,12 @@ impl PyWorker {
 impl PyWorker {
     /// Starts the worker: binds its listeners and registers the cache.
     #[new]
-    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0))]
+    ///
+    /// `report_abandoned_pulls`: whether vLLM waits to hear of a pull whose
+    /// request it finished while the pull was in flight (it then holds the
+    /// request's blocks until the pull is reported, after its fence);
+    /// `kvlink_vllm.versions` decides it per vLLM release.
+    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -105,6 +110,7 @@ impl PyWorker {
         dp_rank: u16,
         tp_size: u16,
         tp_rank: u16,
+        report_abandoned_pulls: bool,
     ) -> Result<Self> {
         let rt = runtime::runtime()?;
         let kind = layout_kind(layout)?;
@@ -129,9 +135,10 @@ impl PyWorker {
         })?;
         let side_channel_port = engine.side_channel_port();
         let data_endpoint = engine.data_endpoint();
+        let abandoned = if report_abandoned_pulls { AbandonedPulls::Reported } else { AbandonedPulls::Unreported };
         Ok(Self {
             pid: std::process::id(),
-            state: Mutex::new(Some(Running { engine, filter: ReportFilter::default(), keepalive })),
+            state: Mutex::new(Some(Running { engine, filter: ReportFilter::new(abandoned), keepalive })),
             side_channel_port,
             data_endpoint,
         })
@@ -145,7 +152,9 @@ impl PyWorker {
             let mut guard = self.running()?;
             let running = guard.as_mut().ok_or(Error::ShutDown)?;
             running.filter.started(&envelope);
+            // Fences this step's cancelled pulls before it returns.
             running.engine.start_load_kv(&envelope.meta);
+            running.filter.cancelled(&envelope.meta.reqs_to_cancel);
             Ok(())
         })
     }

@@ -1,4 +1,5 @@
-"""A vLLM 0.14 engine instance reduced to what the KV connector sees.
+"""A vLLM engine instance reduced to what the KV connector sees (0.14's
+step sequence; ``vllm_release`` picks what differs in later releases).
 
 One :class:`Instance` holds a scheduler-side and a worker-side
 ``KvlinkConnector`` (created as vLLM's factory does, from a config object)
@@ -22,6 +23,10 @@ scheduler ``update_from_output()``
     prefill whose ``max_tokens`` is reached finishes (length capped):
     ``request_finished``, blocks freed unless delayed.
 
+``vllm_release="0.32.0"``: a request aborted while its pull is in flight
+keeps its blocks until the worker reports the pull in ``finished_recving``
+(vLLM PR #32255); the connector runs with that release's behaviour.
+
 Contract checks vLLM 0.14 makes (or must be able to rely on) are recorded
 as ``violations`` instead of asserting, so a test can show them all.
 """
@@ -37,6 +42,7 @@ import secrets
 from types import SimpleNamespace
 from typing import Any
 
+from kvlink_vllm import versions
 from kvlink_vllm.connector import KVConnectorRole, KvlinkConnector
 
 
@@ -137,7 +143,12 @@ class Instance:
         num_heads: int = 2,
         head_dim: int = 16,
         elem: int = 2,
+        vllm_release: str = "0.14.0",
     ):
+        behaviour = versions.check(vllm_release, allow_unsupported=False)
+        # The connectors of this process run with that release's behaviour.
+        versions.current = lambda: behaviour
+        self.holds_abandoned_pulls = behaviour.report_abandoned_pulls
         self.block_size = block_size
         self.num_blocks = num_blocks
         kv_transfer_config = SimpleNamespace(
@@ -185,6 +196,9 @@ class Instance:
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
         self.delay_freed: set[str] = set()
+        # Aborted while their pull was in flight (later releases): blocks held
+        # until the pull is reported.
+        self.held_for_pull: set[str] = set()
         self.pulled: set[str] = set()  # requests handed to the worker for a pull vLLM waits for
         self.violations: list[str] = []
         self.step_no = 0
@@ -244,8 +258,15 @@ class Instance:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        hold = (
+            self.holds_abandoned_pulls
+            and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and req.request_id not in self.finished_recving_kv_req_ids
+        )
+        self.finished_recving_kv_req_ids.discard(req.request_id)
+        self.failed_recving_kv_req_ids.discard(req.request_id)
         req.status = RequestStatus.FINISHED_ABORTED
-        return self._free_request(req)
+        return self._free_request(req, hold_for_pull=hold)
 
     def finish(self, request_id: str) -> dict:
         """A decode ends (stop token)."""
@@ -254,12 +275,14 @@ class Instance:
         req.status = RequestStatus.FINISHED_STOPPED
         return self._free_request(req)
 
-    def _free_request(self, req: Request) -> dict:
+    def _free_request(self, req: Request, hold_for_pull: bool = False) -> dict:
         delay, params = self.scheduler.request_finished(req, list(req.block_ids))
         self.finished_req_ids.add(req.request_id)
         if delay:
             self.delay_freed.add(req.request_id)
-        else:
+        if hold_for_pull:
+            self.held_for_pull.add(req.request_id)
+        if not (delay or hold_for_pull):
             self._free_blocks(req)
         return {"delay_free": delay, "kv_transfer_params": params}
 
@@ -355,6 +378,13 @@ class Instance:
                 self.violations.append(f"step {self.step_no}: invalid blocks {sorted(invalid - owned)} belong to no request")
         for rid in recving:
             req = self.requests.get(rid)
+            if rid in self.held_for_pull:
+                # Later releases: the aborted request's blocks are freed now.
+                self.held_for_pull.discard(rid)
+                self.pulled.discard(rid)
+                if rid not in self.delay_freed:
+                    self._free_blocks(req)
+                continue
             if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS or rid not in self.pulled:
                 self.violations.append(f"step {self.step_no}: finished_recving {rid} is not waiting for remote KV")
             self.pulled.discard(rid)
@@ -379,9 +409,21 @@ class Instance:
         return {
             "requests": {r.client_id: r.status.name for r in self.requests.values()},
             "free_blocks": len(self.free_blocks),
+            "held_for_pull": sorted(self.client_ids.get(r, r) for r in self.held_for_pull),
             "violations": list(self.violations),
             "transfers_in_progress": self.worker.connector_worker.worker.transfers_in_progress,
             "side_channel_port": self.worker.connector_worker.worker.side_channel_port,
             "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
         }
+
+    def blocks_written(self, blocks: list[int]) -> list[int]:
+        """Of ``blocks``, those holding any non-zero byte in any region."""
+        return [
+            b
+            for b in blocks
+            if any(ctypes.string_at(self._block_addr(r, b), self.block_len).strip(b"\0") for r in range(len(self.regions)))
+        ]
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.requests[self.internal_ids[request_id]].block_ids)

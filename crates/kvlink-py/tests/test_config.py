@@ -55,6 +55,29 @@ def test_other_vllm_connectors_keys_are_accepted_ignored_and_logged(caplog):
         settings({"backends": ["UCX"], "transfer_timout": 5})
 
 
+def test_vllm_0_32_connectors_keys_are_accepted_and_ignored():
+    # Keys NIXL, Mooncake and MoRIIO read in vLLM 0.32 (and not in 0.14).
+    later = {
+        "kv_lease_duration": 30,
+        "kv_recompute_threshold": 64,
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": 30.0,
+        "push_registration_timeout": 5.0,
+        "engine_ttl": 60.0,
+        "device_name": "",
+        "bootstrap_server_address": "127.0.0.1:8998",
+        "backend": "rdma",
+        "host_ip": "127.0.0.1",
+        "defer_timeout": 5,
+        "post_batch_size": 8,
+        "qp_per_transfer": 1,
+        "read_mode": True,
+        "recv_abort_timeout": 30,
+    }
+    s = settings(later)
+    assert sorted(name for name, _ in s.ignored_keys) == sorted(later)
+
+
 def test_unknown_key_is_an_error_naming_it():
     with pytest.raises(ConfigError, match=r"unknown key kv_connector_extra_config\.num_worker\b"):
         settings({"num_worker": 4})

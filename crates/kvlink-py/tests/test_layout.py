@@ -43,6 +43,25 @@ def test_flashinfer_fused_and_mla_layouts():
     assert c.kind == "mla" and c.block_len == B * 576 * E
 
 
+def test_later_releases_fused_kv_in_the_last_dimension():
+    # vLLM 0.32's CPU backend: (blocks, heads, block_size, 2 * head_dim).
+    c = layout.describe({"l0": t((N, H, B, 2 * D)), "l1": t((N, H, B, 2 * D), addr=BASE + 10**8)}, B, num_blocks=N)
+    assert c.kind == "fused" and c.block_len == H * B * 2 * D * E
+    (_, (r0,)), (_, (r1,)) = c.layers
+    assert (r0.addr, r1.addr) == (BASE, BASE + 10**8)
+    assert r0.num_blocks == N and r0.length == N * c.block_len and r0.block_size == B
+    # Kernel blocks of half the engine's block.
+    c = layout.describe({"l0": t((N, H, B, 2 * D))}, 2 * B, num_blocks=N // 2)
+    assert c.layers[0][1][0].num_blocks == N // 2 and c.block_len == 2 * H * B * 2 * D * E
+    # A block dimension that does not hold the engine's blocks, and heads
+    # outside blocks (physical (heads, blocks, block_size, 2 * head_dim)).
+    with pytest.raises(ConfigError, match="multiple of the 3 blocks"):
+        layout.describe({"l0": t((N, H, B, 2 * D))}, B, num_blocks=3)
+    heads_outer = (B * 2 * D, N * B * 2 * D, 2 * D, 1)
+    with pytest.raises(ConfigError, match="contiguous"):
+        layout.describe({"l0": t((N, H, B, 2 * D), strides=heads_outer)}, B, num_blocks=N)
+
+
 def test_kernel_blocks_smaller_than_engine_blocks_are_grouped():
     # vLLM splits each 32-token block into two 16-token kernel blocks: the
     # tensor holds twice kv_cache_config.num_blocks.

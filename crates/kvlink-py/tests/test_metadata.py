@@ -165,3 +165,20 @@ def test_an_unknown_status_frees_the_blocks():
     req.status = SimpleNamespace(name="WAITING_FOR_SOMETHING_NEW")
     assert c.request_finished(req, [4]) == (False, None)
     assert c.build_connector_meta(SimpleNamespace()).decoded()["meta"]["reqs_to_send"] == {"p1": "Forget"}
+
+
+def test_a_repetition_stop_is_no_hand_off():
+    # vLLM 0.32's FINISHED_REPETITION is an early stop: no hand-off, the send
+    # entry withdrawn.
+    c = scheduler("kv_producer")
+    req = request("p2", {"do_remote_decode": True})
+    c.update_state_after_alloc(req, Blocks([5], hashed=0), 0)
+    req.status = SimpleNamespace(name="FINISHED_REPETITION")
+    assert c.request_finished(req, [5]) == (False, None)
+    assert c.build_connector_meta(SimpleNamespace()).decoded()["meta"]["reqs_to_send"] == {"p2": "Forget"}
+    # The length-capped end of a prefill still hands off.
+    req = request("p3", {"do_remote_decode": True})
+    c.update_state_after_alloc(req, Blocks([6], hashed=0), 0)
+    req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = c.request_finished(req, [6])
+    assert delay is True and params["do_remote_prefill"] is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from conftest import collected, free_port, step_until
 
 BLOCK = 16
@@ -158,9 +159,15 @@ def test_prefill_killed_mid_transfer(instances):
     assert state["violations"] == []
 
 
-def test_decode_abort_during_pull_is_not_reported(instances):
-    p, d = start_pair(instances)
-    port = p.ready["side_channel_port"]
+@pytest.mark.parametrize("release", ["0.14.0", "0.32.0"])
+def test_decode_abort_during_pull_holds_no_block_and_no_late_write(instances, release):
+    """0.14 frees the blocks at the abort and must never hear of the pull;
+    0.32 holds them until the pull is reported, which kvlink does once,
+    after the fence. Either way no byte of P's lands in them."""
+    port = free_port()
+    p = instances("P", "kv_producer", env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}, vllm_release=release)
+    d = instances("D", "kv_consumer", extra={"transfer_timeout": 20}, vllm_release=release)
+    free_at_start = d.call("state")["free_blocks"]
     prefill(p, "r6", prompt_len=2 * BLOCK, hold=True)  # still prefilling on P
     d.call(
         "add",
@@ -176,17 +183,31 @@ def test_decode_abort_during_pull_is_not_reported(instances):
         max_tokens=100,
     )
     d.call("step")  # D starts the pull
+    blocks = d.call("block_ids", request_id="r6")
+    assert len(blocks) == 2
     deadline = time.monotonic() + 10
     while p.call("state")["transfers_in_progress"] < 1:
         assert time.monotonic() < deadline, "P never admitted D's transfer request"
         time.sleep(0.01)
-    # vLLM aborts the request on D while its pull is in flight (and frees its blocks).
+    # vLLM aborts the request on D while its pull is in flight.
     assert d.call("abort", request_id="r6") == {"delay_free": False, "kv_transfer_params": None}
-    # P finishes the prefill: the pull completes, but vLLM no longer knows r6.
+    held = d.call("state")
+    if release == "0.14.0":
+        assert held["free_blocks"] == free_at_start and held["held_for_pull"] == []
+    else:
+        assert held["free_blocks"] == free_at_start - 2 and held["held_for_pull"] == ["r6"]
+    # The next step fences the pull (and on 0.32 reports it, so vLLM frees).
+    first = d.call("step")
+    # P finishes the prefill and writes, if it still can.
     p.call("release", request_id="r6")
     ev = step_until([p, d], lambda e: "r6" in collected(e["P"], "finished_sending"), what="P sends r6")
     for _ in range(3):
         ev["D"].append(d.call("step"))
-    assert collected(ev["D"], "finished_recving") == []
-    assert collected(ev["D"], "invalid_block_ids") == []
+    recving = [first["finished_recving"]] + [e["finished_recving"] for e in ev["D"]]
+    assert [r for r in recving if r] == ([] if release == "0.14.0" else [["r6"]])
+    assert first["invalid_block_ids"] == [] and collected(ev["D"], "invalid_block_ids") == []
+    state = d.call("state")
+    assert state["free_blocks"] == free_at_start and state["held_for_pull"] == [] and "r6" not in state["requests"]
+    # No late write: the blocks are as D left them (zero), after P's send ended.
+    assert d.call("blocks_written", blocks=blocks) == []
     no_violations(p, d)

@@ -1,47 +1,49 @@
-"""KvlinkConnector against the released vLLM 0.14.0: method names and
-signatures as in ``KVConnectorBase_V1``, and a name the factory's registry
-does not shadow. The wheel is fetched from the package registry (pip
-download, no install) and read as source text: nothing of vLLM is imported."""
+"""KvlinkConnector against each supported vLLM release's connector base
+class: method names and signatures as in that release's
+``KVConnectorBase_V1``, and a name the factory's registry does not shadow.
+The releases' source distributions are fetched from the package index
+(``vllm_check/vllm_sdist.py``, sha256-pinned) and read as source text:
+nothing of vLLM is imported."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import os
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
+from kvlink_vllm import versions
 from kvlink_vllm.connector import KvlinkConnector
 
-VLLM_VERSION = "0.14.0"
-BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
-FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm_check"))
+import vllm_sdist  # noqa: E402
+
+BASE = vllm_sdist.BASE
+FACTORY = vllm_sdist.FACTORY
 #: Not abstract in the base, but a P/D connector must implement them.
 NEEDED = {"__init__", "request_finished", "register_kv_caches", "get_finished", "get_block_ids_with_load_errors", "shutdown"}
+#: The abstract methods of each release's base class.
+ABSTRACT = {
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+}  # fmt: skip
+#: Methods of KvlinkConnector that only later releases' base classes have
+#: (an earlier release never calls them).
+LATER_ONLY = {"get_loaded_kv_cache_group_ids": "0.32.0"}
 
 
-@pytest.fixture(scope="module")
-def vllm_sources(pytestconfig, tmp_path_factory) -> dict[str, str]:
+def _cache() -> Path:
     cache = os.environ.get("KVLINK_VLLM_DIST_DIR")
-    if not cache:
-        keep = getattr(pytestconfig, "cache", None)  # absent with -p no:cacheprovider
-        cache = str(keep.mkdir("vllm-dist") if keep else tmp_path_factory.mktemp("vllm-dist"))
-    wheels = sorted(Path(cache).glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    if not wheels:
-        cmd = [
-            sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps",
-            "--only-binary", ":all:", "--platform", "manylinux_2_31_x86_64", "--python-version", "3.12",
-            "--dest", cache, "--quiet",
-        ]
-        subprocess.run(cmd, check=True, timeout=600)
-        wheels = sorted(Path(cache).glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    assert wheels, f"pip download left no vllm {VLLM_VERSION} wheel in {cache}"
-    with zipfile.ZipFile(wheels[0]) as z:
-        return {name: z.read(name).decode() for name in (BASE, FACTORY)}
+    return Path(cache) if cache else vllm_sdist.cache_dir()
+
+
+@pytest.fixture(scope="module", params=versions.TESTED)
+def vllm_sources(request) -> tuple[str, dict[str, str]]:
+    release = request.param
+    return release, {name: vllm_sdist.read(release, _cache(), name) for name in (BASE, FACTORY)}
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -82,31 +84,49 @@ def _our_signature(fn) -> list[tuple]:
     ]
 
 
-def test_methods_match_vllm_0_14_base_class(vllm_sources):
-    base = _class(ast.parse(vllm_sources[BASE]), "KVConnectorBase_V1")
+def _accepts(ours: list[tuple], theirs: list[tuple]) -> bool:
+    """Same parameters (names, kinds) and defaults, except that ours may
+    default one theirs requires (``kv_cache_config``: optional in 0.14,
+    required in 0.32): every call valid for theirs is valid for ours."""
+    return len(ours) == len(theirs) and all(
+        o[:2] == t[:2] and (o[2] == t[2] or t[2] == "<required>") for o, t in zip(ours, theirs)
+    )
+
+
+def test_methods_match_each_releases_base_class(vllm_sources):
+    release, sources = vllm_sources
+    base = _class(ast.parse(sources[BASE]), "KVConnectorBase_V1")
     methods = {n.name: n for n in base.body if isinstance(n, ast.FunctionDef)}
     abstract = {name for name, fn in methods.items() if "abstractmethod" in _decorators(fn)}
-    assert abstract == {
-        "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
-        "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    }
+    assert abstract == ABSTRACT, release
     ours = {name: fn for name, fn in vars(KvlinkConnector).items() if callable(fn) or isinstance(fn, (classmethod, property))}
     missing = (abstract | NEEDED) - set(ours)
     assert not missing, f"KvlinkConnector lacks {sorted(missing)}"
     for name, fn in ours.items():
         if name.startswith("_") and name != "__init__":
             continue
-        assert name in methods, f"KvlinkConnector.{name} is not a method of vLLM {VLLM_VERSION}'s KVConnectorBase_V1"
+        if name not in methods and name in LATER_ONLY and versions.release(release) < versions.release(LATER_ONLY[name]):
+            continue
+        assert name in methods, f"KvlinkConnector.{name} is not a method of vLLM {release}'s KVConnectorBase_V1"
         theirs = methods[name]
         assert ("classmethod" in _decorators(theirs)) == isinstance(fn, classmethod), name
         assert ("property" in _decorators(theirs)) == isinstance(fn, property), name
         if isinstance(fn, (classmethod, property)):
             continue
-        assert _our_signature(fn) == _ast_signature(theirs), f"signature of {name} differs from vLLM {VLLM_VERSION}"
+        assert _accepts(_our_signature(fn), _ast_signature(theirs)), f"signature of {name} differs from vLLM {release}"
+
+
+def test_every_later_only_method_is_in_the_newest_base_class(vllm_sources):
+    release, sources = vllm_sources
+    base = _class(ast.parse(sources[BASE]), "KVConnectorBase_V1")
+    methods = {n.name for n in base.body if isinstance(n, ast.FunctionDef)}
+    for name, since in LATER_ONLY.items():
+        assert (name in methods) == (versions.release(release) >= versions.release(since)), (name, release)
 
 
 def test_name_is_not_shadowed_by_the_factory_registry(vllm_sources):
-    tree = ast.parse(vllm_sources[FACTORY])
+    _, sources = vllm_sources
+    tree = ast.parse(sources[FACTORY])
     registered = {
         node.args[0].value
         for node in ast.walk(tree)

@@ -1,8 +1,9 @@
-"""kvlink under vLLM 0.14.0's own scheduler (``cargo xtask vllm-check``, not CI).
+"""kvlink under each supported vLLM release's own scheduler
+(``cargo xtask vllm-check``, CI steps ``vllm-check:<release>``).
 
-Needs ``vllm==0.14.0`` installed (it brings torch). No model weights: the
-model is a local ``config.json``, the tokenizer is skipped, nothing is
-fetched. The connectors are created by vLLM's ``KVConnectorFactory`` from
+Runs in the release's engine-test environment (vLLM's CPU build, torch).
+No model weights: the model is a local ``config.json``, the tokenizer is
+skipped, nothing is fetched. The connectors are created by vLLM's ``KVConnectorFactory`` from
 ``kv_connector_module_path``; the scheduler is vLLM's ``Scheduler``; the
 worker side is the connector over CPU tensors in the CPU backend's layout,
 driven in the model runner's order. P and D live in one process here (the
@@ -21,7 +22,6 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -31,8 +31,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.utils.hashing import sha256
 
 import kvlink_vllm
+from kvlink_vllm import versions
 from kvlink_vllm.connector import KvlinkConnector
 
+#: The installed release (a supported one: the connector checks it too).
+RELEASE = versions.check(versions.installed_version(), allow_unsupported=False).release
 BLOCK = 16
 BLOCKS = 64
 HEADS, HEAD = 2, 16
@@ -70,6 +73,14 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
+def cpu_cache_shape() -> tuple[int, ...]:
+    """The CPU backend's per-layer cache: K and V apart in 0.14, fused in
+    the last dimension in 0.32."""
+    if RELEASE == (0, 14):
+        return (2, BLOCKS, HEADS, BLOCK, HEAD)
+    return (BLOCKS, HEADS, BLOCK, 2 * HEAD)
+
+
 class Instance:
     """vLLM's scheduler plus one worker-side connector over CPU tensors."""
 
@@ -79,12 +90,18 @@ class Instance:
             model_config=model,
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(
-                max_model_len=1024, is_encoder_decoder=False, max_num_seqs=8, max_num_batched_tokens=256
+                max_model_len=1024,
+                is_encoder_decoder=False,
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+                enable_chunked_prefill=True,
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvlinkConnector",
                 kv_connector_module_path="kvlink_vllm",
                 kv_role=role,
+                # 0.14's default; 0.32 defaults to "fail".
+                kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"advertised_host": "127.0.0.1", **(extra or {})},
             ),
             device_config=DeviceConfig("cpu"),
@@ -105,29 +122,40 @@ class Instance:
             log_stats=True,
         )
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        shape = CPUAttentionBackend.get_kv_cache_shape(BLOCKS, BLOCK, HEADS, HEAD)
+        shape = cpu_cache_shape()
         self.caches = {name: torch.zeros(shape, dtype=torch.float32) for name in LAYERS}
         self.worker.register_kv_caches(self.caches)
         self.outputs: list = []
 
     def add(self, rid: str, prompt_len: int, params: dict, max_tokens: int) -> Request:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        # 0.14's Request takes the EOS token; 0.32 reads it from the sampling params.
+        eos = {"eos_token_id": 2} if RELEASE == (0, 14) else {}
+        if not eos:
+            sp.update_from_generation_config({}, 2)
         req = Request(
             request_id=rid,
             prompt_token_ids=[(7 * i + 3) % 1000 for i in range(prompt_len)],
             sampling_params=sp,
             pooling_params=None,
-            eos_token_id=2,
             block_hasher=get_request_block_hasher(BLOCK, sha256),
+            **eos,
         )
         req.kv_transfer_params = params
         self.scheduler.add_request(req)
         return req
 
+    def block(self, t: torch.Tensor, block: int) -> torch.Tensor:
+        """One block of a layer's cache (K and V)."""
+        return t[:, block] if RELEASE == (0, 14) else t[block]
+
     def fill(self, rid: str, value_of) -> None:
         for i, block in enumerate(self.scheduler.kv_cache_manager.get_block_ids(rid)[0]):
             for layer, t in enumerate(self.caches.values()):
-                t[:, block] = value_of(rid, i, layer)
+                self.block(t, block)[...] = value_of(rid, i, layer)
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
 
     def step(self, compute=None) -> dict:
         out = self.scheduler.schedule()
@@ -138,14 +166,23 @@ class Instance:
             for rid in out.num_scheduled_tokens:
                 compute(self, rid)
         w.wait_for_save()
-        sending, recving = w.get_finished(out.finished_req_ids)
+        if RELEASE == (0, 14):
+            sending, recving = w.get_finished(out.finished_req_ids)
+        else:  # the model runner asks for transfer results, which ask get_finished
+            results = w.get_transfer_results(out.finished_req_ids)
+            sending, recving = results.finished_sending or None, results.finished_recving or None
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         rids = list(out.num_scheduled_tokens)
         runner = ModelRunnerOutput(
             req_ids=rids,
             req_id_to_index={r: i for i, r in enumerate(rids)},
-            sampled_token_ids=[[5] for _ in rids],
+            # A chunk that leaves the prompt unfinished samples nothing
+            # (schedule() already counted the chunk as computed).
+            sampled_token_ids=[
+                [5] if self.scheduler.requests[r].num_computed_tokens >= self.scheduler.requests[r].num_prompt_tokens else []
+                for r in rids
+            ],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
             ),
@@ -219,7 +256,7 @@ def test_prefill_to_decode_under_vllms_scheduler(model_dir, monkeypatch):
         assert req.num_computed_tokens >= 69
         for i, block in enumerate(d.scheduler.kv_cache_manager.get_block_ids("d-r1")[0][:5]):
             for layer, t in enumerate(d.caches.values()):
-                assert torch.all(t[:, block] == value("r1", i, layer)), (i, layer)
+                assert torch.all(d.block(t, block) == value("r1", i, layer)), (i, layer)
         # P freed its blocks when its worker reported r1 sent.
         assert "r1" not in p.scheduler.requests
     finally:
@@ -274,7 +311,7 @@ def test_partial_prefix_hit_pulls_only_the_tail(model_dir, monkeypatch):
         # The prompt's 5 blocks (a 6th now holds the first decoded token).
         for i, block in enumerate(d.scheduler.kv_cache_manager.get_block_ids("r3")[0][:5]):
             for layer, t in enumerate(d.caches.values()):
-                assert torch.all(t[:, block] == value("r3", i, layer)), (i, layer)
+                assert torch.all(d.block(t, block) == value("r3", i, layer)), (i, layer)
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
@@ -297,6 +334,64 @@ def test_abort_before_scheduling_frees_prefill_and_leaves_no_trace(model_dir, mo
         assert "r4" not in d.scheduler.requests
         assert d.scheduler.finished_recving_kv_req_ids == set()
         assert "r4" not in p.scheduler.requests
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()
+
+
+def test_abort_during_pull_holds_no_block_and_no_late_write(model_dir, monkeypatch):
+    """vLLM finishes (aborts) a request on D while its pull is in flight.
+    0.14 frees its blocks at once and must never hear of the pull; 0.32
+    holds them until the pull is reported, which kvlink does once, after
+    fencing it. Either way D ends with every block free and none written."""
+    port = free_port()
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(port))
+    p = Instance(model_dir, "kv_producer")
+    d = Instance(model_dir, "kv_consumer", {"transfer_timeout": 20})
+    try:
+        # 600 tokens in chunks of 256: after one step P is still prefilling
+        # (its send entry announced, its KV not ready).
+        p.add("r5", 600, {"do_remote_decode": True}, max_tokens=1)
+        assert "r5" not in p.step(compute_prefill)["finished"]
+        free_at_start = d.free_blocks()
+        params = {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "remote_request_id": "r5",
+            "remote_engine_id": p.config.kv_transfer_config.engine_id,
+        }
+        d.add("d-r5", 600, params, max_tokens=4)
+        log = [d.step()]
+        blocks = d.scheduler.kv_cache_manager.get_block_ids("d-r5")[0]
+        assert len(blocks) == 38 and d.free_blocks() == free_at_start - 38
+        # P has D's transfer request and waits for its own KV.
+        deadline = time.monotonic() + 10
+        while p.worker.connector_worker.worker.transfers_in_progress < 1:
+            assert time.monotonic() < deadline, "P never admitted D's transfer request"
+            time.sleep(0.01)
+        d.scheduler.finish_requests("d-r5", RequestStatus.FINISHED_ABORTED)
+        if RELEASE == (0, 14):
+            assert "d-r5" not in d.scheduler.requests and d.free_blocks() == free_at_start
+        else:
+            assert "d-r5" in d.scheduler.requests and d.free_blocks() == free_at_start - 38
+        # D's next step cancels and fences the pull (0.32: and reports it).
+        log.append(d.step())
+        assert d.free_blocks() == free_at_start and "d-r5" not in d.scheduler.requests
+        # P finishes the prefill and tries to send: the grant is revoked.
+        log += [e[1] for e in steps_until([p, d], lambda log: any("r5" in e[0]["sending"] for e in log))]
+        for _ in range(3):
+            log.append(d.step())
+        reported = [e["recving"] for e in log if e["recving"]]
+        assert reported == ([] if RELEASE == (0, 14) else [{"d-r5"}])
+        assert all(not e["invalid"] for e in log)
+        assert d.free_blocks() == free_at_start
+        assert d.scheduler.finished_recving_kv_req_ids == set()
+        # No late write: D computed nothing, so every byte is still zero.
+        for t in d.caches.values():
+            for block in blocks:
+                assert not torch.any(d.block(t, block)), block
+        assert "r5" not in p.scheduler.requests
     finally:
         p.worker.shutdown()
         d.worker.shutdown()

@@ -170,8 +170,10 @@ class WorkerSide:
         dp_rank: int = 0,
         tp_size: int = 1,
         tp_rank: int = 0,
+        report_abandoned_pulls: bool = False,
     ):
         self.settings = settings
+        self.report_abandoned_pulls = report_abandoned_pulls
         self.host = host
         self.block_size = block_size
         self.use_mla = use_mla
@@ -206,6 +208,7 @@ class WorkerSide:
             self.dp_rank,
             self.tp_size,
             self.tp_rank,
+            self.report_abandoned_pulls,
         )
         logger.info(
             "kvlink worker started: role=%s protocol=%s layout=%s regions=%d block_len=%d side_channel_port=%s data=%s",

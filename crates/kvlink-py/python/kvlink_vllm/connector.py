@@ -138,9 +138,16 @@ class KvlinkConnector(KVConnectorBase_V1):
         role: "KVConnectorRole",
         kv_cache_config: Optional["KVCacheConfig"] = None,
     ):
-        if HAVE_VLLM:
-            versions.check_installed()
+        # The installed release's contract, chosen once per process.
+        behaviour = versions.current()
+        self.behaviour = behaviour
         super().__init__(vllm_config, role, kv_cache_config)
+        if HAVE_VLLM and behaviour.cache_hit_source is not None:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+            # What vLLM's prefix-cache metrics call kvlink's hits: KV pulled
+            # from a peer instance.
+            self._cache_hit_source = CacheHitSource[behaviour.cache_hit_source]
         settings = adapter.settings_from_transfer_config(vllm_config.kv_transfer_config)
         self.settings = settings
         tp_size, tp_rank = _tp(vllm_config)
@@ -162,6 +169,7 @@ class KvlinkConnector(KVConnectorBase_V1):
                 dp_rank=_dp_rank(vllm_config),
                 tp_size=tp_size,
                 tp_rank=tp_rank,
+                report_abandoned_pulls=behaviour.report_abandoned_pulls,
             )
 
     def _scheduler(self) -> adapter.SchedulerSide:
@@ -187,6 +195,12 @@ class KvlinkConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """(Later releases.) A pull restores the request's own blocks in
+        every group that takes part in transfers, not only the
+        prefix-cacheable ones the base class assumes."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     # ---------------------------------------------------------------- worker side
 

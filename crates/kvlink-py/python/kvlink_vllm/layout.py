@@ -4,17 +4,23 @@ Pure Python over duck-typed tensors: anything with ``data_ptr()``,
 ``shape``, ``stride()``, ``element_size()`` and ``device.type`` (a
 ``torch.Tensor`` has them all). No torch import.
 
-The layouts vLLM 0.14's attention backends allocate, per layer (logical
+The layouts vLLM's attention backends allocate, per layer (logical
 shape; the physical order may differ, which the strides reveal):
 
-================  ==================================  ===============
-backend           shape                               kvlink layout
-================  ==================================  ===============
-FlashAttention    ``(2, blocks, block_size, H, D)``   split K/V
-CPU (``cpu``)     ``(2, blocks, H, block_size, D)``   split K/V
-FlashInfer        ``(blocks, 2, block_size, H, D)``   fused
-MLA backends      ``(blocks, block_size, D)``         mla
-================  ==================================  ===============
+=====================  ===================================  ===============
+backend                shape                                kvlink layout
+=====================  ===================================  ===============
+FlashAttention (0.14)  ``(2, blocks, block_size, H, D)``    split K/V
+CPU (0.14)             ``(2, blocks, H, block_size, D)``    split K/V
+FlashInfer (0.14)      ``(blocks, 2, block_size, H, D)``    fused
+later releases         ``(blocks, H, block_size, 2 * D)``   fused
+MLA backends           ``(blocks, block_size, D)``          mla
+=====================  ===================================  ===============
+
+Later releases (0.32) keep K and V of a block together in the last
+dimension (the logical ``[blocks, heads, tokens, content]`` of vLLM's
+``KVCacheLayout``): one region per layer, a block being K and V of all
+its heads and tokens.
 
 A block must be one contiguous run of bytes inside each region (the block
 dimension is outermost after K/V); a region is ``blocks x block bytes``.
@@ -139,7 +145,8 @@ def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | 
     def bad(why: str) -> ConfigError:
         return ConfigError(
             f"KV cache layer {name!r}: shape {shape} strides {strides}: {why} "
-            "(kvlink reads the layouts of vLLM 0.14's FlashAttention, FlashInfer, CPU and MLA backends)"
+            "(kvlink reads the layouts of vLLM 0.14's FlashAttention, FlashInfer, CPU and MLA backends, "
+            "and later releases' (blocks, heads, block_size, 2 x head_size))"
         )
 
     if use_mla:
@@ -158,8 +165,14 @@ def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | 
             kind, kv_dim, block_dim, kernel_dim = "fused", None, 0, 2
         else:
             raise bad("no K/V dimension of size 2 in front" + (f" of {num_blocks} blocks" if num_blocks else ""))
+    elif len(shape) == 4:
+        # Later releases: (blocks, H, block_size, 2 * D), K and V fused in
+        # the last dimension.
+        if num_blocks and shape[0] % num_blocks:
+            raise bad(f"the first dimension is not a multiple of the {num_blocks} blocks")
+        kind, kv_dim, block_dim, kernel_dim = "fused", None, 0, 2
     else:
-        raise bad("expected 5 dimensions (3 with MLA)")
+        raise bad("expected 5 dimensions, or 4 (K and V fused in the last), or 3 with MLA")
 
     kernel_block = shape[kernel_dim]
     blocks = shape[block_dim]
