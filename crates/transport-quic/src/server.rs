@@ -174,11 +174,15 @@ async fn establish_within_deadline(
     };
     let conn = match handshake {
         Err(_) => {
-            warn!(%peer, ?after, "data-plane handshake timed out");
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, ?after, suppressed, "data-plane handshake timed out");
+            }
             return None;
         }
         Ok(Err(error)) => {
-            warn!(%peer, %error, "data-plane handshake failed");
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, %error, suppressed, "data-plane handshake failed");
+            }
             return None;
         }
         Ok(Ok(conn)) => conn,
@@ -188,7 +192,9 @@ async fn establish_within_deadline(
         .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
         .and_then(|data| data.protocol);
     if alpn.as_deref() != Some(ALPN) {
-        warn!(%peer, ?alpn, "peer did not negotiate the data-plane ALPN, closing");
+        if let Some(suppressed) = allowed(&shared.peer_faults) {
+            warn!(%peer, ?alpn, suppressed, "peer did not negotiate the data-plane ALPN, closing");
+        }
         conn.close(VarInt::from_u32(CLOSE_BAD_ALPN), b"ALPN kvlink-data/2 required");
         return None;
     }
@@ -202,14 +208,18 @@ async fn establish_within_deadline(
     };
     match greeted {
         Err(_) => {
-            warn!(%peer, ?after, "data-plane hello timed out, closing");
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, ?after, suppressed, "data-plane hello timed out, closing");
+            }
             conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello timed out");
             None
         }
         // Logged (rate-limited) where it was refused.
         Ok(Err(hello::HelloFailure::Busy(_))) => None,
         Ok(Err(error)) => {
-            warn!(%peer, %error, "data-plane hello failed, closing");
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, %error, suppressed, "data-plane hello failed, closing");
+            }
             if conn.close_reason().is_none() {
                 conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello failed");
             }
@@ -247,7 +257,9 @@ async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: Socket
             }
             Err(ConnectionError::LocallyClosed) => break,
             Err(error) => {
-                warn!(%peer, %error, "data-plane connection lost");
+                if let Some(suppressed) = allowed(&shared.peer_faults) {
+                    warn!(%peer, %error, suppressed, "data-plane connection lost");
+                }
                 break;
             }
         }
@@ -271,7 +283,9 @@ async fn serve_stream(shared: &Shared, peer: SocketAddr, send: SendStream, recv:
             debug!(%peer, %stream, "batch abandoned: shutting down");
         }
         Err(error) if error.is_peer_fault() => {
-            warn!(%peer, %stream, %error, "protocol error on data-plane stream");
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, %stream, %error, suppressed, "protocol error on data-plane stream");
+            }
             let _ = batch.recv.stop(VarInt::from_u32(STOP_PROTOCOL));
             let reason = error.to_string();
             let replied = tokio::select! {
@@ -283,8 +297,18 @@ async fn serve_stream(shared: &Shared, peer: SocketAddr, send: SendStream, recv:
                 debug!(%peer, %stream, error = %reply_error, "cannot report the protocol error to the peer");
             }
         }
-        Err(error) => warn!(%peer, %stream, %error, "data-plane batch failed"),
+        Err(error) => {
+            if let Some(suppressed) = allowed(&shared.peer_faults) {
+                warn!(%peer, %stream, %error, suppressed, "data-plane batch failed");
+            }
+        }
     }
+}
+
+/// Whether a line `throttle` governs may be logged now (with the count of
+/// those left out since the last one).
+fn allowed(throttle: &std::sync::Mutex<kv_proto::LogThrottle>) -> Option<u64> {
+    throttle.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now())
 }
 
 /// One incoming batch on its stream.
@@ -389,7 +413,9 @@ impl Batch<'_> {
     /// Refuses the batch: logged, its stream stopped (the rest of its
     /// payload is never read), a `Refused` verdict sent.
     async fn refuse(&mut self, grant: &GrantId, reason: &str) -> Result<(), StreamError> {
-        warn!(peer = %self.peer, grant = %grant, stream = %self.recv.id(), %reason, "refusing batch");
+        if let Some(suppressed) = allowed(&self.shared.batch_refusals) {
+            warn!(peer = %self.peer, grant = %grant, stream = %self.recv.id(), %reason, suppressed, "refusing batch");
+        }
         let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
         self.reply(ReplyStatus::Refused, reason).await
     }

@@ -54,6 +54,12 @@ pub(crate) struct Shared {
     /// refused for want of op-list room), one per kind per second.
     pub(crate) over_limit: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// Log lines about batches refused by their grant (a peer can send them
+    /// as fast as it likes).
+    pub(crate) batch_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// Log lines about connections and streams a peer ended badly (failed
+    /// handshakes and hellos, protocol errors): one line a second for all.
+    pub(crate) peer_faults: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     /// Incoming connections asked to prove their source address first.
@@ -169,6 +175,8 @@ impl QuicTransport {
             op_lists: OpListBudget::new(config.op_list_budget_in_force()),
             over_limit: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            batch_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            peer_faults: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             retried: AtomicU64::new(0),

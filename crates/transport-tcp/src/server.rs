@@ -121,7 +121,13 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: 
     match outcome {
         Ok(end) => debug!(%peer, ?end, "data-plane connection closed"),
         Err(error @ ConnError::Abandoned(_)) => debug!(%peer, %error, "data-plane connection closed"),
-        Err(error) => warn!(%peer, %error, "closing data-plane connection"),
+        Err(error) => {
+            let allowed = shared.closed_in_error.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+            match allowed {
+                Some(suppressed) => warn!(%peer, %error, suppressed, "closing data-plane connection"),
+                None => debug!(%peer, %error, "closing data-plane connection"),
+            }
+        }
     }
 }
 

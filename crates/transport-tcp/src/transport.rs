@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     /// Log lines about batches refused by their grant or ops (a peer can
     /// send them as fast as it likes: unknown grants cost it 48 bytes).
     pub(crate) batch_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// Log lines about connections closed for an error (any host that
+    /// reaches the port can end connections badly, as fast as it opens them).
+    pub(crate) closed_in_error: std::sync::Mutex<kv_proto::LogThrottle>,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     pub(crate) next_batch_id: AtomicU64,
@@ -99,6 +102,7 @@ impl TcpTransport {
             budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             busy_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             batch_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            closed_in_error: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             next_batch_id: AtomicU64::new(0),

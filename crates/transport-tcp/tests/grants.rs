@@ -331,6 +331,28 @@ async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     assert!(lines >= 1 && lines as u64 <= 2 + seconds, "{lines} lines for {FLOOD} refusals in {seconds} s:\n{text}");
 }
 
+/// Connections that open with garbage (no secret needed to reach the port)
+/// cost the log at most one line a second for all of them.
+#[tokio::test]
+async fn a_flood_of_bad_connections_logs_a_bounded_number_of_lines() {
+    const FLOOD: usize = 300;
+    let (logs, _guard) = capture_warnings();
+    let rx = Receiver::new(64 * KIB).await;
+    let started = std::time::Instant::now();
+    for _ in 0..FLOOD {
+        let mut client = RawClient::connect_to(rx.transport.local_addr()).await;
+        client.send(b"NOTKVLT!").await;
+        client.until_closed().await;
+    }
+    let seconds = started.elapsed().as_secs();
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let lines = text.lines().filter(|l| l.contains("closing data-plane connection")).count();
+    assert!(
+        lines >= 1 && lines as u64 <= 2 + seconds,
+        "{lines} lines for {FLOOD} bad connections in {seconds} s:\n{text}"
+    );
+}
+
 /// The receiver's side of PRECHECK: a verdict before any payload byte is
 /// read; a refused question sends no payload and keeps the connection in
 /// step; an admitted batch whose sender goes away before the payload writes

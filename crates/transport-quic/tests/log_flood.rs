@@ -1,0 +1,56 @@
+//! What a peer can provoke as fast as it likes costs the receiver's log at
+//! most one line a second: batches naming grants it never issued (each
+//! still refused, nothing landing), one line saying how many were left out.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use common::Node;
+use kv_proto::{BatchWriter, Grant, GrantId, TransportError, WriteOp};
+
+/// Log lines captured from this thread.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// On a current-thread runtime, so every task logs to this test's subscriber.
+#[tokio::test]
+async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
+    const FLOOD: u64 = 500;
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let receiver = Node::with_defaults(4096).await;
+    let sender = Node::with_defaults(4096).await;
+    let op = [WriteOp { src: sender.buf.addr(), dst: receiver.buf.addr(), len: 8 }];
+    let started = std::time::Instant::now();
+    for n in 1..=FLOOD {
+        let forged = Grant::plain(GrantId::from_bytes(u128::from(n).to_le_bytes()));
+        let refused = sender.transport.batch_write(&receiver.transport.endpoint(), &forged, &op).await;
+        assert!(matches!(refused, Err(TransportError::Refused { .. })), "{refused:?}");
+    }
+    let seconds = started.elapsed().as_secs();
+    assert!(receiver.buf.bytes()[..8].iter().all(|&b| b == 0), "a forged grant wrote");
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let lines = text.lines().filter(|l| l.contains("refusing batch")).count();
+    assert!(lines >= 1 && lines as u64 <= 2 + seconds, "{lines} lines for {FLOOD} refusals in {seconds} s:\n{text}");
+}
