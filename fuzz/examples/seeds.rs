@@ -78,10 +78,16 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 requests: vec![
                     RequestBlocks {
                         req_id: ReqId::new("req-a"),
+                        decode_req_id: None,
                         prefill_engine_id: Some(EngineId::new("prefill-0")),
                         block_ids: vec![1, 2, 3],
                     },
-                    RequestBlocks { req_id: ReqId::new("req-b"), prefill_engine_id: None, block_ids: Vec::new() },
+                    RequestBlocks {
+                        req_id: ReqId::new("req-b"),
+                        decode_req_id: None,
+                        prefill_engine_id: None,
+                        block_ids: Vec::new(),
+                    },
                 ],
             }),
         ),
@@ -93,7 +99,10 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                     RequestOutcome { req_id: ReqId::new("req-a"), outcome: Outcome::Done },
                     RequestOutcome {
                         req_id: ReqId::new("req-b"),
-                        outcome: Outcome::Failed { reason: "unknown request".into() },
+                        outcome: Outcome::Failed {
+                            cause: kv_proto::FailureCause::UnknownRequest,
+                            reason: "unknown request".into(),
+                        },
                     },
                 ],
             }),

@@ -77,7 +77,11 @@ pub(crate) fn req_id(u: &mut Unstructured<'_>) -> Result<ReqId> {
 }
 
 fn outcome(u: &mut Unstructured<'_>) -> Result<Outcome> {
-    Ok(if u.arbitrary()? { Outcome::Done } else { Outcome::Failed { reason: text(u)? } })
+    Ok(if u.arbitrary()? {
+        Outcome::Done
+    } else {
+        Outcome::Failed { cause: kv_proto::FailureCause::from_code(u.arbitrary()?), reason: text(u)? }
+    })
 }
 
 fn endpoint(u: &mut Unstructured<'_>) -> Result<Endpoint> {
@@ -100,6 +104,7 @@ pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
         requests: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, big| {
             Ok(RequestBlocks {
                 req_id: req_id(u)?,
+                decode_req_id: if u.arbitrary()? { Some(req_id(u)?) } else { None },
                 prefill_engine_id: if u.arbitrary()? { Some(EngineId::new(text(u)?)) } else { None },
                 block_ids: vec(u, big, MAX_BLOCKS_PER_REQUEST, |u, _| u.arbitrary())?,
             })
@@ -173,7 +178,7 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
                     text(o.req_id.as_str())
                         && match &o.outcome {
                             Outcome::Done => true,
-                            Outcome::Failed { reason } => text(reason),
+                            Outcome::Failed { reason, .. } => text(reason),
                         }
                 })
         }

@@ -913,8 +913,9 @@ impl Receiver {
             // P is asked for its own id of each request.
             let requests = group
                 .iter()
-                .map(|(_, b, remote, engine)| RequestBlocks {
+                .map(|(id, b, remote, engine)| RequestBlocks {
                     req_id: remote.clone(),
+                    decode_req_id: Some(id.clone()),
                     prefill_engine_id: engine.clone(),
                     block_ids: b.clone(),
                 })
@@ -1004,7 +1005,7 @@ impl Receiver {
     }
 
     fn batch_failed(&mut self, xfer_id: u64) {
-        self.core.handle_batch_failed(xfer_id, "connection lost");
+        self.core.handle_batch_failed(xfer_id, kv_proto::FailureCause::ConnectionLost, "connection lost");
         if let Some(p) = self.pulls.get_mut(&xfer_id) {
             if p.decided.is_none() {
                 p.decided = Some(Decided::Failed);
@@ -1235,7 +1236,11 @@ pub fn cores(data: &[u8]) {
                         } else {
                             batch[usize::from(n) % batch.len()].clone()
                         },
-                        outcome: if done { Outcome::Done } else { Outcome::Failed { reason: "no".to_owned() } },
+                        outcome: if done {
+                            Outcome::Done
+                        } else {
+                            Outcome::Failed { cause: kv_proto::FailureCause::Other, reason: "no".to_owned() }
+                        },
                     })
                     .collect();
                 receiver.reply(XferReply { xfer_id, outcomes });

@@ -18,7 +18,10 @@ fn worst_reply(request: &XferRequest) -> SideMessage {
         outcomes: request
             .requests
             .iter()
-            .map(|r| RequestOutcome { req_id: r.req_id.clone(), outcome: Outcome::Failed { reason: reason.clone() } })
+            .map(|r| RequestOutcome {
+                req_id: r.req_id.clone(),
+                outcome: Outcome::Failed { cause: kv_proto::FailureCause::Other, reason: reason.clone() },
+            })
             .collect(),
     })
 }

@@ -28,6 +28,7 @@ mod admission;
 pub mod auth;
 mod bounded;
 mod budget;
+mod cause;
 mod codec;
 mod config;
 pub mod dataplane;
@@ -41,6 +42,7 @@ mod params;
 pub mod random;
 mod registered;
 pub mod session;
+mod stats;
 mod throttle;
 mod wire;
 mod writer;
@@ -50,6 +52,7 @@ pub use admission::{
 };
 pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
 pub use budget::{Charge, MemoryBudget};
+pub use cause::FailureCause;
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
     ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,
@@ -62,6 +65,7 @@ pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
 pub use registered::{DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError};
+pub use stats::{BatchRefusal, TransportCounters, TransportStats};
 pub use throttle::LogThrottle;
 pub use wire::{
     CacheLayout, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage,

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::grant::{GrantError, GrantId};
 use crate::memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
+use crate::stats::{BatchRefusal, TransportCounters, TransportStats};
 
 /// A transport's registered regions, their grants, and the flag that ends
 /// all access. Shared by the transport's tasks.
@@ -31,6 +32,7 @@ use crate::memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp}
 pub struct RegisteredMemory {
     state: RwLock<State>,
     grants: Mutex<HashMap<GrantId, Arc<GrantEntry>>>,
+    counters: TransportCounters,
 }
 
 #[derive(Debug, Default)]
@@ -301,7 +303,19 @@ impl RegisteredMemory {
     /// expired, the memory not closed): what a receiver asks before it
     /// buffers a batch's op list. Admitting the ops is [`Self::admit`].
     pub fn check_grant(&self, grant: &GrantId, now: Instant) -> Result<(), DestinationError> {
-        self.live_entry(grant, now).map(drop)
+        self.live_entry(grant, now).map(drop).inspect_err(|e| self.counters.refused(BatchRefusal::from(e)))
+    }
+
+    /// The counters of refusals and failed authentications (this type
+    /// counts the refusals of [`Self::check_grant`] and [`Self::admit`]; the
+    /// transport counts the rest).
+    pub fn counters(&self) -> &TransportCounters {
+        &self.counters
+    }
+
+    /// What the transport's `stats` reports: live grants and the counters.
+    pub fn stats(&self) -> TransportStats {
+        self.counters.snapshot(self.live_grants())
     }
 
     /// The entry of `grant` if it is live at `now`; an expired one is
@@ -328,6 +342,16 @@ impl RegisteredMemory {
     /// grant must be live at `now`, and every op must lie inside one of its
     /// ranges. The result is the only way to write the batch.
     pub fn admit(
+        &self,
+        grant: &GrantId,
+        ops: impl IntoIterator<Item = (u64, u64)> + Clone,
+        declared: u64,
+        now: Instant,
+    ) -> Result<GrantAccess, DestinationError> {
+        self.admit_uncounted(grant, ops, declared, now).inspect_err(|e| self.counters.refused(BatchRefusal::from(e)))
+    }
+
+    fn admit_uncounted(
         &self,
         grant: &GrantId,
         ops: impl IntoIterator<Item = (u64, u64)> + Clone,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cause::FailureCause;
 use crate::grant::Grant;
 use crate::ids::{BlockId, EngineId, ReqId};
 use crate::writer::{Endpoint, Protocol};
@@ -131,6 +132,9 @@ pub enum HelloReply {
 pub struct RequestBlocks {
     /// The request, as P names it (P's `remote_request_id`, not D's id).
     pub req_id: ReqId,
+    /// D's own id of the request (for P's logs, so one request can be
+    /// followed in both instances' logs); `None` if D does not say.
+    pub decode_req_id: Option<ReqId>,
     /// The prefill engine D means (P's `remote_engine_id`); P refuses the
     /// request if it is another engine's. `None` when D's params named none.
     pub prefill_engine_id: Option<EngineId>,
@@ -184,6 +188,8 @@ pub enum Outcome {
     Done,
     /// The KV was not (entirely) written; D must treat the blocks as lost.
     Failed {
+        /// Why, as one of the causes failures are counted under.
+        cause: FailureCause,
         /// Why, for logs (at most [`crate::MAX_TEXT_LEN`] bytes).
         #[serde(deserialize_with = "crate::bounded::text")]
         reason: String,

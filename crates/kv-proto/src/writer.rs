@@ -275,6 +275,13 @@ pub trait BatchWriter: Send + Sync + 'static {
     /// served or sent any more. Synchronous, so a `Drop` can call it.
     fn close(&self);
 
+    /// What the transport counted about its peers (refused batches,
+    /// failed authentications) and its live grants. Transports that keep
+    /// no counts report zeros.
+    fn stats(&self) -> crate::stats::TransportStats {
+        crate::stats::TransportStats::default()
+    }
+
     /// [`BatchWriter::close`], then stops serving peers, closes connections
     /// and waits for the transport's tasks. Later calls fail with
     /// [`TransportError::Shutdown`].

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind,
-    Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, FRAME_HEADER_LEN,
-    MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
+    CacheLayout, Endpoint, EngineId, FailureCause, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply,
+    KeepAlive, LayoutKind, Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply,
+    XferRequest, FRAME_HEADER_LEN, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -37,10 +37,11 @@ fn xfer_request() -> SideMessage {
         requests: vec![
             RequestBlocks {
                 req_id: ReqId::new("r1"),
+                decode_req_id: None,
                 prefill_engine_id: Some(EngineId::new("p0")),
                 block_ids: vec![1, 2, 3, 9],
             },
-            RequestBlocks { req_id: ReqId::new("r2"), prefill_engine_id: None, block_ids: vec![] },
+            RequestBlocks { req_id: ReqId::new("r2"), decode_req_id: None, prefill_engine_id: None, block_ids: vec![] },
         ],
     })
 }
@@ -50,7 +51,10 @@ fn xfer_reply() -> SideMessage {
         xfer_id: 42,
         outcomes: vec![
             RequestOutcome { req_id: ReqId::new("r1"), outcome: Outcome::Done },
-            RequestOutcome { req_id: ReqId::new("r2"), outcome: Outcome::Failed { reason: "unknown request".into() } },
+            RequestOutcome {
+                req_id: ReqId::new("r2"),
+                outcome: Outcome::Failed { cause: FailureCause::UnknownRequest, reason: "unknown request".into() },
+            },
         ],
     })
 }
@@ -190,6 +194,7 @@ fn many_requests(count: usize, id_len: usize) -> XferRequest {
         requests: (0..count)
             .map(|i| RequestBlocks {
                 req_id: ReqId::new(format!("{i:0id_len$}")),
+                decode_req_id: None,
                 prefill_engine_id: None,
                 block_ids: vec![],
             })
@@ -218,7 +223,7 @@ fn a_reply_never_exceeds_its_bound() {
             .iter()
             .map(|r| RequestOutcome {
                 req_id: r.req_id.clone(),
-                outcome: Outcome::Failed { reason: "é".repeat(MAX_TEXT_LEN / 2) },
+                outcome: Outcome::Failed { cause: FailureCause::Other, reason: "é".repeat(MAX_TEXT_LEN / 2) },
             })
             .collect(),
     });
@@ -266,7 +271,7 @@ proptest! {
             grant: Grant::plain(GrantId::from_bytes(grant)),
             wait_budget: Duration::from_millis(u64::from(budget_ms)),
             region_base_addrs: addrs,
-            requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), prefill_engine_id: None, block_ids }).collect(),
+            requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), decode_req_id: None, prefill_engine_id: None, block_ids }).collect(),
         });
         prop_assert_eq!(FrameCodec::default().decode_exact(&encode(&msg)).unwrap(), msg);
     }

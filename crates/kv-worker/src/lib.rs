@@ -26,6 +26,7 @@ mod config;
 mod error;
 pub mod in_memory;
 mod layout;
+pub mod metrics;
 pub mod pattern;
 pub mod plan;
 mod receiver;
@@ -41,7 +42,7 @@ pub use config::{AuthSecret, DataEndpointPolicy, WorkerConfig, DEFAULT_LEASE_REN
 pub use error::WorkerError;
 pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};
 pub use plan::GrantPlanError;
-pub use receiver::{PullBatch, ReceiverCore, RecvFinished, SideChannelAddr};
+pub use receiver::{PullBatch, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr};
 pub use sender::{Claim, SenderCore};
 pub use side_channel::{SideChannelCodec, SideChannelError};
 pub use watch::WatchList;

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, EngineId, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
+use kv_proto::{BlockId, EngineId, FailureCause, GrantId, Outcome, RecvReqMeta, ReqId, RequestBlocks, XferReply};
 
 /// A prefill worker's side-channel address (its base port plus our tp rank).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,7 +57,7 @@ enum Stage {
 #[derive(Debug)]
 enum BatchOutcome {
     Replied(XferReply),
-    Failed(String),
+    Failed(FailureCause, String),
 }
 
 /// One request of a pull: D's id, P's id, D's blocks.
@@ -70,6 +70,7 @@ struct Pulled {
 
 #[derive(Debug)]
 struct Batch {
+    started: Instant,
     deadline: Instant,
     peer: SideChannelAddr,
     reqs: Vec<Pulled>,
@@ -88,6 +89,41 @@ pub struct RecvFinished {
     pub failed: BTreeMap<ReqId, Vec<BlockId>>,
 }
 
+/// How one request's pull ended, for the driver's metrics and log (the
+/// engine hears the outcome through [`ReceiverCore::poll_finished`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PullReport {
+    /// D's id.
+    pub req: ReqId,
+    /// P's id.
+    pub remote: ReqId,
+    /// The prefill worker pulled from (`None`: the pull never got one).
+    pub peer: Option<SideChannelAddr>,
+    /// The transfer request it was part of.
+    pub xfer_id: Option<u64>,
+    /// The grant it was pulled under.
+    pub grant: Option<GrantId>,
+    /// D's blocks of it.
+    pub blocks: usize,
+    /// When its pull started.
+    pub started: Instant,
+    /// `None`: received; else why it failed.
+    pub failure: Option<(FailureCause, String)>,
+}
+
+/// What ended since the driver last asked ([`ReceiverCore::take_reports`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PullReports {
+    /// One per request reported received or failed.
+    pub ended: Vec<PullReport>,
+    /// Requests cancelled by the engine while pulling.
+    pub cancelled: u64,
+}
+
+/// Reports kept for a driver that never takes them, at most; older ones
+/// are dropped (they feed metrics, not the engine).
+const MAX_UNTAKEN_REPORTS: usize = 1 << 16;
+
 /// D's pulls, driven with explicit time.
 ///
 /// A pull ends by P's reply, a failure of its connection, or its deadline;
@@ -103,6 +139,7 @@ pub struct ReceiverCore {
     batches: HashMap<u64, Batch>,
     in_flight: BTreeSet<ReqId>,
     done: RecvFinished,
+    reports: PullReports,
 }
 
 impl ReceiverCore {
@@ -115,6 +152,7 @@ impl ReceiverCore {
             batches: HashMap::new(),
             in_flight: BTreeSet::new(),
             done: RecvFinished::default(),
+            reports: PullReports::default(),
         }
     }
 
@@ -134,20 +172,15 @@ impl ReceiverCore {
             }
             let remote = &meta.remote;
             let Some(port) = remote.remote_port.checked_add(self.tp_rank) else {
-                tracing::warn!(req_id = %req, remote_port = remote.remote_port, tp_rank = self.tp_rank, "side-channel port overflows");
-                self.done.failed.insert(req.clone(), meta.local_block_ids.clone());
+                let reason = format!("side-channel port {} + tp rank {} overflows", remote.remote_port, self.tp_rank);
+                self.fail_at_start(req, meta, None, FailureCause::Other, reason, now);
                 continue;
             };
             let peer = SideChannelAddr { host: remote.remote_host.clone(), port };
-            let group = groups.entry(peer).or_default();
+            let group = groups.entry(peer.clone()).or_default();
             if let Some((other, _)) = group.iter().find(|(p, _)| p.remote == remote.remote_request_id) {
-                tracing::warn!(
-                    req_id = %req,
-                    other_req_id = %other.req,
-                    remote_req_id = %remote.remote_request_id,
-                    "two requests name the same prefill request; the second is not pulled"
-                );
-                self.done.failed.insert(req.clone(), meta.local_block_ids.clone());
+                let reason = format!("request {} of this step names the same prefill request", other.req);
+                self.fail_at_start(req, meta, Some(peer), FailureCause::DuplicateRequest, reason, now);
                 continue;
             }
             self.in_flight.insert(req.clone());
@@ -167,12 +200,14 @@ impl ReceiverCore {
                     .iter()
                     .map(|(p, engine)| RequestBlocks {
                         req_id: p.remote.clone(),
+                        decode_req_id: Some(p.req.clone()),
                         prefill_engine_id: engine.clone(),
                         block_ids: p.blocks.clone(),
                     })
                     .collect();
                 let reqs = group.into_iter().map(|(p, _)| p).collect();
                 let batch = Batch {
+                    started: now,
                     deadline: now + self.timeout,
                     peer: peer.clone(),
                     reqs,
@@ -209,6 +244,9 @@ impl ReceiverCore {
         let mut grants = Vec::new();
         for req in reqs {
             if !self.in_flight.remove(req) {
+                if self.done.received.contains(req) || self.done.failed.contains_key(req) {
+                    self.reports.cancelled += 1;
+                }
                 // Ended and fenced already, maybe not polled yet: never
                 // report it now either.
                 self.done.received.remove(req);
@@ -222,6 +260,7 @@ impl ReceiverCore {
                     continue;
                 }
                 tracing::debug!(req_id = %req, peer = %batch.peer, "pull cancelled by the engine");
+                self.reports.cancelled += 1;
                 // Not granted yet: the transfer request has not gone out,
                 // and the driver revokes the grant it is about to issue.
                 batch.lost_requests = true;
@@ -249,10 +288,10 @@ impl ReceiverCore {
 
     /// A pull could not be completed (no grant, connection failure, hello
     /// rejected, shutdown): every request of it will fail, once fenced.
-    pub fn handle_batch_failed(&mut self, xfer_id: u64, reason: &str) {
+    pub fn handle_batch_failed(&mut self, xfer_id: u64, cause: FailureCause, reason: &str) {
         if let Some(batch) = self.batches.get_mut(&xfer_id) {
             if matches!(batch.stage, Stage::Pulling) {
-                batch.stage = Stage::Fencing(BatchOutcome::Failed(reason.to_owned()));
+                batch.stage = Stage::Fencing(BatchOutcome::Failed(cause, reason.to_owned()));
             }
         }
     }
@@ -265,7 +304,7 @@ impl ReceiverCore {
         let mut to_fence = Vec::new();
         for (id, batch) in &mut self.batches {
             if batch.deadline <= now && matches!(batch.stage, Stage::Pulling) {
-                batch.stage = Stage::Fencing(BatchOutcome::Failed(reason.clone()));
+                batch.stage = Stage::Fencing(BatchOutcome::Failed(FailureCause::Timeout, reason.clone()));
                 to_fence.push((*id, batch.grant));
             }
         }
@@ -277,42 +316,96 @@ impl ReceiverCore {
     /// yet fails. Later calls are ignored.
     pub fn handle_fenced(&mut self, xfer_id: u64) {
         let Some(batch) = self.batches.remove(&xfer_id) else { return };
-        let Batch { peer, reqs, stage, .. } = batch;
-        match stage {
-            Stage::Pulling => self.fail_all(&peer, reqs, "the pull ended before an outcome"),
-            Stage::Fencing(BatchOutcome::Failed(reason)) => self.fail_all(&peer, reqs, &reason),
+        let Batch { started, peer, reqs, grant, stage, .. } = batch;
+        let ended = |cause_reason: Option<(FailureCause, String)>, p: &Pulled| PullReport {
+            req: p.req.clone(),
+            remote: p.remote.clone(),
+            peer: Some(peer.clone()),
+            xfer_id: Some(xfer_id),
+            grant,
+            blocks: p.blocks.len(),
+            started,
+            failure: cause_reason,
+        };
+        let outcomes: HashMap<ReqId, Outcome> = match stage {
             Stage::Fencing(BatchOutcome::Replied(reply)) => {
-                let mut outcomes: HashMap<&ReqId, &Outcome> = HashMap::with_capacity(reply.outcomes.len());
-                for o in &reply.outcomes {
-                    outcomes.insert(&o.req_id, &o.outcome);
-                }
-                for Pulled { req, remote, blocks } in reqs {
-                    self.in_flight.remove(&req);
-                    match outcomes.get(&remote) {
-                        Some(Outcome::Done) => {
-                            tracing::debug!(req_id = %req, remote_req_id = %remote, %peer, blocks = blocks.len(), "KV received");
-                            self.done.received.insert(req);
-                        }
-                        Some(Outcome::Failed { reason }) => {
-                            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, %reason, "prefill failed to send KV");
-                            self.done.failed.insert(req, blocks);
-                        }
-                        None => {
-                            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, "prefill's reply has no outcome for the request");
-                            self.done.failed.insert(req, blocks);
-                        }
-                    }
-                }
+                reply.outcomes.into_iter().map(|o| (o.req_id, o.outcome)).collect()
             }
+            Stage::Pulling => HashMap::new(),
+            Stage::Fencing(BatchOutcome::Failed(cause, reason)) => {
+                for pulled in reqs {
+                    let report = ended(Some((cause, reason.clone())), &pulled);
+                    self.end(pulled, report);
+                }
+                return;
+            }
+        };
+        for pulled in reqs {
+            let failure = match outcomes.get(&pulled.remote) {
+                Some(Outcome::Done) => None,
+                Some(Outcome::Failed { cause, reason }) => Some((*cause, format!("prefill failed to send: {reason}"))),
+                None if outcomes.is_empty() => {
+                    Some((FailureCause::Other, "the pull ended before an outcome".to_owned()))
+                }
+                None => Some((FailureCause::Other, "prefill's reply has no outcome for the request".to_owned())),
+            };
+            let report = ended(failure, &pulled);
+            self.end(pulled, report);
         }
     }
 
-    fn fail_all(&mut self, peer: &SideChannelAddr, reqs: Vec<Pulled>, reason: &str) {
-        for Pulled { req, remote, blocks } in reqs {
-            tracing::warn!(req_id = %req, remote_req_id = %remote, %peer, %reason, "KV pull failed");
-            self.in_flight.remove(&req);
-            self.done.failed.insert(req, blocks);
+    /// Reports one request of a fenced pull to the engine and the driver.
+    fn end(&mut self, pulled: Pulled, report: PullReport) {
+        let Pulled { req, remote, blocks } = pulled;
+        self.in_flight.remove(&req);
+        match &report.failure {
+            None => {
+                tracing::debug!(req_id = %req, remote_req_id = %remote, peer = ?report.peer, blocks = blocks.len(), "KV received");
+                self.done.received.insert(req);
+            }
+            Some((cause, reason)) => {
+                tracing::debug!(req_id = %req, remote_req_id = %remote, peer = ?report.peer, %cause, %reason, "KV pull failed");
+                self.done.failed.insert(req, blocks);
+            }
         }
+        self.report(report);
+    }
+
+    fn fail_at_start(
+        &mut self,
+        req: &ReqId,
+        meta: &RecvReqMeta,
+        peer: Option<SideChannelAddr>,
+        cause: FailureCause,
+        reason: String,
+        now: Instant,
+    ) {
+        tracing::debug!(req_id = %req, %cause, %reason, "pull not started");
+        self.done.failed.insert(req.clone(), meta.local_block_ids.clone());
+        self.report(PullReport {
+            req: req.clone(),
+            remote: meta.remote.remote_request_id.clone(),
+            peer,
+            xfer_id: None,
+            grant: None,
+            blocks: meta.local_block_ids.len(),
+            started: now,
+            failure: Some((cause, reason)),
+        });
+    }
+
+    fn report(&mut self, report: PullReport) {
+        if self.reports.ended.len() >= MAX_UNTAKEN_REPORTS {
+            self.reports.ended.remove(0);
+        }
+        self.reports.ended.push(report);
+    }
+
+    /// How each request ended since the last call, and how many the engine
+    /// cancelled: what the driver counts and logs. Kept (a bounded number)
+    /// until taken.
+    pub fn take_reports(&mut self) -> PullReports {
+        std::mem::take(&mut self.reports)
     }
 
     /// Outcomes since the last poll, each request reported once.

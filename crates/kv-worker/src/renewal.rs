@@ -52,8 +52,15 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             let client = shared.client(&peer);
             let bound = shared.config.connect_timeout;
             let done = done_tx.clone();
+            let task_shared = shared.clone();
             shared.tracker.spawn(async move {
                 let result = match tokio::time::timeout(bound, client.keep_alive(&reqs)).await {
+                    Ok(Ok(renewal)) => {
+                        if !renewal.is_zero() {
+                            task_shared.metrics.renewals_sent(reqs.len() as u64);
+                        }
+                        Ok(renewal)
+                    }
                     Ok(result) => result,
                     Err(_) => Err(format!("renewing on {peer} took longer than {bound:?}")),
                 };

@@ -30,9 +30,9 @@ enum SendEntry {
     Expected { renewed: Option<Renewal> },
     /// Finished by length cap; blocks held until D pulls, the lease ends, or
     /// (once renewed) the renewal runs out.
-    Ready { block_ids: Vec<BlockId>, lease_end: Instant, renewed: Option<Renewal> },
-    /// A transfer is writing it; it ends in `complete`.
-    InFlight,
+    Ready { block_ids: Vec<BlockId>, ready_at: Instant, lease_end: Instant, renewed: Option<Renewal> },
+    /// A transfer is writing it (its blocks still held); it ends in `complete`.
+    InFlight { blocks: usize },
     /// Not finished yet, and the pull that asked for it gave up (its decode
     /// instance went away or its wait budget passed): freed the moment it
     /// is ready instead of held for a lease no one will use.
@@ -81,6 +81,10 @@ pub struct SenderCore {
     renewal: Duration,
     entries: HashMap<ReqId, SendEntry>,
     finished: BTreeSet<ReqId>,
+    /// Requests freed because their lease or renewal ended, since start.
+    lease_expiries: u64,
+    /// Renewals applied, since start.
+    renewals: u64,
 }
 
 impl SenderCore {
@@ -88,7 +92,7 @@ impl SenderCore {
     /// once renewed, for `renewal` past the last renewal, within `lease`.
     /// A zero `renewal` turns renewals off.
     pub fn new(lease: Duration, renewal: Duration) -> Self {
-        Self { lease, renewal, entries: HashMap::new(), finished: BTreeSet::new() }
+        Self { lease, renewal, entries: HashMap::new(), finished: BTreeSet::new(), lease_expiries: 0, renewals: 0 }
     }
 
     /// How long one renewal holds a request (zero: renewals are off).
@@ -103,7 +107,7 @@ impl SenderCore {
                 self.entries.entry(req.clone()).or_insert(SendEntry::Expected { renewed: None });
             }
             SendUpdate::Ready { block_ids } => match self.entries.get(req) {
-                Some(SendEntry::InFlight) => {
+                Some(SendEntry::InFlight { .. }) => {
                     tracing::warn!(req_id = %req, "ready update for a request already being sent; ignored");
                 }
                 Some(SendEntry::Abandoned) => {
@@ -118,12 +122,12 @@ impl SenderCore {
                         _ => None,
                     };
                     let lease_end = now + self.lease;
-                    let ready = SendEntry::Ready { block_ids: block_ids.clone(), lease_end, renewed };
+                    let ready = SendEntry::Ready { block_ids: block_ids.clone(), ready_at: now, lease_end, renewed };
                     self.entries.insert(req.clone(), ready);
                 }
             },
             SendUpdate::Forget => match self.entries.get(req) {
-                Some(SendEntry::InFlight) => {
+                Some(SendEntry::InFlight { .. }) => {
                     tracing::warn!(req_id = %req, "forget update for a request being sent; it ends with its transfer");
                 }
                 Some(_) => {
@@ -146,21 +150,24 @@ impl SenderCore {
                 self.entries.insert(req.clone(), SendEntry::Expected { renewed: None });
                 Claim::NotReady
             }
-            Some(SendEntry::InFlight) => Claim::InFlight,
+            Some(SendEntry::InFlight { .. }) => Claim::InFlight,
             Some(entry @ SendEntry::Ready { .. }) if entry.ready_until().is_some_and(|end| end <= now) => {
                 self.expire(req);
                 Claim::Expired
             }
-            Some(SendEntry::Ready { .. }) => match self.entries.insert(req.clone(), SendEntry::InFlight) {
-                Some(SendEntry::Ready { block_ids, .. }) => Claim::Ready(block_ids),
-                _ => Claim::Unknown,
-            },
+            Some(SendEntry::Ready { block_ids, .. }) => {
+                let blocks = block_ids.len();
+                match self.entries.insert(req.clone(), SendEntry::InFlight { blocks }) {
+                    Some(SendEntry::Ready { block_ids, .. }) => Claim::Ready(block_ids),
+                    _ => Claim::Unknown,
+                }
+            }
         }
     }
 
     /// A transfer of a claimed request ended, written or not: P frees its blocks.
     pub fn complete(&mut self, req: &ReqId) {
-        if let Some(SendEntry::InFlight) = self.entries.get(req) {
+        if let Some(SendEntry::InFlight { .. }) = self.entries.get(req) {
             self.entries.remove(req);
             self.finished.insert(req.clone());
         }
@@ -216,6 +223,7 @@ impl SenderCore {
                 renewed += 1;
             }
         }
+        self.renewals += renewed as u64;
         renewed
     }
 
@@ -253,6 +261,7 @@ impl SenderCore {
     }
 
     fn expire(&mut self, req: &ReqId) {
+        self.lease_expiries += 1;
         let renewed_by = match self.entries.remove(req) {
             Some(SendEntry::Ready { renewed: Some(r), .. }) => Some(r.by),
             _ => None,
@@ -291,6 +300,34 @@ impl SenderCore {
                 matches!(e, SendEntry::Expected { renewed: Some(_) } | SendEntry::Ready { renewed: Some(_), .. })
             })
             .count()
+    }
+
+    /// When `req` became ready, while it waits for a pull (not yet claimed).
+    pub fn ready_since(&self, req: &ReqId) -> Option<Instant> {
+        match self.entries.get(req) {
+            Some(SendEntry::Ready { ready_at, .. }) => Some(*ready_at),
+            _ => None,
+        }
+    }
+
+    /// Requests whose blocks are held now (ready or being written), and
+    /// their blocks.
+    pub fn held(&self) -> (usize, usize) {
+        self.entries.values().fold((0, 0), |(reqs, blocks), e| match e {
+            SendEntry::Ready { block_ids, .. } => (reqs + 1, blocks + block_ids.len()),
+            SendEntry::InFlight { blocks: n } => (reqs + 1, blocks + n),
+            _ => (reqs, blocks),
+        })
+    }
+
+    /// Requests freed because their lease (or renewal) ended unpulled, since start.
+    pub fn lease_expiries(&self) -> u64 {
+        self.lease_expiries
+    }
+
+    /// Request renewals applied since start (a renewal of `n` requests counts `n`).
+    pub fn renewals(&self) -> u64 {
+        self.renewals
     }
 
     /// Live entries (expected, ready or in flight).

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kv_proto::{
-    BatchWriter, BlockId, ConnectorMetadata, Endpoint, Grant, GrantId, Hello, RegionAccess, ReqId, XferRequest,
+    BatchWriter, BlockId, ConnectorMetadata, Endpoint, FailureCause, Grant, GrantId, Hello, RegionAccess, ReqId,
+    XferRequest,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
@@ -17,11 +18,13 @@ use tokio_util::task::TaskTracker;
 use crate::cache::OwnedKvCache;
 use crate::config::WorkerConfig;
 use crate::layout::RegisteredCache;
+use crate::metrics::{FailureLog, Gauges, Metrics, MetricsSnapshot};
 use crate::plan::grant_ranges;
 use crate::receiver::{PullBatch, ReceiverCore, SideChannelAddr};
 use crate::sender::SenderCore;
+use crate::side_channel::client::PullError;
 use crate::side_channel::client::{ClientSettings, SideChannelClient};
-use crate::side_channel::server;
+use crate::side_channel::{self, server};
 use crate::watch::WatchList;
 use crate::WorkerError;
 
@@ -67,6 +70,12 @@ pub(crate) struct Shared {
     /// P: log lines about pulls meant for another prefill engine (any D can
     /// send them as fast as it likes).
     pub(crate) misdirected_log: Mutex<kv_proto::LogThrottle>,
+    /// What the worker counts.
+    pub(crate) metrics: Metrics,
+    /// D: failed pulls, logged by cause at a bounded rate.
+    pub(crate) failure_log: FailureLog,
+    /// Side-channel connections and failed authentications, both roles.
+    pub(crate) side_channel_counts: Arc<side_channel::Counts>,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     /// Keeps library-allocated memory alive as long as any task may touch it.
@@ -108,6 +117,7 @@ impl Shared {
                     connect_timeout: self.config.connect_timeout,
                     max_frame_len: self.config.max_frame_len,
                     auth_secret: self.config.auth_secret.clone(),
+                    counts: self.side_channel_counts.clone(),
                 };
                 SideChannelClient::new(peer.clone(), settings, self.cancel.clone(), self.tracker.clone())
             })
@@ -115,15 +125,51 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Counts and logs how each request of the pulls that just ended ended
+    /// (taken from the receiver core, which decided it).
+    pub(crate) fn record_pulls(&self, reports: crate::receiver::PullReports) {
+        let now = Instant::now();
+        let bytes_per_block = self.cache.block_len() * self.cache.regions().len() as u64;
+        self.metrics.pulls_cancelled(reports.cancelled);
+        for report in reports.ended {
+            match &report.failure {
+                None => {
+                    let took = now.saturating_duration_since(report.started);
+                    self.metrics.pull_received(report.blocks as u64 * bytes_per_block, took);
+                }
+                Some((cause, reason)) => {
+                    self.metrics.pull_failed(*cause);
+                    let peer: &dyn std::fmt::Display = match &report.peer {
+                        Some(peer) => peer,
+                        None => &"-",
+                    };
+                    let _ = self.failure_log.failed(*cause, &report.req, &report.remote, peer, reason, now);
+                }
+            }
+        }
+    }
+}
+
 /// Issues the grant of a pull: exactly the blocks of its requests, valid
 /// until its deadline.
-async fn grant_pull(shared: &Shared, requests: &[kv_proto::RequestBlocks], deadline: Instant) -> Result<Grant, String> {
+async fn grant_pull(
+    shared: &Shared,
+    requests: &[kv_proto::RequestBlocks],
+    deadline: Instant,
+) -> Result<Grant, PullError> {
     let cache = &shared.cache;
+    let refused = |e: &dyn std::fmt::Display| {
+        PullError::new(FailureCause::GrantRefused, format!("cannot grant the pull's blocks: {e}"))
+    };
     let blocks = requests.iter().flat_map(|r| r.block_ids.iter().copied());
-    let ranges = grant_ranges(&cache.base_addrs(), cache.block_len(), cache.num_blocks(), blocks)
-        .map_err(|e| format!("cannot grant the pull's blocks: {e}"))?;
+    let ranges =
+        grant_ranges(&cache.base_addrs(), cache.block_len(), cache.num_blocks(), blocks).map_err(|e| refused(&e))?;
     let valid_for = deadline.saturating_duration_since(Instant::now());
-    shared.writer.grant(&ranges, valid_for).await.map_err(|e| format!("cannot grant the pull's blocks: {e}"))
+    shared.writer.grant(&ranges, valid_for).await.map_err(|e| match e {
+        kv_proto::TransportError::Shutdown => PullError::new(FailureCause::Shutdown, "decode worker shutting down"),
+        e => refused(&e),
+    })
 }
 
 /// Revokes a pull's grant, then lets its outcome be reported: no byte of it
@@ -132,7 +178,12 @@ async fn fence(shared: &Shared, xfer_id: u64, grant: Option<GrantId>) {
     if let Some(grant) = grant {
         shared.writer.revoke(&grant).await;
     }
-    shared.lock_receiver().handle_fenced(xfer_id);
+    let reports = {
+        let mut receiver = shared.lock_receiver();
+        receiver.handle_fenced(xfer_id);
+        receiver.take_reports()
+    };
+    shared.record_pulls(reports);
     shared.finished_changed.notify_waiters();
 }
 
@@ -232,6 +283,9 @@ impl Worker {
             watches: Mutex::new(WatchList::new(config.tp_rank)),
             watches_changed: Notify::new(),
             misdirected_log: Mutex::new(kv_proto::LogThrottle::new(std::time::Duration::from_secs(1))),
+            metrics: Metrics::default(),
+            failure_log: FailureLog::default(),
+            side_channel_counts: Arc::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,
@@ -289,6 +343,30 @@ impl Worker {
         self.shared.lock_watches().len()
     }
 
+    /// Everything the worker counts, now (see [`MetricsSnapshot`]). Cheap:
+    /// a few locks held for a count each; call it as often as a scraper likes.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let shared = &self.shared;
+        let (held_requests, held_blocks, lease_expiries, renewals_received) = {
+            let sender = shared.lock_sender();
+            let (reqs, blocks) = sender.held();
+            (reqs as u64, blocks as u64, sender.lease_expiries(), sender.renewals())
+        };
+        let gauges = Gauges {
+            lease_expiries,
+            renewals_received,
+            side_channel_auth_failures: shared.side_channel_counts.auth_failures(),
+            transport: shared.writer.stats(),
+            pulls_in_flight: shared.lock_receiver().in_flight() as u64,
+            watched_requests: self.watched_requests() as u64,
+            held_requests,
+            held_blocks,
+            transfers_in_progress: self.transfers_in_progress() as u64,
+            connections: shared.side_channel_counts.open(),
+        };
+        shared.metrics.snapshot(gauges)
+    }
+
     /// Applies one step's metadata: records send entries (P) and starts
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
@@ -302,7 +380,12 @@ impl Worker {
             self.shared.sender_changed.notify_waiters();
         }
         if self.shared.config.role.receives() && !meta.reqs_to_cancel.is_empty() {
-            let grants = self.shared.lock_receiver().cancel(&meta.reqs_to_cancel);
+            let (grants, reports) = {
+                let mut receiver = self.shared.lock_receiver();
+                let grants = receiver.cancel(&meta.reqs_to_cancel);
+                (grants, receiver.take_reports())
+            };
+            self.shared.record_pulls(reports);
             self.fence_now(&grants);
             self.shared.finished_changed.notify_waiters();
         }
@@ -325,7 +408,14 @@ impl Worker {
             }
         }
         if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
-            let batches = self.shared.lock_receiver().start(&meta.reqs_to_recv, now);
+            let (batches, reports) = {
+                let mut receiver = self.shared.lock_receiver();
+                let batches = receiver.start(&meta.reqs_to_recv, now);
+                (batches, receiver.take_reports())
+            };
+            let pulled: usize = batches.iter().map(|b| b.requests.len()).sum();
+            self.shared.metrics.pulls_started((pulled + reports.ended.len()) as u64);
+            self.shared.record_pulls(reports);
             for batch in batches {
                 self.spawn_pull(batch);
             }
@@ -364,21 +454,35 @@ impl Worker {
     fn spawn_pull(&self, batch: PullBatch) {
         let shared = self.shared.clone();
         let _guard = self.runtime.enter();
-        self.shared.tracker.spawn(async move {
+        // One span per transfer request: its id, the peer and (once issued)
+        // the grant; each request's two ids are logged inside it.
+        let span = tracing::info_span!(
+            "pull",
+            xfer_id = batch.xfer_id,
+            peer = %batch.peer,
+            requests = batch.requests.len(),
+            grant = tracing::field::Empty,
+        );
+        let pull = async move {
             let PullBatch { xfer_id, peer, requests, deadline } = batch;
+            for r in &requests {
+                let req_id = r.decode_req_id.as_ref().unwrap_or(&r.req_id);
+                tracing::debug!(%req_id, remote_req_id = %r.req_id, blocks = r.block_ids.len(), "pulling");
+            }
+            let failed = |error: PullError| {
+                shared.lock_receiver().handle_batch_failed(xfer_id, error.cause, &error.reason);
+            };
             let grant = match grant_pull(&shared, &requests, deadline).await {
                 Ok(grant) => grant,
-                Err(reason) => {
-                    let mut receiver = shared.lock_receiver();
-                    receiver.handle_batch_failed(xfer_id, &reason);
-                    receiver.handle_fenced(xfer_id);
-                    drop(receiver);
-                    shared.finished_changed.notify_waiters();
+                Err(error) => {
+                    failed(error);
+                    fence(&shared, xfer_id, None).await;
                     return;
                 }
             };
+            tracing::Span::current().record("grant", tracing::field::display(&grant.id));
             if !shared.lock_receiver().handle_granted(xfer_id, grant.id) {
-                shared.lock_receiver().handle_batch_failed(xfer_id, "the engine cancelled part of the pull");
+                failed(PullError::new(FailureCause::Other, "the engine cancelled part of the pull"));
                 fence(&shared, xfer_id, Some(grant.id)).await;
                 return;
             }
@@ -393,18 +497,19 @@ impl Worker {
             let client = shared.client(&peer);
             let timeout = shared.config.transfer_timeout;
             let result = tokio::select! {
-                () = shared.cancel.cancelled() => Err("decode worker shutting down".to_owned()),
+                () = shared.cancel.cancelled() => Err(PullError::new(FailureCause::Shutdown, "decode worker shutting down")),
                 r = tokio::time::timeout_at(deadline.into(), client.request(request)) => match r {
                     Ok(r) => r,
-                    Err(_) => Err(format!("no reply from {peer} within {timeout:?}")),
+                    Err(_) => Err(PullError::new(FailureCause::Timeout, format!("no reply from {peer} within {timeout:?}"))),
                 },
             };
             match result {
                 Ok(reply) => shared.lock_receiver().handle_reply(reply),
-                Err(reason) => shared.lock_receiver().handle_batch_failed(xfer_id, &reason),
+                Err(error) => failed(error),
             }
             fence(&shared, xfer_id, Some(grant.id)).await;
-        });
+        };
+        self.shared.tracker.spawn(tracing::Instrument::instrument(pull, span));
     }
 
     /// Requests finished since the last call (the reference's `get_finished`,

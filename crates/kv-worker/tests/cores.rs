@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use kv_proto::{
-    EngineId, GrantId, Outcome, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply,
+    EngineId, FailureCause, GrantId, Outcome, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, RequestOutcome,
+    SendUpdate, XferReply,
 };
 use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
@@ -217,8 +218,13 @@ fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
     assert_eq!(
         batches[0].requests,
         vec![
-            RequestBlocks { req_id: p("a"), prefill_engine_id: None, block_ids: vec![1] },
-            RequestBlocks { req_id: p("c"), prefill_engine_id: None, block_ids: vec![3, 4] }
+            RequestBlocks { req_id: p("a"), decode_req_id: Some(r("a")), prefill_engine_id: None, block_ids: vec![1] },
+            RequestBlocks {
+                req_id: p("c"),
+                decode_req_id: Some(r("c")),
+                prefill_engine_id: None,
+                block_ids: vec![3, 4]
+            }
         ]
     );
     assert_eq!(batches[1].peer, SideChannelAddr { host: "p2".into(), port: 9000 });
@@ -235,7 +241,7 @@ fn reply(xfer_id: u64, outcomes: &[(&str, Outcome)]) -> XferReply {
 }
 
 fn failed(reason: &str) -> Outcome {
-    Outcome::Failed { reason: reason.into() }
+    Outcome::Failed { cause: kv_proto::FailureCause::Other, reason: reason.into() }
 }
 
 /// One batch of requests a (blocks 1,2) and b (blocks 3), then `event`.
@@ -257,7 +263,7 @@ fn receiver_outcomes(
     core.handle_granted(xfer_id, GrantId::from_bytes([1; 16]));
     match event {
         Some(outcomes) => core.handle_reply(reply(xfer_id, &outcomes)),
-        None => core.handle_batch_failed(xfer_id, "connection refused"),
+        None => core.handle_batch_failed(xfer_id, FailureCause::ConnectionLost, "connection refused"),
     }
     let fenced = core.poll_finished();
     assert!(fenced.received.is_empty() && fenced.failed.is_empty(), "nothing is reported before the grant is fenced");
@@ -284,6 +290,7 @@ fn a_pull_names_ps_request_and_engine_and_its_outcome_is_reported_under_ds_id() 
         batches[0].requests,
         [RequestBlocks {
             req_id: ReqId::new("cmpl-1-0-b00fff6e"),
+            decode_req_id: Some(r("cmpl-1-0-9760c8b8")),
             prefill_engine_id: Some(EngineId::new("prefill-0")),
             block_ids: vec![4, 5],
         }]
@@ -412,7 +419,7 @@ fn a_cancelled_request_is_never_reported_and_its_grant_is_fenced(#[case] at: Can
         CancelAt::BeforeGrant => {
             assert!(core.cancel(&cancel).is_empty(), "no grant out yet: nothing to fence");
             assert!(!core.handle_granted(xfer_id, grant), "the pull must not go out under a grant over a's blocks");
-            core.handle_batch_failed(xfer_id, "cancelled");
+            core.handle_batch_failed(xfer_id, FailureCause::Other, "cancelled");
         }
         CancelAt::Fencing => {
             assert!(core.handle_granted(xfer_id, grant));
@@ -468,7 +475,7 @@ fn a_request_pulled_again_before_its_first_pull_was_polled_is_pulled_once() {
     let mut core = ReceiverCore::new(0, Duration::from_secs(5));
     let t0 = Instant::now();
     let first = core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0);
-    core.handle_batch_failed(first[0].xfer_id, "refused");
+    core.handle_batch_failed(first[0].xfer_id, FailureCause::PeerRefused, "refused");
     core.handle_fenced(first[0].xfer_id);
     assert!(core.start(&reqs(&[("a", recv("p", 1, &[1]))]), t0).is_empty(), "reported, not yet polled");
     let done = core.poll_finished();

@@ -10,12 +10,12 @@ use std::sync::Arc;
 
 use common::*;
 use futures_util::{SinkExt, StreamExt};
-use kv_proto::{FrameCodec, HelloReply, KvRole, SideMessage};
+use kv_proto::{FailureCause, FrameCodec, HelloReply, KvRole, SideMessage};
 use kv_worker::SideChannelCodec;
 use tokio::net::TcpListener;
 use tokio_util::codec::Framed;
 
-const REASON: &str = "region count: prefill p has 4, decode d has 8";
+const REASON: &str = "incompatible peers (region count: prefill p has 4, decode d has 8)";
 
 /// A prefill side channel that refuses every hello, counting connections.
 async fn refusing_prefill() -> (u16, Arc<AtomicUsize>) {
@@ -55,5 +55,12 @@ async fn a_refusing_prefill_is_asked_once_and_every_pull_fails_with_its_reason()
     }
     assert_eq!(connections.load(Ordering::SeqCst), 1, "P's refusal is taken as its answer, not asked for again");
     assert_eq!(logs.lines_with(&["ERROR", "cannot use this prefill worker", REASON]), 1, "one clear error");
-    assert_eq!(logs.lines_with(&["KV pull failed", REASON]), 5, "each pull fails with P's reason");
+    // Each pull fails with P's reason, counted under its cause; the log
+    // says it once per cause and interval, not once per request.
+    assert_eq!(logs.lines_with(&["WARN", "KV pull failed", "incompatible_peer", REASON]), 1, "one warning");
+    let metrics = d.worker.metrics();
+    assert_eq!(metrics.pulls_started, 5);
+    assert_eq!(metrics.pulls_failed[&FailureCause::IncompatiblePeer], 5, "{:?}", metrics.pulls_failed);
+    assert_eq!(metrics.pulls_failed_total(), 5);
+    assert_eq!(metrics.pulls_received, 0);
 }

@@ -159,7 +159,12 @@ fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> Xfer
         region_base_addrs: vec![0x1000; 4],
         requests: ids
             .into_iter()
-            .map(|id| RequestBlocks { req_id: ReqId::new(id), prefill_engine_id: None, block_ids: vec![] })
+            .map(|id| RequestBlocks {
+                req_id: ReqId::new(id),
+                decode_req_id: None,
+                prefill_engine_id: None,
+                block_ids: vec![],
+            })
             .collect(),
     }
 }

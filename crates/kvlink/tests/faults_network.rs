@@ -321,6 +321,7 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
             .iter()
             .map(|(_, params, _)| RequestBlocks {
                 req_id: params.remote_request_id.clone().unwrap(),
+                decode_req_id: None,
                 prefill_engine_id: params.remote_engine_id.clone(),
                 block_ids: (0..BLOCKS_PER_REQUEST as u32).collect(),
             })

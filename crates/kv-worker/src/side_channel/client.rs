@@ -9,7 +9,7 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
-use kv_proto::{FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferReply, XferRequest};
+use kv_proto::{FailureCause, FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferReply, XferRequest};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
 use tokio_util::codec::Framed;
@@ -18,16 +18,34 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::AuthSecret;
 use crate::receiver::SideChannelAddr;
-use crate::side_channel::SideChannelCodec;
+use crate::side_channel::{SideChannelCodec, SideChannelError};
 
 type Pending = oneshot::Sender<Result<XferReply, Unanswered>>;
+
+/// Why a transfer request brought no reply: a cause to count it under and
+/// the reason to log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PullError {
+    pub(crate) cause: FailureCause,
+    pub(crate) reason: String,
+}
+
+impl PullError {
+    pub(crate) fn new(cause: FailureCause, reason: impl Into<String>) -> Self {
+        Self { cause, reason: reason.into() }
+    }
+
+    fn lost(reason: impl Into<String>) -> Self {
+        Self::new(FailureCause::ConnectionLost, reason)
+    }
+}
 
 /// Why a transfer request got no reply.
 enum Unanswered {
     /// P refused it (the reason is P's).
     Refused(String),
-    /// The connection ended first.
-    ConnectionLost(String),
+    /// The connection ended first (a frame that failed its tag: `AuthFailed`).
+    ConnectionLost(PullError),
 }
 
 /// How long a prefill worker's refusal (incompatible cache or protocol, a
@@ -38,7 +56,7 @@ const REFUSAL_MEMORY: Duration = Duration::from_secs(5);
 
 /// Why a connection could not be set up.
 struct HandshakeFailure {
-    reason: String,
+    error: PullError,
     /// P answered and said no (or spoke another protocol): asking again at
     /// once would get the same answer.
     refused: bool,
@@ -46,11 +64,11 @@ struct HandshakeFailure {
 
 impl HandshakeFailure {
     fn io(reason: impl Into<String>) -> Self {
-        Self { reason: reason.into(), refused: false }
+        Self { error: PullError::lost(reason), refused: false }
     }
 
-    fn refused(reason: impl Into<String>) -> Self {
-        Self { reason: reason.into(), refused: true }
+    fn refused(cause: FailureCause, reason: impl Into<String>) -> Self {
+        Self { error: PullError::new(cause, reason), refused: true }
     }
 }
 
@@ -61,6 +79,8 @@ pub(crate) struct ClientSettings {
     pub(crate) connect_timeout: std::time::Duration,
     pub(crate) max_frame_len: usize,
     pub(crate) auth_secret: Option<AuthSecret>,
+    /// Where this client's live connections and failed authentications count.
+    pub(crate) counts: Arc<crate::side_channel::Counts>,
 }
 
 /// A handle on one prefill worker's side channel.
@@ -71,7 +91,7 @@ pub(crate) struct SideChannelClient {
     tracker: TaskTracker,
     conn: Mutex<Option<Arc<Connection>>>,
     /// P's last refusal, and when it came.
-    refused: std::sync::Mutex<Option<(Instant, String)>>,
+    refused: std::sync::Mutex<Option<(Instant, PullError)>>,
 }
 
 type Sink = SplitSink<Framed<TcpStream, SideChannelCodec>, SideMessage>;
@@ -93,6 +113,8 @@ struct Connection {
     retired: CancellationToken,
     /// How long one renewal holds a request on P (zero: P wants none).
     lease_renewal: Duration,
+    /// Counts this connection among the live ones while it lives.
+    _open: crate::side_channel::OpenConnection,
 }
 
 impl Connection {
@@ -128,7 +150,7 @@ impl SideChannelClient {
     /// Sends one transfer request and waits for its reply (unbounded here:
     /// the caller bounds it with the transfer timeout; dropping the future
     /// forgets the request).
-    pub(crate) async fn request(&self, request: XferRequest) -> Result<XferReply, String> {
+    pub(crate) async fn request(&self, request: XferRequest) -> Result<XferReply, PullError> {
         let xfer_id = request.xfer_id;
         // A reused connection may have died since its last use, also without
         // this end knowing (P's end reset, ours not): retry once on a fresh
@@ -150,21 +172,21 @@ impl SideChannelClient {
                 if reused && attempt == 0 {
                     continue;
                 }
-                return Err(format!("sending to {}: {e}", self.peer));
+                return Err(PullError::lost(format!("sending to {}: {e}", self.peer)));
             }
             drop(guard);
             return match rx.await {
                 Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(Unanswered::Refused(reason))) => Err(reason),
-                Ok(Err(Unanswered::ConnectionLost(reason))) if reused && attempt == 0 => {
-                    tracing::debug!(peer = %self.peer, xfer_id, %reason, "reused side-channel connection lost; retrying on a new one");
+                Ok(Err(Unanswered::Refused(reason))) => Err(PullError::new(FailureCause::PeerRefused, reason)),
+                Ok(Err(Unanswered::ConnectionLost(error))) if reused && attempt == 0 => {
+                    tracing::debug!(peer = %self.peer, xfer_id, reason = %error.reason, "reused side-channel connection lost; retrying on a new one");
                     continue;
                 }
-                Ok(Err(Unanswered::ConnectionLost(reason))) => Err(reason),
-                Err(_) => Err(format!("connection to {} closed", self.peer)),
+                Ok(Err(Unanswered::ConnectionLost(error))) => Err(error),
+                Err(_) => Err(PullError::lost(format!("connection to {} closed", self.peer))),
             };
         }
-        Err(format!("connection to {} keeps closing", self.peer))
+        Err(PullError::lost(format!("connection to {} keeps closing", self.peer)))
     }
 
     /// Whether no one uses this client now, it holds no live connection
@@ -183,7 +205,7 @@ impl SideChannelClient {
     /// frames need. Returns how long P holds them from now (zero: P takes
     /// no renewals, and nothing was sent).
     pub(crate) async fn keep_alive(&self, req_ids: &[ReqId]) -> Result<Duration, String> {
-        let (conn, _) = self.connection(false).await?;
+        let (conn, _) = self.connection(false).await.map_err(|e| e.reason)?;
         if conn.lease_renewal.is_zero() {
             return Ok(Duration::ZERO);
         }
@@ -199,7 +221,7 @@ impl SideChannelClient {
     }
 
     /// The live connection (and `true`: reused), or a new one.
-    async fn connection(&self, fresh: bool) -> Result<(Arc<Connection>, bool), String> {
+    async fn connection(&self, fresh: bool) -> Result<(Arc<Connection>, bool), PullError> {
         let mut slot = self.conn.lock().await;
         if let Some(conn) = slot.take() {
             if !fresh && conn.usable() {
@@ -208,21 +230,27 @@ impl SideChannelClient {
             }
             conn.retired.cancel();
         }
-        if let Some(reason) = self.recent_refusal() {
-            return Err(reason);
+        if let Some(error) = self.recent_refusal() {
+            return Err(error);
         }
         let handshake = tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await;
         let (framed, idle_timeout, lease_renewal) = match handshake {
             Err(_) => {
-                return Err(format!("connecting to {} timed out after {:?}", self.peer, self.settings.connect_timeout))
+                return Err(PullError::lost(format!(
+                    "connecting to {} timed out after {:?}",
+                    self.peer, self.settings.connect_timeout
+                )))
             }
             Ok(Err(failure)) => {
-                if failure.refused {
-                    tracing::error!(peer = %self.peer, reason = %failure.reason, "cannot use this prefill worker");
-                    *self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                        Some((Instant::now(), failure.reason.clone()));
+                if failure.error.cause == FailureCause::AuthFailed {
+                    self.settings.counts.auth_failed();
                 }
-                return Err(failure.reason);
+                if failure.refused {
+                    tracing::error!(peer = %self.peer, cause = %failure.error.cause, reason = %failure.error.reason, "cannot use this prefill worker");
+                    *self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some((Instant::now(), failure.error.clone()));
+                }
+                return Err(failure.error);
             }
             Ok(Ok(connected)) => connected,
         };
@@ -235,17 +263,19 @@ impl SideChannelClient {
             retire_after: idle_timeout / 2,
             retired: retired.clone(),
             lease_renewal,
+            _open: self.settings.counts.opened(&self.peer.host),
         });
-        self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), retired));
+        let counts = self.settings.counts.clone();
+        self.tracker.spawn(read_replies(self.peer.clone(), stream, conn.clone(), retired, counts));
         *slot = Some(conn.clone());
         Ok((conn, false))
     }
 
     /// P's refusal, if it came less than [`REFUSAL_MEMORY`] ago.
-    fn recent_refusal(&self) -> Option<String> {
+    fn recent_refusal(&self) -> Option<PullError> {
         let mut refused = self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match refused.as_ref() {
-            Some((at, reason)) if at.elapsed() < REFUSAL_MEMORY => Some(reason.clone()),
+            Some((at, error)) if at.elapsed() < REFUSAL_MEMORY => Some(error.clone()),
             _ => {
                 *refused = None;
                 None
@@ -267,10 +297,10 @@ impl SideChannelClient {
         let mut reply = self.next_reply(&mut framed).await?;
         if let HelloReply::Challenge { server_nonce, server_proof } = reply {
             let Some(secret) = &self.settings.auth_secret else {
-                return Err(HandshakeFailure::refused(format!(
-                    "prefill {} requires the side-channel shared secret; none is configured here",
-                    self.peer
-                )));
+                return Err(HandshakeFailure::refused(
+                    FailureCause::AuthFailed,
+                    format!("prefill {} requires the side-channel shared secret; none is configured here", self.peer),
+                ));
             };
             let transcript = Transcript {
                 channel: Channel::SideChannel,
@@ -279,10 +309,10 @@ impl SideChannelClient {
                 context: &context,
             };
             if !auth::verify_server_proof(secret, &transcript, &server_proof) {
-                return Err(HandshakeFailure::refused(format!(
-                    "prefill {} failed to prove the shared secret",
-                    self.peer
-                )));
+                return Err(HandshakeFailure::refused(
+                    FailureCause::AuthFailed,
+                    format!("prefill {} failed to prove the shared secret", self.peer),
+                ));
             }
             let proof = auth::client_proof(secret, &transcript);
             framed.send(SideMessage::AuthProof(proof)).await.map_err(|e| HandshakeFailure::io(e.to_string()))?;
@@ -292,10 +322,10 @@ impl SideChannelClient {
             framed.codec_mut().seal(session);
             reply = self.next_reply(&mut framed).await?;
         } else if self.settings.auth_secret.is_some() && matches!(reply, HelloReply::Accepted { .. }) {
-            return Err(HandshakeFailure::refused(format!(
-                "prefill {} did not authenticate (no shared secret configured there?)",
-                self.peer
-            )));
+            return Err(HandshakeFailure::refused(
+                FailureCause::AuthFailed,
+                format!("prefill {} did not authenticate (no shared secret configured there?)", self.peer),
+            ));
         }
         match reply {
             HelloReply::Accepted { engine_id, idle_timeout, lease_renewal } => {
@@ -309,9 +339,12 @@ impl SideChannelClient {
                 Ok((framed, idle_timeout, lease_renewal))
             }
             HelloReply::Rejected { reason } => {
-                Err(HandshakeFailure::refused(format!("prefill {} refused: {reason}", self.peer)))
+                let cause = rejection_cause(&reason);
+                Err(HandshakeFailure::refused(cause, format!("prefill {} refused: {reason}", self.peer)))
             }
-            HelloReply::Challenge { .. } => Err(HandshakeFailure::refused(format!("{} challenged twice", self.peer))),
+            HelloReply::Challenge { .. } => {
+                Err(HandshakeFailure::refused(FailureCause::PeerRefused, format!("{} challenged twice", self.peer)))
+            }
         }
     }
 
@@ -321,14 +354,35 @@ impl SideChannelClient {
     ) -> Result<HelloReply, HandshakeFailure> {
         match framed.next().await {
             Some(Ok(SideMessage::HelloReply(reply))) => Ok(reply),
-            Some(Ok(_)) => {
-                Err(HandshakeFailure::refused(format!("{} sent something other than a hello reply", self.peer)))
-            }
+            Some(Ok(_)) => Err(HandshakeFailure::refused(
+                FailureCause::IncompatiblePeer,
+                format!("{} sent something other than a hello reply", self.peer),
+            )),
             // Undecodable (e.g. another protocol version): P speaks something else.
-            Some(Err(e)) => Err(HandshakeFailure::refused(format!("{}: {e}", self.peer))),
+            Some(Err(e)) => {
+                let cause = if is_bad_tag(&e) { FailureCause::AuthFailed } else { FailureCause::IncompatiblePeer };
+                Err(HandshakeFailure::refused(cause, format!("{}: {e}", self.peer)))
+            }
             None => Err(HandshakeFailure::io(format!("{} closed the connection during hello", self.peer))),
         }
     }
+}
+
+/// The cause of P's refusal at the hello, from the reason P gave (P names
+/// what it checked: an incompatible peer, a failed proof).
+fn rejection_cause(reason: &str) -> FailureCause {
+    if reason.starts_with(crate::side_channel::INCOMPATIBLE) || reason.contains("speaks side-channel version") {
+        FailureCause::IncompatiblePeer
+    } else if reason.contains("authentication") {
+        FailureCause::AuthFailed
+    } else {
+        FailureCause::PeerRefused
+    }
+}
+
+/// Whether a frame failed its authentication tag (altered or injected).
+fn is_bad_tag(error: &SideChannelError) -> bool {
+    matches!(error, SideChannelError::Frame(kv_proto::FrameError::BadTag(_)))
 }
 
 /// Splits `req_ids` into runs that each fit one frame of `max_frame_len`
@@ -379,10 +433,11 @@ async fn read_replies(
     mut stream: SplitStream<Framed<TcpStream, SideChannelCodec>>,
     conn: Arc<Connection>,
     cancel: CancellationToken,
+    conn_counts: Arc<crate::side_channel::Counts>,
 ) {
-    let reason = loop {
+    let ended = loop {
         let frame = tokio::select! {
-            () = cancel.cancelled() => break "connection retired or decode worker shutting down".to_owned(),
+            () = cancel.cancelled() => break PullError::lost("connection retired or decode worker shutting down"),
             frame = stream.next() => frame,
         };
         let (xfer_id, result) = match frame {
@@ -390,9 +445,13 @@ async fn read_replies(
             Some(Ok(SideMessage::XferRefused { xfer_id, reason })) => {
                 (xfer_id, Err(Unanswered::Refused(format!("{peer} refused the transfer request: {reason}"))))
             }
-            Some(Ok(_)) => break "unexpected message from prefill".to_owned(),
-            Some(Err(e)) => break format!("bad frame from prefill: {e}"),
-            None => break "prefill closed the connection".to_owned(),
+            Some(Ok(_)) => break PullError::lost("unexpected message from prefill"),
+            Some(Err(e)) if is_bad_tag(&e) => {
+                conn_counts.auth_failed();
+                break PullError::new(FailureCause::AuthFailed, format!("frame from prefill failed its tag: {e}"));
+            }
+            Some(Err(e)) => break PullError::lost(format!("bad frame from prefill: {e}")),
+            None => break PullError::lost("prefill closed the connection"),
         };
         conn.touch();
         let waiter = conn.lock_pending().as_mut().and_then(|p| p.remove(&xfer_id));
@@ -404,9 +463,10 @@ async fn read_replies(
         }
     };
     let pending = conn.lock_pending().take().unwrap_or_default();
-    tracing::debug!(%peer, %reason, pending = pending.len(), "side-channel connection ended");
+    tracing::debug!(%peer, reason = %ended.reason, pending = pending.len(), "side-channel connection ended");
     for (_, waiter) in pending {
-        let _ = waiter.send(Err(Unanswered::ConnectionLost(format!("{peer}: {reason}"))));
+        let error = PullError::new(ended.cause, format!("{peer}: {}", ended.reason));
+        let _ = waiter.send(Err(Unanswered::ConnectionLost(error)));
     }
     // Both halves gone: the socket closes now, not when the next request
     // finds the connection dead (a peer that went away is never asked again).

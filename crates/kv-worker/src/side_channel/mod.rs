@@ -3,6 +3,12 @@
 
 pub(crate) mod client;
 mod codec;
+mod counts;
 pub(crate) mod server;
 
 pub use codec::{SideChannelCodec, SideChannelError};
+pub(crate) use counts::{Counts, OpenConnection};
+
+/// How P's refusal of an incompatible decode instance begins (D counts it
+/// under `incompatible_peer`).
+pub(crate) const INCOMPATIBLE: &str = "incompatible peers";

@@ -10,8 +10,9 @@ use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
 use kv_proto::{
-    BlockId, Endpoint, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply, LogThrottle,
-    Outcome, RequestOutcome, SideMessage, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
+    BlockId, Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply,
+    LogThrottle, Outcome, RequestOutcome, SideMessage, TransportError, WriteOp, XferReply, XferRequest,
+    PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -83,7 +84,7 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     if mismatches.is_empty() {
         Ok(())
     } else {
-        Err(format!("incompatible peers ({})", mismatches.join("; ")))
+        Err(format!("{} ({})", crate::side_channel::INCOMPATIBLE, mismatches.join("; ")))
     }
 }
 
@@ -110,7 +111,14 @@ async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<Hello>, 
         Some(Ok(other)) => return Err(format!("expected hello, got {}", message_name(&other))),
     };
     if let Some(secret) = &shared.config.auth_secret {
-        authenticate(secret, &hello, framed).await?;
+        authenticate(secret, &hello, framed)
+            .await
+            .inspect_err(|failure| {
+                if failure.proof_failed {
+                    shared.side_channel_counts.auth_failed();
+                }
+            })
+            .map_err(|failure| failure.reason)?;
     }
     if let Err(reason) = check_hello(shared, &hello) {
         tracing::error!(peer_engine = %hello.engine_id, %reason, "refusing decode instance");
@@ -155,6 +163,7 @@ async fn serve_connection(
         .map_err(|_| format!("hello reply not written within {deadline:?}"))?
         .map_err(|e| e.to_string())?;
     tracing::debug!(%peer, peer_engine = %hello.engine_id, "decode instance connected");
+    let _open = shared.side_channel_counts.opened(&peer.ip().to_canonical().to_string());
 
     let (sink, mut stream) = framed.split();
     // Each transfer writes its own reply: no hand-off to a writer task. A
@@ -176,6 +185,10 @@ async fn serve_connection(
             }
             Err(_) => continue,
             Ok(None) => return Ok(()),
+            Ok(Some(Err(SideChannelError::Frame(FrameError::BadTag(_))))) => {
+                shared.side_channel_counts.auth_failed();
+                return Err("a frame failed its authentication tag".to_owned());
+            }
             Ok(Some(Err(e))) => return Err(e.to_string()),
             Ok(Some(Ok(SideMessage::XferRequest(request)))) => request,
             Ok(Some(Ok(SideMessage::KeepAlive(keep)))) => {
@@ -214,7 +227,17 @@ async fn serve_connection(
         let job_shared = shared.clone();
         let job_sink = sink.clone();
         let job_closed = closed.clone();
-        shared.tracker.spawn(async move {
+        // One span per transfer request, as on D: its id, the peer, the
+        // grant; each request's two ids are logged inside it.
+        let span = tracing::info_span!(
+            "serve",
+            xfer_id = request.xfer_id,
+            peer = %peer,
+            peer_engine = %hello.engine_id,
+            grant = %request.grant.id,
+            requests = request.requests.len(),
+        );
+        let job = async move {
             let xfer_id = request.xfer_id;
             let bound = request.reply_bound();
             let message = if bound > job_shared.config.max_frame_len {
@@ -243,17 +266,31 @@ async fn serve_connection(
                     job_closed.cancel();
                 }
             }
-        });
+        };
+        shared.tracker.spawn(tracing::Instrument::instrument(job, span));
+    }
+}
+
+/// Why authentication did not complete.
+struct AuthFailure {
+    reason: String,
+    /// D answered with a wrong proof (not: it went away, or sent garbage).
+    proof_failed: bool,
+}
+
+impl From<String> for AuthFailure {
+    fn from(reason: String) -> Self {
+        Self { reason, proof_failed: false }
     }
 }
 
 /// Challenges D to prove the shared secret (and proves it to D); refuses
 /// the connection unless D's proof matches.
-async fn authenticate(secret: &AuthSecret, hello: &Hello, framed: &mut Conn) -> Result<(), String> {
+async fn authenticate(secret: &AuthSecret, hello: &Hello, framed: &mut Conn) -> Result<(), AuthFailure> {
     let Some(server_nonce) = auth::fresh_nonce() else {
         let reason = "no OS randomness for the side-channel nonce".to_owned();
         reject(framed, &reason).await;
-        return Err(reason);
+        return Err(reason.into());
     };
     let context = hello.auth_context();
     let transcript = Transcript {
@@ -269,19 +306,19 @@ async fn authenticate(secret: &AuthSecret, hello: &Hello, framed: &mut Conn) -> 
         .map_err(|e| e.to_string())?;
     let proof = match framed.next().await {
         Some(Ok(SideMessage::AuthProof(proof))) => proof,
-        Some(Ok(other)) => return Err(format!("expected an authentication proof, got {}", message_name(&other))),
-        Some(Err(e)) => return Err(e.to_string()),
-        None => return Err("closed during authentication".to_owned()),
+        Some(Ok(other)) => return Err(format!("expected an authentication proof, got {}", message_name(&other)).into()),
+        Some(Err(e)) => return Err(e.to_string().into()),
+        None => return Err("closed during authentication".to_owned().into()),
     };
     if !auth::verify_client_proof(secret, &transcript, &proof) {
         tracing::error!(peer_engine = %hello.engine_id, "decode instance failed side-channel authentication");
         let reason = "side-channel authentication failed".to_owned();
         reject(framed, &reason).await;
-        return Err(reason);
+        return Err(AuthFailure { reason, proof_failed: true });
     }
     // Every frame after the proof, both ways, carries its tag.
     let Some(session) = Session::derive(secret, &transcript, End::Server) else {
-        return Err("cannot derive the side-channel session keys".to_owned());
+        return Err("cannot derive the side-channel session keys".to_owned().into());
     };
     framed.codec_mut().seal(session);
     Ok(())
@@ -300,17 +337,35 @@ fn message_name(msg: &SideMessage) -> &'static str {
 }
 
 /// Why a claim gives no blocks to send, for the request's outcome.
-fn claim_failure(claim: &Claim) -> Option<&'static str> {
-    match claim {
-        Claim::Ready(_) | Claim::NotReady => None,
-        Claim::Unknown => Some("request unknown to prefill (never scheduled there, aborted, or already sent)"),
-        Claim::Expired => Some("request's lease on prefill had ended; its blocks were freed"),
-        Claim::InFlight => Some("request is already being sent to another pull"),
-    }
+fn claim_failure(claim: &Claim) -> Option<Outcome> {
+    let (cause, reason) = match claim {
+        Claim::Ready(_) | Claim::NotReady => return None,
+        Claim::Unknown => (
+            FailureCause::UnknownRequest,
+            "request unknown to prefill (never scheduled there, aborted, or already sent)",
+        ),
+        Claim::Expired => (FailureCause::LeaseEnded, "request's lease on prefill had ended; its blocks were freed"),
+        Claim::InFlight => (FailureCause::AlreadyInFlight, "request is already being sent to another pull"),
+    };
+    Some(failed(cause, reason))
 }
 
-fn failed(reason: impl AsRef<str>) -> Outcome {
-    Outcome::Failed { reason: kv_proto::bounded_text(reason.as_ref()) }
+fn failed(cause: FailureCause, reason: impl AsRef<str>) -> Outcome {
+    Outcome::Failed { cause, reason: kv_proto::bounded_text(reason.as_ref()) }
+}
+
+/// The cause a failed batch write is counted under.
+fn write_cause(error: &TransportError) -> FailureCause {
+    match error {
+        TransportError::Refused { .. } | TransportError::Grant(_) => FailureCause::GrantRefused,
+        TransportError::Timeout { .. } => FailureCause::Timeout,
+        TransportError::Shutdown => FailureCause::Shutdown,
+        TransportError::Connect { .. } | TransportError::PeerClosed { .. } | TransportError::Io { .. } => {
+            FailureCause::ConnectionLost
+        }
+        TransportError::WrongProtocol { .. } | TransportError::BadEndpoint { .. } => FailureCause::IncompatiblePeer,
+        _ => FailureCause::WriteFailed,
+    }
 }
 
 /// Whether two addresses are one host: equal, or both loopback (a D that
@@ -370,6 +425,10 @@ async fn serve_transfer(
     connection: &CancellationToken,
 ) -> XferReply {
     let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
+    for r in &requests {
+        let decode_req_id = r.decode_req_id.as_ref().map(ToString::to_string);
+        tracing::debug!(req_id = %r.req_id, decode_req_id = decode_req_id.as_deref().unwrap_or("-"), blocks = r.block_ids.len(), "serving");
+    }
     // Peer input: any duration decodes; one past a day means "no budget" here.
     let wait_budget = wait_budget.min(MAX_WAIT_BUDGET);
     let budget_end = received_at + wait_budget;
@@ -379,9 +438,12 @@ async fn serve_transfer(
         Ok(endpoint) => endpoint,
         Err(reason) => {
             tracing::error!(xfer_id, peer = %peer_ip, %reason, "refusing transfer request");
+            let outcome = failed(FailureCause::PeerRefused, &reason);
             let outcomes =
-                requests.into_iter().map(|r| RequestOutcome { req_id: r.req_id, outcome: failed(&reason) }).collect();
-            return XferReply { xfer_id, outcomes };
+                requests.into_iter().map(|r| RequestOutcome { req_id: r.req_id, outcome: outcome.clone() }).collect();
+            let reply = XferReply { xfer_id, outcomes };
+            count_outcomes(shared, &reply);
+            return reply;
         }
     };
     let local_bases = shared.cache.base_addrs();
@@ -405,7 +467,7 @@ async fn serve_transfer(
         match &r.prefill_engine_id {
             Some(theirs) if theirs != ours => {
                 let reason = format!("the pull names prefill engine {theirs}, but this is prefill engine {ours}");
-                outcomes[index] = Some(failed(&reason));
+                outcomes[index] = Some(failed(FailureCause::PeerRefused, &reason));
                 misdirected.get_or_insert((&r.req_id, reason));
             }
             _ => pending.push(index),
@@ -429,7 +491,12 @@ async fn serve_transfer(
             let mut sender = shared.lock_sender();
             let now = Instant::now();
             pending.retain(|&index| {
-                let claim = sender.claim(&requests[index].req_id, now);
+                let req_id = &requests[index].req_id;
+                let ready_since = sender.ready_since(req_id);
+                let claim = sender.claim(req_id, now);
+                if let (Claim::Ready(_), Some(since)) = (&claim, ready_since) {
+                    shared.metrics.send_waited(now.saturating_duration_since(since));
+                }
                 match claim {
                     Claim::NotReady => true,
                     Claim::Ready(blocks) => {
@@ -437,7 +504,7 @@ async fn serve_transfer(
                         false
                     }
                     other => {
-                        outcomes[index] = claim_failure(&other).map(failed);
+                        outcomes[index] = claim_failure(&other);
                         false
                     }
                 }
@@ -452,22 +519,22 @@ async fn serve_transfer(
         // Why the wait ends, and whether the puller gave up for good (its
         // requests are then freed as soon as they are ready, not leased).
         let ended = tokio::select! {
-            () = shared.cancel.cancelled() => Some(("prefill worker shutting down".to_owned(), false)),
-            () = connection.cancelled() => Some(("decode's side-channel connection closed".to_owned(), true)),
+            () = shared.cancel.cancelled() => Some((FailureCause::Shutdown, "prefill worker shutting down".to_owned(), false)),
+            () = connection.cancelled() => Some((FailureCause::ConnectionLost, "decode's side-channel connection closed".to_owned(), true)),
             () = &mut changed => None,
-            () = tokio::time::sleep_until(ready_wait_end.into()) => Some((if ready_wait_end == budget_end {
+            () = tokio::time::sleep_until(ready_wait_end.into()) => Some((FailureCause::NotReady, if ready_wait_end == budget_end {
                 format!("request not finished on prefill within decode's wait budget of {wait_budget:?}")
             } else {
                 format!("request not finished on prefill within {:?}", shared.config.abort_request_timeout)
             }, true)),
         };
-        if let Some((reason, abandoned)) = ended {
+        if let Some((cause, reason, abandoned)) = ended {
             let mut sender = shared.lock_sender();
             for index in pending.drain(..) {
                 if abandoned {
                     sender.abandon(&requests[index].req_id);
                 }
-                outcomes[index] = Some(failed(&reason));
+                outcomes[index] = Some(failed(cause, &reason));
             }
             break;
         }
@@ -478,10 +545,22 @@ async fn serve_transfer(
         .zip(outcomes)
         .map(|(r, outcome)| RequestOutcome {
             req_id: r.req_id,
-            outcome: outcome.unwrap_or_else(|| failed("no outcome recorded")),
+            outcome: outcome.unwrap_or_else(|| failed(FailureCause::Other, "no outcome recorded")),
         })
         .collect();
-    XferReply { xfer_id, outcomes }
+    let reply = XferReply { xfer_id, outcomes };
+    count_outcomes(shared, &reply);
+    reply
+}
+
+/// Counts each request of a reply as sent or failed, by cause.
+fn count_outcomes(shared: &Shared, reply: &XferReply) {
+    for outcome in &reply.outcomes {
+        match &outcome.outcome {
+            Outcome::Done => shared.metrics.send_done(),
+            Outcome::Failed { cause, .. } => shared.metrics.send_failed(*cause),
+        }
+    }
 }
 
 /// Where and under what a transfer request's writes go.
@@ -512,20 +591,22 @@ async fn write_ready(
             Err(e) => {
                 ops.truncate(before);
                 tracing::warn!(xfer_id, req_id = %requests[index].req_id, error = %e, "cannot plan transfer; blocks freed");
-                outcomes[index] = Some(failed(e.to_string()));
+                outcomes[index] = Some(failed(FailureCause::PlanFailed, e.to_string()));
                 shared.lock_sender().complete(&requests[index].req_id);
             }
         }
     }
-    let written: Result<(), String> = if ops.is_empty() {
+    let written: Result<(), (FailureCause, String)> = if ops.is_empty() {
         Ok(())
     } else {
         let budget_end = tokio::time::Instant::from_std(target.budget_end);
-        let out_of_budget = || "decode's wait budget passed before the KV was written".to_owned();
+        let out_of_budget =
+            || (FailureCause::Timeout, "decode's wait budget passed before the KV was written".to_owned());
+        let shutting_down = || (FailureCause::Shutdown, "prefill worker shutting down".to_owned());
         async {
             // Bounded by D's budget: past it D has revoked the grant anyway.
             let slot = tokio::select! {
-                () = shared.cancel.cancelled() => return Err("prefill worker shutting down".to_owned()),
+                () = shared.cancel.cancelled() => return Err(shutting_down()),
                 () = tokio::time::sleep_until(budget_end) => return Err(out_of_budget()),
                 // The semaphore is never closed; a closed one would only lift the bound.
                 slot = shared.transfer_slots.acquire() => slot.ok(),
@@ -534,14 +615,16 @@ async fn write_ready(
                 return Err(out_of_budget());
             }
             let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let writing = Instant::now();
             let result = tokio::select! {
-                () = shared.cancel.cancelled() => Err("prefill worker shutting down".to_owned()),
+                () = shared.cancel.cancelled() => Err(shutting_down()),
                 r = tokio::time::timeout_at(budget_end, shared.writer.batch_write(target.endpoint, target.grant, &ops)) => match r {
-                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Ok(r) => r.map_err(|e| (write_cause(&e), e.to_string())),
                     Err(_) => Err(out_of_budget()),
                 },
             };
             drop(slot);
+            shared.metrics.batch_written(ops.len(), bytes, writing.elapsed(), result.is_ok());
             tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = ops.len(), bytes, elapsed_us = started.elapsed().as_micros() as u64, ok = result.is_ok(), "batch written");
             result
         }
@@ -553,9 +636,9 @@ async fn write_ready(
         sender.complete(req_id);
         outcomes[index] = Some(match &written {
             Ok(()) => Outcome::Done,
-            Err(reason) => {
-                tracing::warn!(xfer_id, req_id = %req_id, peer = %target.endpoint, %reason, "sending KV failed; blocks freed, decode told");
-                failed(reason)
+            Err((cause, reason)) => {
+                tracing::warn!(xfer_id, req_id = %req_id, peer = %target.endpoint, %cause, %reason, "sending KV failed; blocks freed, decode told");
+                failed(*cause, reason)
             }
         });
     }
