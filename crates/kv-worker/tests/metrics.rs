@@ -190,3 +190,24 @@ fn every_family_has_samples_of_its_kind() {
         }
     });
 }
+
+#[test]
+fn readme_documents_every_metric_with_its_kind_and_labels() {
+    let readme = include_str!("../../../README.md");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let families = rt.block_on(async {
+        let net = Net::new(Backend::InMemory).unwrap();
+        let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
+        d.worker.metrics().families()
+    });
+    for family in families {
+        let kind = match family.kind {
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+            MetricKind::Histogram => "histogram",
+        };
+        let labels: String = family.labels.iter().map(|l| format!("`{l}` ")).collect();
+        let row = format!("| `{}` | {kind} | {labels}|", family.name);
+        assert!(readme.contains(&row), "README's metric table lacks the row starting {row}");
+    }
+}

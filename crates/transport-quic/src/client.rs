@@ -213,6 +213,10 @@ async fn connect(shared: &Shared, key: &PeerKey, label: &str) -> Result<Connecti
     }
     // Within the caller's `connect_timeout`, like the handshake.
     if let Err(error) = hello::client(&conn, shared.config.auth_secret.as_ref()).await {
+        if matches!(error, hello::HelloFailure::BadProof) {
+            // The receiver's own proof is wrong: counted here, on this side.
+            shared.memory.counters().auth_failed();
+        }
         warn!(peer = label, remote = %addr, %error, "data-plane hello failed");
         if conn.close_reason().is_none() {
             conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello failed");

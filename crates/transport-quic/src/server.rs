@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kv_proto::dataplane::{put_verdict, Cursor, OpListBuffer, ReplyStatus};
-use kv_proto::{DestinationError, GrantId, HandshakePlace};
+use kv_proto::{BatchRefusal, DestinationError, GrantId, HandshakePlace};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, trace, warn};
@@ -217,6 +217,11 @@ async fn establish_within_deadline(
         // Logged (rate-limited) where it was refused.
         Ok(Err(hello::HelloFailure::Busy(_))) => None,
         Ok(Err(error)) => {
+            if matches!(error, hello::HelloFailure::BadProof) {
+                // A wrong proof, not a peer gone mid-hello (`Truncated`,
+                // `Connection`, `Refused`).
+                shared.memory.counters().auth_failed();
+            }
             if let Some(suppressed) = allowed(&shared.peer_faults) {
                 warn!(%peer, %error, suppressed, "data-plane hello failed, closing");
             }
@@ -390,8 +395,17 @@ impl Batch<'_> {
         share.release();
         match received {
             Received::Complete => self.reply(ReplyStatus::Ok, "").await,
-            Received::Revoked if self.shared.memory.is_closed() => Err(StreamError::Closed),
-            Received::Revoked => self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await,
+            // Admitted, then fenced mid-payload: `admit` counted nothing, so
+            // the refusal is counted here (an expiry purged mid-payload
+            // looks the same as a revocation).
+            Received::Revoked if self.shared.memory.is_closed() => {
+                self.shared.memory.counters().refused(BatchRefusal::Closed);
+                Err(StreamError::Closed)
+            }
+            Received::Revoked => {
+                self.shared.memory.counters().refused(BatchRefusal::UnknownGrant);
+                self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await
+            }
         }
     }
 
@@ -400,6 +414,8 @@ impl Batch<'_> {
     /// reason sent.
     async fn refuse_for_room(&mut self, header: &BatchHeader, no_room: NoRoom) -> Result<(), StreamError> {
         let shared = self.shared;
+        // The budget is this listener's, not the memory's: counted here.
+        shared.memory.counters().refused(BatchRefusal::OpBudget);
         let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
         let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
         if let Some(suppressed) = allowed {

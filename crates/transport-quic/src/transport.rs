@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use kv_proto::{
-    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError, TransportError, WriteOp,
+    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError, TransportError,
+    TransportStats, WriteOp,
 };
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{IdleTimeout, TransportConfig, VarInt};
@@ -331,6 +332,12 @@ impl BatchWriter for QuicTransport {
             () = shared.token.cancelled() => Err(TransportError::Shutdown),
             result = client::write_batch(shared, &label, &peer.address, details.fingerprint, &grant.id, &sources) => result,
         }
+    }
+
+    fn stats(&self) -> TransportStats {
+        // The memory counts what its checks refuse; the listener and the
+        // hello add what they refuse themselves (see `server`, `client`).
+        self.shared.memory.stats()
     }
 
     fn close(&self) {

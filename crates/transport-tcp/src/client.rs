@@ -408,6 +408,8 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
             context: &context,
         };
         if !auth::verify_server_proof(secret, &transcript, server_proof) {
+            // The receiver's own proof is wrong: counted here, on this side.
+            shared.memory.counters().auth_failed();
             return Err(connect_error("peer failed to prove the data-plane shared secret".to_owned()));
         }
         let proof = auth::client_proof(secret, &transcript);

@@ -22,7 +22,7 @@ use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
 use kv_proto::session::{BadTag, End as SessionEnd, Session, FRAME_TAG_LEN};
-use kv_proto::{HandshakePlace, Revoked};
+use kv_proto::{BatchRefusal, HandshakePlace, Revoked, TransportCounters};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
@@ -223,8 +223,10 @@ impl Connection<'_> {
             Ok(AfterAccept::Established(place)) => Ok((place, None)),
             Ok(AfterAccept::Authenticate(secret)) => {
                 let context = auth_context(&preamble_bytes, &accept);
+                let counters = self.shared.memory.counters();
                 let (place, session) =
-                    authenticate(stream, secret, &client_nonce, &context, io_timeout, || self.establish()).await?;
+                    authenticate(stream, secret, &client_nonce, &context, io_timeout, counters, || self.establish())
+                        .await?;
                 Ok((place, Some(session)))
             }
         }
@@ -368,6 +370,8 @@ impl Connection<'_> {
         no_room: NoRoom,
     ) -> Result<(), ConnError> {
         let shared = self.shared;
+        // The budget is this listener's, not the memory's: counted here.
+        shared.memory.counters().refused(BatchRefusal::OpBudget);
         let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
         let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
         if let Some(suppressed) = allowed {
@@ -399,9 +403,14 @@ impl Connection<'_> {
         match received {
             Ok(Received::All) => self.reply(stream, batch_id, ReplyStatus::Ok, "").await,
             Ok(Received::Revoked { remaining }) => {
+                // Admitted, then fenced mid-payload: `admit` counted nothing,
+                // so the refusal is counted here.
+                let counters = self.shared.memory.counters();
                 if self.shared.memory.is_closed() {
+                    counters.refused(BatchRefusal::Closed);
                     return Err(ConnError::Closed);
                 }
+                counters.refused(BatchRefusal::UnknownGrant);
                 let reason = format!("grant {} was revoked during the batch", header.grant);
                 let written = total - remaining;
                 warn!(peer = %self.peer, grant = %header.grant, batch_id, written, remaining,
@@ -448,13 +457,14 @@ impl Connection<'_> {
 /// takes the connection's established place with `establish` (a sender
 /// past the limit is told so), and derives the session that checks every
 /// later header and op list. Nothing of a batch is read before this returns
-/// `Ok`.
+/// `Ok`. A proof that does not verify is counted in `counters`.
 async fn authenticate(
     stream: &mut TcpStream,
     secret: &AuthSecret,
     client_nonce: &Nonce,
     context: &[u8],
     io_timeout: Duration,
+    counters: &TransportCounters,
     establish: impl FnOnce() -> Result<OwnedSemaphorePermit, ConnError>,
 ) -> Result<(OwnedSemaphorePermit, Session), ConnError> {
     let server_nonce = auth::fresh_nonce().ok_or(ConnError::AuthFailed("no OS randomness for the nonce"))?;
@@ -469,6 +479,9 @@ async fn authenticate(
     let verdict = if auth::verify_client_proof(secret, &transcript, &proof) {
         establish()
     } else {
+        // A wrong proof, not a peer gone mid-handshake (that fails the read
+        // above): counted before the verdict, which the peer may not read.
+        counters.auth_failed();
         Err(ConnError::AuthFailed("the sender's proof does not match this connection's transcript and secret"))
     };
     let byte = match &verdict {

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, WriteOp};
+use kv_proto::{
+    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, TransportStats,
+    WriteOp,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -443,6 +446,12 @@ impl BatchWriter for TcpTransport {
             () = shared.token.cancelled() => Err(TransportError::Shutdown),
             result = written => result,
         }
+    }
+
+    fn stats(&self) -> TransportStats {
+        // The memory counts what its checks refuse; the listener and the
+        // handshakes add what they refuse themselves (see `server`, `client`).
+        self.shared.memory.stats()
     }
 
     fn close(&self) {

@@ -427,7 +427,7 @@ async fn serve_transfer(
     let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
     for r in &requests {
         let decode_req_id = r.decode_req_id.as_ref().map(ToString::to_string);
-        tracing::debug!(req_id = %r.req_id, decode_req_id = decode_req_id.as_deref().unwrap_or("-"), blocks = r.block_ids.len(), "serving");
+        tracing::debug!(req_id = %r.req_id, decode_req_id = %decode_req_id.as_deref().unwrap_or("-"), blocks = r.block_ids.len(), "serving");
     }
     // Peer input: any duration decodes; one past a day means "no budget" here.
     let wait_budget = wait_budget.min(MAX_WAIT_BUDGET);

@@ -291,6 +291,19 @@ impl Logs {
         logs
     }
 
+    /// Captures what the `tracing` filter `filter` lets through (the syntax
+    /// of `KVLINK_LOG`) from now on.
+    pub fn install_filter(filter: &str) -> Self {
+        let logs = Self::default();
+        let writer = logs.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(move || writer.clone())
+            .init();
+        logs
+    }
+
     /// Lines holding every one of `needles`.
     pub fn lines_with(&self, needles: &[&str]) -> usize {
         self.text().lines().filter(|line| needles.iter().all(|n| line.contains(n))).count()

@@ -297,8 +297,12 @@ where
         Err(OpeningError::Busy) => VERDICT_BUSY,
         Err(_) => VERDICT_REFUSED,
     };
-    write(stream, &[byte]).await?;
-    verdict
+    let written = write(stream, &[byte]).await;
+    // A refusal is reported as such even when the peer is gone before its
+    // verdict (so a wrong proof is still told from a broken connection).
+    let place = verdict?;
+    written?;
+    Ok(place)
 }
 
 #[cfg(test)]

@@ -187,7 +187,12 @@ async fn connect(shared: &Shared, address: &str, instance: u64, label: &str) -> 
     };
     let opened = async {
         server::tune(&stream);
-        opening::client(&mut stream, shared.config.auth_secret.as_ref()).await.map_err(|e| e.to_string())?;
+        let proved = opening::client(&mut stream, shared.config.auth_secret.as_ref()).await;
+        if let Err(opening::OpeningError::BadProof) = &proved {
+            // The receiver's own proof is wrong: counted here, on this side.
+            shared.memory.counters().auth_failed();
+        }
+        proved.map_err(|e| e.to_string())?;
         server::set_up(shared, &mut stream, false).await
     };
     let link = match tokio::time::timeout(bound, opened).await {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use kv_proto::{
     BatchWriter, Endpoint, Grant, GrantError, GrantId, MemoryRegion, Protocol, RegionAccess, RegisteredMemory,
-    TransportError, WriteOp,
+    TransportError, TransportStats, WriteOp,
 };
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -377,6 +377,12 @@ impl BatchWriter for RdmaTransport {
             () = shared.token.cancelled() => Err(TransportError::Shutdown),
             result = client::batch_write(shared, peer, grant, ops) => result,
         }
+    }
+
+    fn stats(&self) -> TransportStats {
+        // The memory counts what its checks refuse; the control connections
+        // add what they refuse themselves (see `server`, `client`).
+        self.shared.memory.stats()
     }
 
     fn close(&self) {

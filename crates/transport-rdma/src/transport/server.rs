@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_proto::{DestinationError, GrantId, HandshakePlace};
+use kv_proto::{BatchRefusal, DestinationError, GrantId, HandshakePlace};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
@@ -81,8 +81,12 @@ async fn accept_connection(
             }
             place
         };
-        let place =
-            opening::server(stream, shared.config.auth_secret.as_ref(), establish).await.map_err(|e| e.to_string())?;
+        let opened = opening::server(stream, shared.config.auth_secret.as_ref(), establish).await;
+        if let Err(opening::OpeningError::BadProof) = &opened {
+            // A wrong proof, not a peer gone mid-opening.
+            shared.memory.counters().auth_failed();
+        }
+        let place = opened.map_err(|e| e.to_string())?;
         let link = set_up(shared, stream, true).await?;
         Ok((link, place))
     };
@@ -218,9 +222,14 @@ async fn open(
     progress: &mut Progress<'_>,
 ) -> (Reply, bool) {
     if shared.memory.is_closed() {
+        shared.memory.counters().refused(BatchRefusal::Closed);
         return (Reply::Closed("the receiver is shut down".to_owned()), false);
     }
-    let unknown = || Reply::Refused("no live grant has this id (never issued, revoked or expired)".to_owned());
+    // Not in the fence's book: refused before `admit`, so counted here.
+    let unknown = || {
+        shared.memory.counters().refused(BatchRefusal::UnknownGrant);
+        Reply::Refused("no live grant has this id (never issued, revoked or expired)".to_owned())
+    };
     let Some((_, slot)) = shared.fence().book.get(&grant) else { return (unknown(), false) };
     let Ok(_serial) = tokio::time::timeout(shared.config.io_timeout, slot.lock.lock()).await else {
         return (Reply::Failed("the grant stayed busy".to_owned()), false);
