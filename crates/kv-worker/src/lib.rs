@@ -33,6 +33,7 @@ mod receiver;
 mod renewal;
 mod sender;
 mod side_channel;
+pub mod staging;
 pub mod transport;
 mod watch;
 mod worker;

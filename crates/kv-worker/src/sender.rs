@@ -10,7 +10,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, EngineId, ReqId, SendUpdate};
+use kv_proto::{BlockId, EngineId, FailureCause, ReqId, SendUpdate};
 
 /// The last renewal of a request: who renewed it and until when, and
 /// whether another decode instance renewed it too.
@@ -37,6 +37,9 @@ enum SendEntry {
     /// instance went away or its wait budget passed): freed the moment it
     /// is ready instead of held for a lease no one will use.
     Abandoned,
+    /// P could not make it ready (no staging room within the bound): the
+    /// engine freed it; a pull for it fails with this cause, until `until`.
+    Failed { cause: FailureCause, until: Instant },
 }
 
 /// What a pull for a request finds on P.
@@ -52,6 +55,8 @@ pub enum Claim {
     Expired,
     /// Another pull is already transferring it.
     InFlight,
+    /// P gave up on it before it was ready ([`SenderCore::fail`]).
+    Failed(FailureCause),
 }
 
 impl SendEntry {
@@ -151,6 +156,10 @@ impl SenderCore {
                 Claim::NotReady
             }
             Some(SendEntry::InFlight { .. }) => Claim::InFlight,
+            Some(&SendEntry::Failed { cause, .. }) => {
+                self.entries.remove(req);
+                Claim::Failed(cause)
+            }
             Some(entry @ SendEntry::Ready { .. }) if entry.ready_until().is_some_and(|end| end <= now) => {
                 self.expire(req);
                 Claim::Expired
@@ -183,6 +192,17 @@ impl SenderCore {
             tracing::debug!(req_id = %req, "pull gave up before the request was ready");
             *entry = SendEntry::Abandoned;
         }
+    }
+
+    /// P cannot send `req` (it could not be staged): the engine has freed
+    /// it, so it is not reported finished again; a pull that asks for it
+    /// within the lease fails with `cause`, and it is forgotten after that.
+    /// A request already being written is left to its transfer.
+    pub fn fail(&mut self, req: &ReqId, cause: FailureCause, now: Instant) {
+        if matches!(self.entries.get(req), Some(SendEntry::InFlight { .. })) {
+            return;
+        }
+        self.entries.insert(req.clone(), SendEntry::Failed { cause, until: now + self.lease });
     }
 
     /// Decode instance `by` still means to pull `reqs`: each one P holds,
@@ -246,8 +266,10 @@ impl SenderCore {
         renewed
     }
 
-    /// Frees every ready entry whose lease or renewal ended at `now`.
+    /// Frees every ready entry whose lease or renewal ended at `now` (and
+    /// forgets failed ones past theirs).
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<ReqId> {
+        self.entries.retain(|_, e| !matches!(e, SendEntry::Failed { until, .. } if *until <= now));
         let expired: Vec<ReqId> = self
             .entries
             .iter()

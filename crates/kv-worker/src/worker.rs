@@ -367,6 +367,19 @@ impl Worker {
         shared.metrics.snapshot(gauges)
     }
 
+    /// P: the engine could not make `reqs` ready to send (their KV found no
+    /// staging room within its bound) and freed their blocks: a pull for
+    /// one fails with `cause`, one that waits for it now included.
+    pub fn fail_sends<'a>(&self, reqs: impl IntoIterator<Item = &'a ReqId>, cause: FailureCause) {
+        let now = Instant::now();
+        let mut sender = self.shared.lock_sender();
+        for req in reqs {
+            sender.fail(req, cause, now);
+        }
+        drop(sender);
+        self.shared.sender_changed.notify_waiters();
+    }
+
     /// Applies one step's metadata: records send entries (P) and starts
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {

@@ -41,6 +41,30 @@ fn sender_claims(#[case] updates: &[SendUpdate], #[case] after: Duration, #[case
     assert_eq!(core.claim(&r("a"), t0 + after), expected);
 }
 
+/// P fails a request it could not stage (at `t0`), then a pull claims it at
+/// `t0 + after` (after a sweep at that time).
+#[rstest]
+#[case::a_pull_gets_the_cause(&[SendUpdate::Expect], Duration::ZERO, Claim::Failed(FailureCause::StagingExhausted))]
+#[case::then_it_is_gone(&[SendUpdate::Expect], LEASE, Claim::Unknown)]
+#[case::one_being_written_is_left_to_its_transfer(&[ready(&[1])], Duration::ZERO, Claim::InFlight)]
+fn sender_failures(#[case] updates: &[SendUpdate], #[case] after: Duration, #[case] expected: Claim) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    for u in updates {
+        core.handle_update(&r("a"), u, t0);
+    }
+    if matches!(updates.last(), Some(SendUpdate::Ready { .. })) {
+        assert!(matches!(core.claim(&r("a"), t0), Claim::Ready(_)));
+    }
+    core.fail(&r("a"), FailureCause::StagingExhausted, t0);
+    assert!(core.handle_timeout(t0 + after).is_empty(), "a failed request is never reported finished");
+    assert_eq!(core.claim(&r("a"), t0 + after), expected);
+    assert!(core.poll_finished().is_empty(), "the engine freed it itself");
+    if expected != Claim::InFlight {
+        assert_eq!(core.claim(&r("a"), t0 + after), Claim::Unknown, "the cause is told once");
+    }
+}
+
 #[test]
 fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
     let t0 = Instant::now();

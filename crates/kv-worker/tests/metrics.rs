@@ -211,3 +211,21 @@ fn readme_documents_every_metric_with_its_kind_and_labels() {
         assert!(readme.contains(&row), "README's metric table lacks the row starting {row}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_p_could_not_stage_fails_its_waiting_pull_with_that_cause() {
+    let net = Net::new(Backend::InMemory).unwrap();
+    let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
+    let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;
+    let (host, port) = side_channel(&p);
+    expect(&p, "a");
+    pull(&d, &host, port, &[("a", &[3])]);
+    metrics_until(&p.worker, |m| m.transfers_in_progress == 1).await;
+    p.worker.fail_sends([&p_id("a")], FailureCause::StagingExhausted);
+    let finished = until(&d.worker, |f| f.failed_receiving.len() == 1).await;
+    assert!(finished.failed_receiving.contains_key(&kv_proto::ReqId::new("a")));
+    assert_eq!(only(&d.worker.metrics().pulls_failed), [(FailureCause::StagingExhausted, 1)]);
+    let on_p = metrics_until(&p.worker, |m| m.sends_failed_total() == 1).await;
+    assert_eq!(only(&on_p.sends_failed), [(FailureCause::StagingExhausted, 1)]);
+    assert!(p.worker.get_finished().sending.is_empty(), "the engine freed it itself: not reported again");
+}

@@ -39,10 +39,7 @@ async fn a_request_is_followed_from_ds_pull_to_ps_write_by_its_grant() {
     let grant = field(received, "grant").expect(received);
     assert_eq!(field(received, "req_id"), Some("a"), "{received}");
     assert_eq!(field(received, "remote_req_id"), Some("p-a"), "{received}");
-    let served = text
-        .lines()
-        .find(|l| l.contains("serve{") && l.contains("serving"))
-        .expect(&text);
+    let served = text.lines().find(|l| l.contains("serve{") && l.contains("serving")).expect(&text);
     assert_eq!(field(served, "grant"), Some(grant), "P's span names D's grant: {served}");
     assert_eq!(field(served, "req_id"), Some("p-a"), "{served}");
     assert_eq!(field(served, "decode_req_id"), Some("a"), "{served}");

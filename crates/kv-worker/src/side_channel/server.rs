@@ -346,6 +346,7 @@ fn claim_failure(claim: &Claim) -> Option<Outcome> {
         ),
         Claim::Expired => (FailureCause::LeaseEnded, "request's lease on prefill had ended; its blocks were freed"),
         Claim::InFlight => (FailureCause::AlreadyInFlight, "request is already being sent to another pull"),
+        Claim::Failed(cause) => (*cause, "prefill could not stage the request's KV; its blocks were freed"),
     };
     Some(failed(cause, reason))
 }
