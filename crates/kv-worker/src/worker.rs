@@ -380,6 +380,19 @@ impl Worker {
         self.shared.sender_changed.notify_waiters();
     }
 
+    /// D: pulls that failed before they could start (no staging room
+    /// within its bound): counted and logged as failed with `cause`, as if
+    /// this worker had started them. The engine hears of them from whoever
+    /// failed them.
+    pub fn count_failed_pulls<'a>(&self, reqs: impl IntoIterator<Item = &'a ReqId>, cause: FailureCause) {
+        let now = Instant::now();
+        for req in reqs {
+            self.shared.metrics.pulls_started(1);
+            self.shared.metrics.pull_failed(cause);
+            let _ = self.shared.failure_log.failed(cause, req, req, &"-", "no staging room within its bound", now);
+        }
+    }
+
     /// Applies one step's metadata: records send entries (P) and starts
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
