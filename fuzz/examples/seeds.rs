@@ -53,6 +53,7 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 engine_id: EngineId::new("decode-0"),
                 protocol: Protocol::Tcp,
                 layout,
+                identity: kv_proto::ModelIdentity::this_kvlink(),
             }),
         ),
         (

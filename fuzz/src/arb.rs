@@ -120,6 +120,20 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
             engine_id: EngineId::new(text(u)?),
             protocol: protocol(u)?,
             layout: layout(u)?,
+            identity: kv_proto::ModelIdentity {
+                model: text(u)?,
+                config_hash: text(u)?,
+                kv_dtype: text(u)?,
+                cache_dtype: text(u)?,
+                num_layers: u.arbitrary()?,
+                num_kv_heads: u.arbitrary()?,
+                head_size: u.arbitrary()?,
+                attention_layout: text(u)?,
+                tp_size: u.arbitrary()?,
+                pp_size: u.arbitrary()?,
+                engine_version: text(u)?,
+                kvlink_version: text(u)?,
+            },
         }),
         1 => SideMessage::HelloReply(match u.int_in_range(0..=2)? {
             0 => HelloReply::Accepted {
@@ -153,7 +167,14 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
 pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
     let text = |s: &str| s.len() <= MAX_TEXT_LEN;
     match msg {
-        SideMessage::Hello(h) => text(h.engine_id.as_str()),
+        SideMessage::Hello(h) => {
+            let id = &h.identity;
+            [&id.model, &id.config_hash, &id.kv_dtype, &id.cache_dtype, &id.attention_layout, &id.engine_version]
+                .iter()
+                .chain([&&id.kvlink_version])
+                .all(|t| text(t))
+                && text(h.engine_id.as_str())
+        }
         SideMessage::HelloReply(HelloReply::Accepted { engine_id, .. }) => text(engine_id.as_str()),
         SideMessage::HelloReply(HelloReply::Challenge { .. }) | SideMessage::AuthProof(_) => true,
         SideMessage::HelloReply(HelloReply::Rejected { reason }) | SideMessage::XferRefused { reason, .. } => {

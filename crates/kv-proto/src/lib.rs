@@ -34,6 +34,7 @@ mod config;
 pub mod dataplane;
 mod frame;
 mod grant;
+mod identity;
 mod ids;
 mod memory;
 mod metadata;
@@ -60,6 +61,7 @@ pub use config::{
 };
 pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
 pub use grant::{Grant, GrantError, GrantId, GRANT_ID_LEN, MAX_GRANT_DETAILS_LEN};
+pub use identity::ModelIdentity;
 pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
 pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cause::FailureCause;
 use crate::grant::Grant;
+use crate::identity::ModelIdentity;
 use crate::ids::{BlockId, EngineId, ReqId};
 use crate::writer::{Endpoint, Protocol};
 
@@ -80,6 +81,8 @@ pub struct Hello {
     pub protocol: Protocol,
     /// D's cache layout.
     pub layout: CacheLayout,
+    /// D's model, KV storage, topology and versions.
+    pub identity: ModelIdentity,
 }
 
 impl Hello {

@@ -24,6 +24,12 @@ fn hello() -> SideMessage {
             block_tokens: 16,
             dtype_bytes: 2,
         },
+        identity: kv_proto::ModelIdentity {
+            model: "meta-llama/Llama-3.1-8B".into(),
+            kv_dtype: "bfloat16".into(),
+            num_layers: 32,
+            ..kv_proto::ModelIdentity::this_kvlink()
+        },
     })
 }
 

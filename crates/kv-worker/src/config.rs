@@ -4,7 +4,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 pub use kv_proto::auth::AuthSecret;
-use kv_proto::{EngineId, KvRole, KvTransferConfig, Protocol, DEFAULT_MAX_FRAME_LEN};
+use kv_proto::{EngineId, KvRole, KvTransferConfig, ModelIdentity, Protocol, DEFAULT_MAX_FRAME_LEN};
 
 /// Default [`WorkerConfig::lease_renewal`].
 pub const DEFAULT_LEASE_RENEWAL: Duration = Duration::from_secs(10);
@@ -81,6 +81,10 @@ pub struct WorkerConfig {
     /// replies loses its connection, and with it the admission it held;
     /// default 30 s).
     pub reply_timeout: Duration,
+    /// This instance's model, KV storage, topology and versions, sent in
+    /// D's hello and compared by P: a field either side leaves undeclared
+    /// is not compared (default: kvlink's version only).
+    pub identity: ModelIdentity,
 }
 
 /// Which data-plane endpoints a prefill worker agrees to write to: a
@@ -128,6 +132,7 @@ impl WorkerConfig {
             side_channel_max_conns: 512,
             side_channel_idle_timeout: Duration::from_secs(300),
             reply_timeout: Duration::from_secs(30),
+            identity: ModelIdentity::this_kvlink(),
         }
     }
 

@@ -113,6 +113,7 @@ impl Shared {
                         engine_id: self.config.engine_id.clone(),
                         protocol: self.writer.protocol(),
                         layout: self.cache.layout(),
+                        identity: self.config.identity.clone(),
                     },
                     connect_timeout: self.config.connect_timeout,
                     max_frame_len: self.config.max_frame_len,

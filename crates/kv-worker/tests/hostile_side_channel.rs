@@ -141,6 +141,7 @@ async fn hello_with(to: SocketAddr, codec_limit: usize, layout: kv_proto::CacheL
         engine_id: EngineId::new("mallory"),
         protocol: Protocol::Tcp,
         layout,
+        identity: kv_proto::ModelIdentity::this_kvlink(),
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     let reply = match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
@@ -327,6 +328,7 @@ async fn side_channel_proofs_cannot_be_reflected_or_replayed(#[case] answer: Ans
         engine_id: EngineId::new("mallory"),
         protocol: Protocol::Tcp,
         layout: cache.registered().layout(),
+        identity: kv_proto::ModelIdentity::this_kvlink(),
     };
     let context = hello.auth_context();
     let client_nonce = hello.client_nonce;
@@ -408,6 +410,7 @@ async fn replies_a_client_never_reads_are_bounded() {
         engine_id: EngineId::new("mallory"),
         protocol: Protocol::Tcp,
         layout: cache.registered().layout(),
+        identity: kv_proto::ModelIdentity::this_kvlink(),
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     assert!(matches!(raw.next().await, Some(Ok(SideMessage::HelloReply(HelloReply::Accepted { .. })))));

@@ -304,8 +304,13 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
         block_tokens: shape().block_size(),
         dtype_bytes: shape().dtype_bytes(),
     };
-    let hello =
-        Hello { client_nonce: [7; 32], engine_id: EngineId::new("silent-decode"), protocol: Protocol::Tcp, layout };
+    let hello = Hello {
+        client_nonce: [7; 32],
+        engine_id: EngineId::new("silent-decode"),
+        protocol: Protocol::Tcp,
+        layout,
+        identity: kv_proto::ModelIdentity::this_kvlink(),
+    };
     match exchange(&mut s, &SideMessage::Hello(hello)) {
         SideMessage::HelloReply(HelloReply::Accepted { .. }) => {}
         other => panic!("hello not accepted: {other:?}"),

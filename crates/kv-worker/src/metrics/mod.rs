@@ -241,6 +241,12 @@ pub struct MetricsSnapshot {
 }
 
 impl MetricsSnapshot {
+    /// Every metric at zero, as a worker that has done nothing reports it:
+    /// for exporters that register every series before any worker runs.
+    pub fn zero() -> Self {
+        Metrics::default().snapshot(Gauges::default())
+    }
+
     /// Requests whose pull failed, all causes together.
     pub fn pulls_failed_total(&self) -> u64 {
         self.pulls_failed.values().sum()

@@ -358,6 +358,10 @@ impl SideChannelClient {
                 FailureCause::IncompatiblePeer,
                 format!("{} sent something other than a hello reply", self.peer),
             )),
+            // The connection failed (P went away mid-hello): ask again later.
+            Some(Err(SideChannelError::Io(e))) => {
+                Err(HandshakeFailure::io(format!("{} failed during hello: {e}", self.peer)))
+            }
             // Undecodable (e.g. another protocol version): P speaks something else.
             Some(Err(e)) => {
                 let cause = if is_bad_tag(&e) { FailureCause::AuthFailed } else { FailureCause::IncompatiblePeer };

@@ -81,6 +81,7 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
         mismatches.push(format!("transport: {decode} uses {}, {prefill} uses {protocol}", hello.protocol));
     }
     mismatches.extend(hello.layout.mismatches(&decode, &ours, &prefill));
+    mismatches.extend(hello.identity.mismatches(&decode, &shared.config.identity, &prefill));
     if mismatches.is_empty() {
         Ok(())
     } else {
