@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -91,6 +92,34 @@ def metric(base_url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{base_url}/metrics has no {name}")
+
+
+#: One sample line of the Prometheus text format: name, {labels}, value.
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(base_url: str, prefix: str = "") -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of ``/metrics`` whose name starts with ``prefix``: (name, labels, value)."""
+    status, text = get(base_url + "/metrics")
+    assert status == 200, f"{base_url}/metrics: HTTP {status}"
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(prefix) or line.startswith("#"):
+            continue
+        m = SAMPLE.match(line)
+        if m:
+            out.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def metric_sum(base_url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples matching ``labels`` (0 when it has none yet)."""
+    return sum(
+        value
+        for sample, have, value in samples(base_url, name)
+        if sample == name and all(have.get(k) == v for k, v in labels.items())
+    )
 
 
 def completion_body(prompt: list[int], max_tokens: int = 16, params: dict | None = None, **extra: Any) -> dict:

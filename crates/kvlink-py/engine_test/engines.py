@@ -28,6 +28,8 @@ STOP_GRACE = 20.0
 #: recomputes (the defaults, 60 s and 5 s, are for real deployments).
 TRANSFER_TIMEOUT = 5
 CONNECT_TIMEOUT = 2
+#: Seconds between vLLM's periodic stats log lines.
+LOG_STATS_INTERVAL = 2
 #: The served model name every request uses.
 MODEL_NAME = "tiny"
 
@@ -197,6 +199,9 @@ class Engine(Process):
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
                 "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
+                # vLLM's periodic stats line (with kvlink's "KV Transfer
+                # metrics" summary) every LOG_STATS_INTERVAL s, not 10.
+                "VLLM_LOG_STATS_INTERVAL": str(LOG_STATS_INTERVAL),
             }
         )
         return env
@@ -209,6 +214,22 @@ class Engine(Process):
 
     def metric(self, name: str) -> float:
         return client.metric(self.url, name)
+
+    def metric_sum(self, name: str, **labels: str) -> float:
+        """A metric summed over its series matching ``labels`` (0 before it has any)."""
+        return client.metric_sum(self.url, name, **labels)
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """A metric's value per value of ``label``."""
+        out: dict[str, float] = {}
+        for sample, labels, value in client.samples(self.url, name):
+            if sample == name:
+                out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
+        return out
+
+    def series_names(self, prefix: str) -> list[str]:
+        """The names of the samples on ``/metrics`` starting with ``prefix``."""
+        return sorted({name for name, _, _ in client.samples(self.url, prefix)})
 
 
 class Router(Process):

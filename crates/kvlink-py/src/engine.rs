@@ -139,6 +139,11 @@ impl Engine {
         self.worker.data_endpoint().to_string()
     }
 
+    /// Everything the worker counts, now.
+    pub(crate) fn metrics(&self) -> kv_worker::metrics::MetricsSnapshot {
+        self.worker.metrics()
+    }
+
     /// Transfer requests admitted on this (prefill) worker and not answered yet.
     pub(crate) fn transfers_in_progress(&self) -> usize {
         self.worker.transfers_in_progress()

@@ -8,6 +8,7 @@
 //!   `kv_connector_extra_config` key checked;
 //! - `engine`: the only module that calls kv-worker's API;
 //! - `step`: the per-step metadata envelope and what may be reported to vLLM;
+//! - `metrics`: the worker's metric families as Python data, by interval;
 //! - `runtime`: the lazily created, process-bound tokio runtime (fork guard).
 //!
 //! Importing the module starts no thread; the runtime and the log subscriber
@@ -18,6 +19,7 @@ mod config;
 mod engine;
 mod error;
 mod logging;
+mod metrics;
 mod runtime;
 mod sched;
 mod settings;

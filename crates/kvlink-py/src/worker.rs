@@ -9,9 +9,11 @@ use std::time::Duration;
 
 use kv_proto::{BlockId, LayoutKind, ReqId};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use crate::engine::{self, Engine, Placement, TensorDesc};
 use crate::error::{Error, Result};
+use crate::metrics::{self, Intervals};
 use crate::runtime;
 use crate::settings::PySettings;
 use crate::step::{AbandonedPulls, Envelope, ReportFilter};
@@ -25,6 +27,8 @@ type TensorTuple = (u64, u64, u64, u32);
 struct Running {
     engine: Engine,
     filter: ReportFilter,
+    /// What `metrics_since_last` reported last.
+    intervals: Intervals,
     /// The Python objects owning the registered memory (vLLM's tensors),
     /// released only once no transfer can touch that memory any more.
     keepalive: Py<PyAny>,
@@ -136,9 +140,10 @@ impl PyWorker {
         let side_channel_port = engine.side_channel_port();
         let data_endpoint = engine.data_endpoint();
         let abandoned = if report_abandoned_pulls { AbandonedPulls::Reported } else { AbandonedPulls::Unreported };
+        let intervals = Intervals::new(engine.metrics());
         Ok(Self {
             pid: std::process::id(),
-            state: Mutex::new(Some(Running { engine, filter: ReportFilter::new(abandoned), keepalive })),
+            state: Mutex::new(Some(Running { engine, filter: ReportFilter::new(abandoned), intervals, keepalive })),
             side_channel_port,
             data_endpoint,
         })
@@ -180,6 +185,32 @@ impl PyWorker {
         let mut guard = self.running()?;
         let running = guard.as_mut().ok_or(Error::ShutDown)?;
         Ok(running.filter.take_load_errors().into_iter().collect())
+    }
+
+    /// Every metric of this worker now, counters and histograms since it
+    /// started: a list of family dicts `{"name", "kind", "labels", "help",
+    /// "samples"}` (kv-worker's families; see the package's README).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let snapshot = py.detach(|| -> Result<_> {
+            let guard = self.running()?;
+            Ok(guard.as_ref().ok_or(Error::ShutDown)?.engine.metrics())
+        })?;
+        metrics::families_to_py(py, &snapshot)
+    }
+
+    /// The families of what changed since the previous call (the first
+    /// call: since the worker started): counters and histograms as interval
+    /// deltas, gauges as they are now. `None` when nothing changed (every
+    /// counter, histogram and gauge as at the previous call); the first call
+    /// always answers, so every family is known before the first event.
+    fn metrics_since_last<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        let delta = py.detach(|| -> Result<_> {
+            let mut guard = self.running()?;
+            let running = guard.as_mut().ok_or(Error::ShutDown)?;
+            let now = running.engine.metrics();
+            Ok(running.intervals.next(now))
+        })?;
+        delta.map(|d| metrics::families_to_py(py, &d)).transpose()
     }
 
     /// Stops the worker; returns whether it stopped cleanly (if not, the

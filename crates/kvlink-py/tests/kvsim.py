@@ -16,7 +16,8 @@ scheduler ``schedule()``
 worker ``execute_model()`` (the metadata crosses a process boundary: pickled)
     ``bind_connector_metadata``, ``start_load_kv``, forward (prefill writes
     the request's KV into its blocks), ``wait_for_save``, ``get_finished``,
-    ``get_block_ids_with_load_errors``, ``clear_connector_metadata``.
+    ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` (its
+    data is the step's ``stats``), ``clear_connector_metadata``.
 scheduler ``update_from_output()``
     invalid blocks mark waiting requests for recompute; ``finished_recving``
     ids join the ready set; ``finished_sending`` ids free their blocks; a
@@ -357,9 +358,14 @@ class Instance:
         w.wait_for_save()
         sending, recving = w.get_finished(finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
+        # The stats cross to the scheduler (pickled), which passes their data on.
+        stats = pickle.loads(pickle.dumps(stats))
 
-        return self._update_from_output(sending or set(), recving or set(), invalid, scheduled)
+        events = self._update_from_output(sending or set(), recving or set(), invalid, scheduled)
+        events["stats"] = stats.data if stats is not None else None
+        return events
 
     def _update_from_output(self, sending: set[str], recving: set[str], invalid: set[int], scheduled) -> dict:
         events: dict[str, Any] = {
@@ -416,6 +422,10 @@ class Instance:
             "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
         }
+
+    def metrics(self) -> list:
+        """The worker's metric families now (counters since it started)."""
+        return self.worker.connector_worker.worker.metrics()
 
     def blocks_written(self, blocks: list[int]) -> list[int]:
         """Of ``blocks``, those holding any non-zero byte in any region."""

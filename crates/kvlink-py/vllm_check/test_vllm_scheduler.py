@@ -24,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.utils.hashing import sha256
 
@@ -126,6 +128,11 @@ class Instance:
         self.caches = {name: torch.zeros(shape, dtype=torch.float32) for name in LAYERS}
         self.worker.register_kv_caches(self.caches)
         self.outputs: list = []
+        #: Each step's worker-side connector stats, and the SchedulerStats the
+        #: engine core sent after it (as the front end decodes them).
+        self.worker_stats: list = []
+        self.scheduler_stats: list = []
+        self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
 
     def add(self, rid: str, prompt_len: int, params: dict, max_tokens: int) -> Request:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -172,6 +179,7 @@ class Instance:
             results = w.get_transfer_results(out.finished_req_ids)
             sending, recving = results.finished_sending or None, results.finished_recving or None
         invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
         rids = list(out.num_scheduled_tokens)
         runner = ModelRunnerOutput(
@@ -184,12 +192,17 @@ class Instance:
                 for r in rids
             ],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid, kv_connector_stats=stats
             ),
         )
+        self.worker_stats.append(stats)
         engine_outputs = self.scheduler.update_from_output(out, runner)
         finished = {}
         for eco in engine_outputs.values():
+            if eco.scheduler_stats is not None:
+                # What the engine core sends the front end, through vLLM's own encoding.
+                wire = self.decoder.decode(self.encoder.encode(EngineCoreOutputs(scheduler_stats=eco.scheduler_stats)))
+                self.scheduler_stats.append(wire.scheduler_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     finished[o.request_id] = o.kv_transfer_params
@@ -394,4 +407,155 @@ def test_abort_during_pull_holds_no_block_and_no_late_write(model_dir, monkeypat
         assert "r5" not in p.scheduler.requests
     finally:
         p.worker.shutdown()
+        d.worker.shutdown()
+
+
+def prometheus_samples() -> dict[str, list[tuple[dict, float]]]:
+    """Every sample of prometheus_client's default registry (what vLLM's
+    ``/metrics`` serves in a single-process front end), by sample name."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def stats_of(payloads) -> "KvlinkConnectorStats":
+    from kvlink_vllm.stats import KvlinkConnectorStats
+
+    total = KvlinkConnector.build_kv_connector_stats()
+    for data in payloads:
+        total = total.aggregate(KvlinkConnector.build_kv_connector_stats(data))
+    assert isinstance(total, KvlinkConnectorStats)
+    return total
+
+
+def test_stats_reach_vllms_log_line_and_prometheus(model_dir, monkeypatch):
+    """A transfer's stats from the worker-side connectors through vLLM's
+    scheduler (``SchedulerStats.kv_connector_stats``, msgpack-encoded as the
+    engine core sends them), then vLLM's ``KVConnectorLogging`` (the periodic
+    log line) and its ``PrometheusStatLogger`` (``/metrics``)."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from kvlink_vllm.stats import KvlinkPromMetrics
+
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(free_port()))
+    p = Instance(model_dir, "kv_producer")
+    d = Instance(model_dir, "kv_consumer", {"transfer_timeout": 20})
+    try:
+        p.add("r1", 70, {"do_remote_decode": True}, max_tokens=1)
+        params = p.step(compute_prefill)["finished"]["r1"]
+        d.add("d-r1", 70, dict(params), max_tokens=4)
+        steps_until(
+            [p, d],
+            lambda log: any("d-r1" in e[1]["recving"] for e in log) and any("r1" in e[0]["sending"] for e in log),
+        )
+        # P counts a request sent as its reply to D is built: maybe a step later.
+
+        def payloads(inst):
+            return [s.kv_connector_stats for s in inst.scheduler_stats if s.kv_connector_stats]
+
+        steps_until([p], lambda log: stats_of(payloads(p)).counter("sends_done") == 1)
+        block_bytes = sum(d.block(t, 0).numel() * t.element_size() for t in d.caches.values())
+        moved = 5 * block_bytes  # 70 tokens: 5 blocks of 16
+
+        # vLLM's periodic log line, from what the front end received.
+        logging = KVConnectorLogging(d.config.kv_transfer_config)
+        for data in payloads(d):
+            logging.observe(data)
+        lines: list[str] = []
+        logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("KV Transfer metrics: Pulls received=1, Pulls failed=0, Pull GB/s="), lines[0]
+        assert "Pulls failed (" not in lines[0]
+        logging_p = KVConnectorLogging(p.config.kv_transfer_config)
+        for data in payloads(p):
+            logging_p.observe(data)
+        lines = []
+        logging_p.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("KV Transfer metrics: Sends done=1, Sends failed=0, Send GB/s="), lines[0]
+
+        # vLLM's Prometheus logger: our metrics class, its engine labels.
+        for inst, role_families in ((d, ("pulls_received",)), (p, ("sends_done",))):
+            prom = PrometheusStatLogger(inst.config, engine_indexes=[0])
+            assert isinstance(prom.kv_connector_prom.prom_metrics, KvlinkPromMetrics)
+            for stats in inst.scheduler_stats:
+                prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+            samples = prometheus_samples()
+            engine = {"model_name": inst.config.model_config.served_model_name, "engine": "0"}
+            for name in role_families:
+                assert samples[f"vllm:kvlink_{name}_total"] == [(engine, 1.0)], name
+            families = inst.worker.connector_worker.worker.metrics()
+            for family in families:
+                if family["labels"] and not family["samples"]:
+                    continue  # a labelled family with no label value yet (no peer connected): no series
+                kind = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[family["kind"]]
+                suffix = {"counter": "_total", "gauge": "", "histogram": "_count"}[family["kind"]]
+                exposed = "vllm:kvlink_" + family["name"] + suffix
+                assert exposed in samples, f"{exposed} ({kind.__name__}) is not on /metrics"
+                for labels, _ in samples[exposed]:
+                    assert {k: labels[k] for k in engine} == engine
+                    assert set(labels) == set(engine) | set(family["labels"])
+            if inst is d:
+                failed = samples["vllm:kvlink_pulls_failed_total"]
+                causes = next(f for f in families if f["name"] == "pulls_failed")["samples"]
+                assert len(failed) == len(causes) and all(v == 0 for _, v in failed), failed
+                assert samples["vllm:kvlink_received_bytes_total"] == [(engine, float(moved))]
+                assert samples["vllm:kvlink_pull_bytes_count"] == [(engine, 1.0)]
+                assert samples["vllm:kvlink_pull_bytes_sum"] == [(engine, float(moved))]
+                assert samples["vllm:kvlink_pulls_in_flight"] == [(engine, 0.0)]
+                buckets = {labels["le"]: v for labels, v in samples["vllm:kvlink_pull_bytes_bucket"]}
+                bounds = next(f for f in families if f["name"] == "pull_bytes")["samples"][0]["bounds"]
+                assert buckets["+Inf"] == 1.0
+                finite = {float(le): v for le, v in buckets.items() if le != "+Inf"}
+                assert all(v == (1.0 if le >= moved else 0.0) for le, v in finite.items()), buckets
+                assert len(buckets) == len(bounds) + 1
+            else:
+                assert samples["vllm:kvlink_sent_bytes_total"] == [(engine, float(moved))]
+                assert all(v == 0 for _, v in samples["vllm:kvlink_sends_failed_total"])
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()
+
+
+def test_tensor_parallel_workers_stats_aggregate_through_vllms_output_aggregator(model_dir):
+    """Two tensor-parallel workers' stats of one step, through vLLM's
+    ``KVOutputAggregator`` (the executor's): counters add, each worker's
+    gauges are kept; a failed pull is counted by its cause."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+    from kvlink_vllm.stats import KvlinkConnectorStats
+
+    d = Instance(model_dir, "kv_consumer", {"transfer_timeout": 5, "connect_timeout": 1})
+    try:
+        dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": free_port()}
+        d.add("r1", 40, dead, max_tokens=4)
+        steps_until([d], lambda log: any("r1" in e[0]["recving"] for e in log))
+        rank0 = stats_of(s.data for s in d.worker_stats if s is not None)
+        assert rank0.by_label("pulls_failed", "cause")["connection_lost"] == 1
+        rank1 = KvlinkConnectorStats(data=json.loads(json.dumps(rank0.data).replace('"0.0"', '"0.1"')))
+
+        def output(stats):
+            return ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                sampled_token_ids=[],
+                kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
+            )
+
+        merged = KVOutputAggregator.from_connector(d.worker, world_size=2).aggregate([output(rank0), output(rank1)])
+        got = merged.kv_connector_output.kv_connector_stats
+        assert isinstance(got, KvlinkConnectorStats)
+        assert got.by_label("pulls_failed", "cause")["connection_lost"] == 2
+        assert set(got.data["gauges"]) == {"0.0", "0.1"}
+        # The inputs are as they were.
+        assert rank0.by_label("pulls_failed", "cause")["connection_lost"] == 1
+        assert got.reduce()["Pulls failed (connection_lost)"] == 2
+    finally:
         d.worker.shutdown()

@@ -20,7 +20,7 @@ import os
 import socket
 from typing import Any, Iterable, Mapping
 
-from . import _native, layout
+from . import _native, layout, metrics
 
 logger = logging.getLogger("kvlink_vllm")
 
@@ -182,6 +182,9 @@ class WorkerSide:
         self.layout: layout.CacheLayout | None = None
         self._worker: _native.Worker | None = None
         self._load_errors: set[int] = set()
+        #: This worker's name in connector stats (its gauges are kept per worker).
+        self.stats_key = f"{dp_rank}.{tp_rank}"
+        self._stats_seq = 0
 
     @property
     def worker(self) -> _native.Worker:
@@ -232,6 +235,22 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The data of what the worker counted since the previous call (see
+        :mod:`kvlink_vllm.metrics`), or None if nothing changed. Never
+        raises: metrics must not fail a step."""
+        if self._worker is None:
+            return None
+        try:
+            families = self._worker.metrics_since_last()
+        except Exception as e:  # noqa: BLE001 - the step goes on without stats
+            metrics.warnings.warning("worker-stats", "kvlink: worker metrics not read: %r", e)
+            return None
+        if families is None:
+            return None
+        self._stats_seq += 1
+        return metrics.interval(families, self.stats_key, self._stats_seq, self.settings.role)
 
     def shutdown(self) -> None:
         worker, self._worker = self._worker, None

@@ -15,7 +15,7 @@ import enum
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import adapter, versions
+from . import adapter, stats, versions
 
 try:  # vLLM present: subclass its real base classes.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -239,3 +239,30 @@ class KvlinkConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+
+    # ---------------------------------------------------------------- metrics
+
+    def get_kv_connector_stats(self) -> Optional[stats.KvlinkConnectorStats]:
+        """Worker side: what the kvlink worker counted since the previous
+        step (None if nothing changed); the scheduler side has none."""
+        if self.connector_worker is None:
+            return None
+        data = self.connector_worker.get_kv_connector_stats()
+        return stats.KvlinkConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> stats.KvlinkConnectorStats:
+        """The stats of ``data`` (what crossed from the engine to the process
+        that logs), or empty ones."""
+        return stats.build(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> stats.KvlinkPromMetrics:
+        """kvlink's metrics as ``vllm:kvlink_<name>`` on the engine's ``/metrics``."""
+        return stats.KvlinkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -42,6 +42,10 @@ class Behaviour:
 
 
 #: Supported releases, as (major, minor): every patch release of each.
+#: (The connector-stats hooks need no field: 0.14 sends ``stats.data`` and
+#: 0.32 ``stats.to_dict()``, which returns it; 0.32 dropped
+#: ``KVConnectorPromMetrics.make_per_engine``, and ``kvlink_vllm.stats`` uses
+#: neither release's helper but the labels its constructor is given.)
 BEHAVIOURS = {
     (0, 14): Behaviour(release=(0, 14), report_abandoned_pulls=False, cache_hit_source=None),
     (0, 32): Behaviour(release=(0, 32), report_abandoned_pulls=True, cache_hit_source="P2P"),
