@@ -32,6 +32,7 @@ pub mod plan;
 mod receiver;
 mod renewal;
 mod sender;
+pub mod serving;
 mod side_channel;
 pub mod staging;
 pub mod transport;

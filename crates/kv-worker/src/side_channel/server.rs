@@ -10,9 +10,8 @@ use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
 use kv_proto::{
-    BlockId, Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply,
-    LogThrottle, Outcome, RequestOutcome, SideMessage, TransportError, WriteOp, XferReply, XferRequest,
-    PROTOCOL_VERSION,
+    Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply,
+    LogThrottle, Outcome, SideMessage, TransportError, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -21,12 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{AuthSecret, DataEndpointPolicy};
 use crate::plan::{plan_request, PlanGeometry};
-use crate::sender::Claim;
+use crate::serving::{failed, Claimed, Misdirected, TransferCore, WaitEnd};
 use crate::side_channel::{SideChannelCodec, SideChannelError};
 use crate::worker::Shared;
-
-/// The longest wait budget taken from a transfer request (peer input).
-const MAX_WAIT_BUDGET: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The most often P renews on a decode instance's behalf while it makes that
 /// instance's messages wait.
@@ -337,25 +333,6 @@ fn message_name(msg: &SideMessage) -> &'static str {
     }
 }
 
-/// Why a claim gives no blocks to send, for the request's outcome.
-fn claim_failure(claim: &Claim) -> Option<Outcome> {
-    let (cause, reason) = match claim {
-        Claim::Ready(_) | Claim::NotReady => return None,
-        Claim::Unknown => (
-            FailureCause::UnknownRequest,
-            "request unknown to prefill (never scheduled there, aborted, or already sent)",
-        ),
-        Claim::Expired => (FailureCause::LeaseEnded, "request's lease on prefill had ended; its blocks were freed"),
-        Claim::InFlight => (FailureCause::AlreadyInFlight, "request is already being sent to another pull"),
-        Claim::Failed(cause) => (*cause, "prefill could not stage the request's KV; its blocks were freed"),
-    };
-    Some(failed(cause, reason))
-}
-
-fn failed(cause: FailureCause, reason: impl AsRef<str>) -> Outcome {
-    Outcome::Failed { cause, reason: kv_proto::bounded_text(reason.as_ref()) }
-}
-
 /// The cause a failed batch write is counted under.
 fn write_cause(error: &TransportError) -> FailureCause {
     match error {
@@ -418,7 +395,8 @@ fn allowed_address(resolved: &[SocketAddr], peer_ip: IpAddr, extra: &[IpAddr]) -
 /// Serves one transfer request: every request of it is claimed as soon as it
 /// is ready on P (all at once when they are), and each group that becomes
 /// ready is written at once, so one slow request cannot starve the others'
-/// leases. Nothing is written once D's wait budget has passed.
+/// leases. Nothing is written once D's wait budget has passed. The
+/// decisions are [`TransferCore`]'s; this moves bytes and time.
 async fn serve_transfer(
     shared: &Shared,
     request: XferRequest,
@@ -431,52 +409,24 @@ async fn serve_transfer(
         let decode_req_id = r.decode_req_id.as_ref().map(ToString::to_string);
         tracing::debug!(req_id = %r.req_id, decode_req_id = %decode_req_id.as_deref().unwrap_or("-"), blocks = r.block_ids.len(), "serving");
     }
-    // Peer input: any duration decodes; one past a day means "no budget" here.
-    let wait_budget = wait_budget.min(MAX_WAIT_BUDGET);
-    let budget_end = received_at + wait_budget;
-    let ready_wait_end = budget_end.min(received_at + shared.config.abort_request_timeout);
-    let mut outcomes: Vec<Option<Outcome>> = vec![None; requests.len()];
     let endpoint = match checked_endpoint(shared, &endpoint, peer_ip).await {
         Ok(endpoint) => endpoint,
         Err(reason) => {
             tracing::error!(xfer_id, peer = %peer_ip, %reason, "refusing transfer request");
-            let outcome = failed(FailureCause::PeerRefused, &reason);
-            let outcomes =
-                requests.into_iter().map(|r| RequestOutcome { req_id: r.req_id, outcome: outcome.clone() }).collect();
-            let reply = XferReply { xfer_id, outcomes };
+            let reply = TransferCore::refuse_all(xfer_id, requests, FailureCause::PeerRefused, &reason);
             count_outcomes(shared, &reply);
             return reply;
         }
     };
-    let local_bases = shared.cache.base_addrs();
-    let target = Target {
-        endpoint: &endpoint,
-        grant: &grant,
-        budget_end,
-        geometry: PlanGeometry {
-            local_bases: &local_bases,
-            remote_bases: &region_base_addrs,
-            block_len: shared.cache.block_len(),
-            local_num_blocks: shared.cache.num_blocks(),
-        },
-    };
-    // A pull meant for another prefill engine (a proxy that mixed up
-    // instances) must not take, or write, a request of this one.
-    let ours = &shared.config.engine_id;
-    let mut pending: Vec<usize> = Vec::with_capacity(requests.len());
-    let mut misdirected: Option<(&kv_proto::ReqId, String)> = None;
-    for (index, r) in requests.iter().enumerate() {
-        match &r.prefill_engine_id {
-            Some(theirs) if theirs != ours => {
-                let reason = format!("the pull names prefill engine {theirs}, but this is prefill engine {ours}");
-                outcomes[index] = Some(failed(FailureCause::PeerRefused, &reason));
-                misdirected.get_or_insert((&r.req_id, reason));
-            }
-            _ => pending.push(index),
-        }
-    }
-    if let Some((req_id, reason)) = misdirected {
-        let refused = requests.len() - pending.len();
+    let (mut core, misdirected) = TransferCore::new(
+        xfer_id,
+        requests,
+        wait_budget,
+        received_at,
+        shared.config.abort_request_timeout,
+        &shared.config.engine_id,
+    );
+    if let Some(Misdirected { req_id, refused, reason }) = misdirected {
         // At most a line a second, whatever the peers send.
         let allowed =
             shared.misdirected_log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
@@ -484,73 +434,44 @@ async fn serve_transfer(
             tracing::warn!(xfer_id, %req_id, refused, suppressed, peer = %peer_ip, %reason, "refusing requests meant for another prefill engine");
         }
     }
-    loop {
+    let local_bases = shared.cache.base_addrs();
+    let target = Target {
+        endpoint: &endpoint,
+        grant: &grant,
+        budget_end: core.budget_end(),
+        geometry: PlanGeometry {
+            local_bases: &local_bases,
+            remote_bases: &region_base_addrs,
+            block_len: shared.cache.block_len(),
+            local_num_blocks: shared.cache.num_blocks(),
+        },
+    };
+    while core.is_waiting() {
         let changed = shared.sender_changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let mut ready: Vec<(usize, Vec<BlockId>)> = Vec::new();
-        {
-            let mut sender = shared.lock_sender();
-            let now = Instant::now();
-            pending.retain(|&index| {
-                let req_id = &requests[index].req_id;
-                let ready_since = sender.ready_since(req_id);
-                let claim = sender.claim(req_id, now);
-                if let (Claim::Ready(_), Some(since)) = (&claim, ready_since) {
-                    shared.metrics.send_waited(now.saturating_duration_since(since));
-                }
-                match claim {
-                    Claim::NotReady => true,
-                    Claim::Ready(blocks) => {
-                        ready.push((index, blocks));
-                        false
-                    }
-                    other => {
-                        outcomes[index] = claim_failure(&other);
-                        false
-                    }
-                }
-            });
+        let claimed = core.claim_ready(&mut shared.lock_sender(), Instant::now());
+        for ready_for in claimed.iter().filter_map(|c| c.ready_for) {
+            shared.metrics.send_waited(ready_for);
         }
-        if !ready.is_empty() {
-            write_ready(shared, xfer_id, &target, &requests, ready, &mut outcomes).await;
+        if !claimed.is_empty() {
+            write_ready(shared, xfer_id, &target, &mut core, claimed).await;
         }
-        if pending.is_empty() {
+        if !core.is_waiting() {
             break;
         }
-        // Why the wait ends, and whether the puller gave up for good (its
-        // requests are then freed as soon as they are ready, not leased).
         let ended = tokio::select! {
-            () = shared.cancel.cancelled() => Some((FailureCause::Shutdown, "prefill worker shutting down".to_owned(), false)),
-            () = connection.cancelled() => Some((FailureCause::ConnectionLost, "decode's side-channel connection closed".to_owned(), true)),
+            () = shared.cancel.cancelled() => Some(WaitEnd::Shutdown),
+            () = connection.cancelled() => Some(WaitEnd::ConnectionClosed),
             () = &mut changed => None,
-            () = tokio::time::sleep_until(ready_wait_end.into()) => Some((FailureCause::NotReady, if ready_wait_end == budget_end {
-                format!("request not finished on prefill within decode's wait budget of {wait_budget:?}")
-            } else {
-                format!("request not finished on prefill within {:?}", shared.config.abort_request_timeout)
-            }, true)),
+            () = tokio::time::sleep_until(core.wait_end().into()) => Some(WaitEnd::Deadline),
         };
-        if let Some((cause, reason, abandoned)) = ended {
-            let mut sender = shared.lock_sender();
-            for index in pending.drain(..) {
-                if abandoned {
-                    sender.abandon(&requests[index].req_id);
-                }
-                outcomes[index] = Some(failed(cause, &reason));
-            }
-            break;
+        if let Some(end) = ended {
+            core.end_wait(end, &mut shared.lock_sender());
         }
     }
     shared.finished_changed.notify_waiters();
-    let outcomes = requests
-        .into_iter()
-        .zip(outcomes)
-        .map(|(r, outcome)| RequestOutcome {
-            req_id: r.req_id,
-            outcome: outcome.unwrap_or_else(|| failed(FailureCause::Other, "no outcome recorded")),
-        })
-        .collect();
-    let reply = XferReply { xfer_id, outcomes };
+    let reply = core.reply();
     count_outcomes(shared, &reply);
     reply
 }
@@ -575,26 +496,20 @@ struct Target<'a> {
 
 /// Plans and writes the requests that just became ready (claimed, so P holds
 /// their blocks), as one batch; records each one's outcome and releases it.
-async fn write_ready(
-    shared: &Shared,
-    xfer_id: u64,
-    target: &Target<'_>,
-    requests: &[kv_proto::RequestBlocks],
-    ready: Vec<(usize, Vec<BlockId>)>,
-    outcomes: &mut [Option<Outcome>],
-) {
+async fn write_ready(shared: &Shared, xfer_id: u64, target: &Target<'_>, core: &mut TransferCore, ready: Vec<Claimed>) {
     let started = Instant::now();
     let mut ops: Vec<WriteOp> = Vec::new();
     let mut planned: Vec<usize> = Vec::with_capacity(ready.len());
-    for (index, local_blocks) in ready {
+    for Claimed { index, blocks: local_blocks, .. } in ready {
         let before = ops.len();
-        match plan_request(&target.geometry, &local_blocks, &requests[index].block_ids, &mut ops) {
+        let request = &core.requests()[index];
+        match plan_request(&target.geometry, &local_blocks, &request.block_ids, &mut ops) {
             Ok(()) => planned.push(index),
             Err(e) => {
                 ops.truncate(before);
-                tracing::warn!(xfer_id, req_id = %requests[index].req_id, error = %e, "cannot plan transfer; blocks freed");
-                outcomes[index] = Some(failed(FailureCause::PlanFailed, e.to_string()));
-                shared.lock_sender().complete(&requests[index].req_id);
+                tracing::warn!(xfer_id, req_id = %request.req_id, error = %e, "cannot plan transfer; blocks freed");
+                shared.lock_sender().complete(&request.req_id);
+                core.record(index, failed(FailureCause::PlanFailed, e.to_string()));
             }
         }
     }
@@ -634,15 +549,16 @@ async fn write_ready(
     };
     let mut sender = shared.lock_sender();
     for index in planned {
-        let req_id = &requests[index].req_id;
-        sender.complete(req_id);
-        outcomes[index] = Some(match &written {
+        let req_id = core.requests()[index].req_id.clone();
+        sender.complete(&req_id);
+        let outcome = match &written {
             Ok(()) => Outcome::Done,
             Err((cause, reason)) => {
                 tracing::warn!(xfer_id, req_id = %req_id, peer = %target.endpoint, %cause, %reason, "sending KV failed; blocks freed, decode told");
                 failed(*cause, reason)
             }
-        });
+        };
+        core.record(index, outcome);
     }
     drop(sender);
     shared.sender_changed.notify_waiters();
