@@ -7,9 +7,38 @@
 
 use std::sync::Arc;
 
+use kv_proto::dataplane::OP_LEN;
 use kv_proto::{Charge, MemoryBudget};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+/// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op
+/// list), of every transport that buffers op lists.
+pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
+
+/// Default op-list budget when peers must prove a shared secret: 256 MiB.
+pub const DEFAULT_OP_LIST_BUDGET: u64 = 256 << 20;
+
+/// Default op-list budget when peers need not prove one: 32 MiB, room for
+/// 20 batches of 100,000 ops at once.
+pub const DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET: u64 = 32 << 20;
+
+/// The op-list budget in force: `budget` when every peer must prove a
+/// secret (`secret_required`), else the smaller `unauthenticated` one.
+pub fn budget_in_force(secret_required: bool, budget: u64, unauthenticated: u64) -> u64 {
+    if secret_required {
+        budget
+    } else {
+        unauthenticated
+    }
+}
+
+/// The op bound in force for one incoming batch: the smaller of
+/// `max_ops_per_batch` and what `budget` holds (an op list no budget could
+/// hold is refused before it is read, and senders learn this bound).
+pub fn max_ops_in_force(max_ops_per_batch: u64, budget: u64) -> u64 {
+    max_ops_per_batch.min(budget / OP_LEN as u64)
+}
 
 /// The budget and the waiters for room in it.
 #[derive(Debug)]

@@ -3,18 +3,10 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_net::{
+    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+};
 use kv_proto::auth::AuthSecret;
-use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
-
-/// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
-pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
-
-/// Default [`QuicConfig::op_list_budget`]: 256 MiB.
-pub const DEFAULT_OP_LIST_BUDGET: u64 = 256 << 20;
-
-/// Default [`QuicConfig::unauthenticated_op_list_budget`]: 32 MiB, room for
-/// 20 batches of 100,000 ops at once.
-pub const DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET: u64 = 32 << 20;
 
 /// Configuration of a [`crate::QuicTransport`]. Every wait the transport
 /// makes is bounded by one of these durations.
@@ -85,25 +77,19 @@ pub struct QuicConfig {
     /// bidirectional stream limit; default 64). A sender past it waits for a
     /// stream to finish, within [`QuicConfig::io_timeout`].
     pub max_concurrent_streams: u32,
-    /// Bound on established incoming connections (default 1024): a
-    /// connection takes its place only once its QUIC/TLS handshake and its
-    /// hello (with the proof of the secret, if one is configured)
-    /// succeeded, so peers that never finish one cannot take these. A
-    /// connection past it is closed with code `CLOSE_BUSY` and the reason,
-    /// in place of the hello's last answer.
-    pub max_connections: usize,
-    /// Bound on incoming connections still in their handshake or hello
-    /// (default [`DEFAULT_MAX_HANDSHAKES`]), each for at most
-    /// [`QuicConfig::connect_timeout`]; connections past it are refused at
-    /// once (QUIC `CONNECTION_REFUSED`). Once half of them are taken, a
-    /// connection from an address not yet proven is first sent a QUIC retry
-    /// (it proves its source address with one more round trip), so forged
-    /// source addresses cannot fill them.
-    pub max_handshakes: usize,
-    /// Bound on the handshakes in progress from one source address (default
-    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
-    /// handshake place.
-    pub max_handshakes_per_host: usize,
+    /// The listener's places (default [`ListenerLimits::default`]): a
+    /// handshake place covers the QUIC/TLS handshake and the hello, for at
+    /// most [`QuicConfig::connect_timeout`]; a connection past
+    /// [`ListenerLimits::max_handshakes`] is refused at once (QUIC
+    /// `CONNECTION_REFUSED`), and once half of them are taken, one from an
+    /// address not yet proven is first sent a QUIC retry (it proves its
+    /// source address with one more round trip), so forged source
+    /// addresses cannot fill them. An established place is taken only once
+    /// the hello (with the proof of the secret, if one is configured)
+    /// succeeded; a connection past [`ListenerLimits::max_connections`] is
+    /// closed with code `CLOSE_BUSY` and the reason, in place of the
+    /// hello's last answer.
+    pub limits: ListenerLimits,
     /// Flow-control window of one stream (default 16 MiB).
     pub stream_receive_window: u32,
     /// Flow-control window of one connection, over all its streams
@@ -129,18 +115,14 @@ impl QuicConfig {
     /// peers must prove a secret, else
     /// [`QuicConfig::unauthenticated_op_list_budget`].
     pub fn op_list_budget_in_force(&self) -> u64 {
-        if self.auth_secret.is_some() {
-            self.op_list_budget
-        } else {
-            self.unauthenticated_op_list_budget
-        }
+        kv_net::budget_in_force(self.auth_secret.is_some(), self.op_list_budget, self.unauthenticated_op_list_budget)
     }
 
     /// The op bound in force for one incoming batch (and advertised): the
     /// smaller of [`QuicConfig::max_ops_per_batch`] and what the budget in
     /// force holds.
     pub fn max_ops_in_force(&self) -> u64 {
-        self.max_ops_per_batch.min(self.op_list_budget_in_force() / kv_proto::dataplane::OP_LEN as u64)
+        kv_net::max_ops_in_force(self.max_ops_per_batch, self.op_list_budget_in_force())
     }
 }
 
@@ -157,9 +139,7 @@ impl Default for QuicConfig {
             unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
             op_list_timeout: Duration::from_secs(10),
             max_concurrent_streams: 64,
-            max_connections: 1024,
-            max_handshakes: DEFAULT_MAX_HANDSHAKES,
-            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
+            limits: ListenerLimits::default(),
             stream_receive_window: 16 << 20,
             receive_window: 64 << 20,
             send_window: 64 << 20,

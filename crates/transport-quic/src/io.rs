@@ -1,58 +1,11 @@
-//! Bounded stream I/O shared by the sender and the receiver.
+//! The sender's stall bound while its payload flows: QUIC-specific, as it
+//! reads the connection's acknowledgement and credit counts. (Bounded reads
+//! of a stream are kv-net's `read_exact`, over quinn's `AsyncRead`.)
 
 use std::future::Future;
 use std::time::Duration;
 
-use quinn::{Connection, ReadError, RecvStream};
-
-/// Why a bounded read failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum WireError {
-    /// No progress within the bound.
-    #[error("{what} timed out after {after:?}")]
-    Timeout {
-        /// What was being waited for.
-        what: &'static str,
-        /// The bound.
-        after: Duration,
-    },
-    /// The peer finished the stream early.
-    #[error("stream finished {}while reading {what}", if *.partial { "part-way " } else { "" })]
-    Eof {
-        /// What was being read.
-        what: &'static str,
-        /// Whether some of it had arrived.
-        partial: bool,
-    },
-    /// The stream or connection failed.
-    #[error("reading {what}: {source}")]
-    Read {
-        /// What was being read.
-        what: &'static str,
-        /// The error.
-        #[source]
-        source: ReadError,
-    },
-}
-
-/// Fills `buf` from `recv`; each wait for more bytes is bounded by `after`.
-pub(crate) async fn read_full(
-    recv: &mut RecvStream,
-    buf: &mut [u8],
-    after: Duration,
-    what: &'static str,
-) -> Result<(), WireError> {
-    let mut off = 0;
-    while let Some(rest) = buf.get_mut(off..).filter(|r| !r.is_empty()) {
-        match tokio::time::timeout(after, recv.read(rest)).await {
-            Err(_) => return Err(WireError::Timeout { what, after }),
-            Ok(Err(source)) => return Err(WireError::Read { what, source }),
-            Ok(Ok(None)) => return Err(WireError::Eof { what, partial: off > 0 }),
-            Ok(Ok(Some(n))) => off += n,
-        }
-    }
-    Ok(())
-}
+use quinn::Connection;
 
 /// A count that grows whenever the peer shows that data this side sent is
 /// moving: acknowledgements, flow-control credit, stream slots freed.

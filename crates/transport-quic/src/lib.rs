@@ -209,10 +209,13 @@ pub mod tls;
 mod transport;
 pub mod wire;
 
-pub use config::{
-    QuicConfig, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
-};
+pub use config::QuicConfig;
+// Shared with the other data planes (kv-net), under the names this crate
+// has always exported.
 pub use details::{EndpointDetails, Fingerprint};
+pub use kv_net::{
+    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+};
 pub use transport::QuicTransport;
 
 #[cfg(doc)]

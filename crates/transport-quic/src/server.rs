@@ -38,11 +38,10 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, trace, warn};
 
 use crate::hello;
-use crate::io::{read_full, WireError};
 use crate::memory::Destinations;
 use crate::transport::Shared;
 use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
-use kv_net::NoRoom;
+use kv_net::{read_exact, write_all, NoRoom, WireError};
 
 /// Received chunks taken from quinn per read (and copied under one hold of
 /// the grant).
@@ -62,10 +61,10 @@ enum StreamError {
     OpListTimeout { after: std::time::Duration },
     #[error("more payload than the {total} bytes the header announces")]
     ExtraPayload { total: u64 },
-    #[error("writing the reply: {0}")]
-    Reply(#[source] quinn::WriteError),
-    #[error("writing the reply timed out")]
-    ReplyTimeout,
+    /// Not `Wire`: a reply that cannot be written is no reason to try
+    /// writing another (see `is_peer_fault`).
+    #[error(transparent)]
+    Reply(WireError),
     #[error("the transport is shut down")]
     Closed,
 }
@@ -146,10 +145,11 @@ fn established_place(shared: &Shared, peer: SocketAddr) -> Result<OwnedSemaphore
     Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
         let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
         if let Some(suppressed) = allowed {
-            warn!(%peer, limit = shared.config.max_connections, suppressed,
+            warn!(%peer, limit = shared.config.limits.max_connections, suppressed,
                 "connection limit reached, refusing a peer that finished its hello");
         }
-        "the receiver serves its maximum of data-plane connections (QuicConfig::max_connections) already".to_owned()
+        "the receiver serves its maximum of data-plane connections (QuicConfig::limits.max_connections) already"
+            .to_owned()
     })
 }
 
@@ -338,7 +338,7 @@ impl Batch<'_> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;
         let mut header = [0u8; BATCH_HEADER_LEN];
-        read_full(&mut self.recv, &mut header, io_timeout, "batch header").await?;
+        read_exact(&mut self.recv, &mut header, io_timeout, "batch header").await?;
         let header = BatchHeader::decode(&header);
         let max = config.max_ops_in_force();
         let Some(mut buffer) = OpListBuffer::within(header.op_count, max) else {
@@ -367,7 +367,7 @@ impl Batch<'_> {
                     return self.refuse_for_room(&header, no_room).await;
                 }
             }
-            let read = read_full(&mut self.recv, buffer.next_chunk(), io_timeout, "op list");
+            let read = read_exact(&mut self.recv, buffer.next_chunk(), io_timeout, "op list");
             match tokio::time::timeout_at(deadline, read).await {
                 Ok(read) => read?,
                 Err(_) => return Err(StreamError::OpListTimeout { after: config.op_list_timeout }),
@@ -446,7 +446,7 @@ impl Batch<'_> {
         while !cursor.is_done() {
             let got = match tokio::time::timeout(io_timeout, self.recv.read_chunks(&mut chunks)).await {
                 Err(_) => return Err(WireError::Timeout { what: "payload", after: io_timeout }.into()),
-                Ok(Err(source)) => return Err(WireError::Read { what: "payload", source }.into()),
+                Ok(Err(source)) => return Err(WireError::Io { what: "payload", source: source.into() }.into()),
                 Ok(Ok(None)) => {
                     return Err(WireError::Eof { what: "payload", partial: cursor.remaining() < total }.into())
                 }
@@ -465,7 +465,7 @@ impl Batch<'_> {
         // last payload packet).
         match tokio::time::timeout(io_timeout, self.recv.read_chunk(1, true)).await {
             Err(_) => Err(WireError::Timeout { what: "end of stream", after: io_timeout }.into()),
-            Ok(Err(source)) => Err(WireError::Read { what: "end of stream", source }.into()),
+            Ok(Err(source)) => Err(WireError::Io { what: "end of stream", source: source.into() }.into()),
             Ok(Ok(Some(_))) => Err(StreamError::ExtraPayload { total }),
             Ok(Ok(None)) => Ok(Received::Complete),
         }
@@ -475,11 +475,7 @@ impl Batch<'_> {
         let io_timeout = self.shared.config.io_timeout;
         let mut bytes = Vec::new();
         put_verdict(&mut bytes, status, reason);
-        match tokio::time::timeout(io_timeout, self.send.write_all(&bytes)).await {
-            Err(_) => return Err(StreamError::ReplyTimeout),
-            Ok(Err(error)) => return Err(StreamError::Reply(error)),
-            Ok(Ok(())) => {}
-        }
+        write_all(&mut self.send, &bytes, io_timeout, "reply").await.map_err(StreamError::Reply)?;
         // Finishing fails only if the stream was already reset; the reply
         // is then undeliverable anyway.
         let _ = self.send.finish();

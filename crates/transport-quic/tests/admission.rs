@@ -18,7 +18,7 @@ use kv_proto::{BatchWriter, TransportError, WriteOp};
 use quinn::{RecvStream, SendStream};
 use rstest::rstest;
 use transport_quic::wire::{ClientHello, ServerHello, CLOSE_BUSY, SERVER_HELLO_LEN};
-use transport_quic::QuicConfig;
+use transport_quic::{ListenerLimits, QuicConfig};
 
 const HOSTILE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
@@ -89,8 +89,11 @@ fn stalled_hellos_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, Stal
         const PLACES: usize = 4;
         let config = QuicConfig {
             auth_secret: stall.secret(),
-            max_connections: PLACES,
-            max_handshakes_per_host: PLACES,
+            limits: ListenerLimits {
+                max_connections: PLACES,
+                max_handshakes_per_host: PLACES,
+                ..ListenerLimits::default()
+            },
             connect_timeout: LONG,
             ..QuicConfig::default()
         };
@@ -146,8 +149,11 @@ fn under_pressure_a_new_source_proves_its_address_first() {
     isolated(async move {
         const PLACES: usize = 4;
         let config = QuicConfig {
-            max_handshakes: PLACES,
-            max_handshakes_per_host: PLACES,
+            limits: ListenerLimits {
+                max_handshakes: PLACES,
+                max_handshakes_per_host: PLACES,
+                ..ListenerLimits::default()
+            },
             connect_timeout: LONG,
             ..QuicConfig::default()
         };
@@ -168,7 +174,11 @@ fn under_pressure_a_new_source_proves_its_address_first() {
 #[test]
 fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
     isolated(async move {
-        let config = QuicConfig { max_handshakes_per_host: 2, connect_timeout: LONG, ..QuicConfig::default() };
+        let config = QuicConfig {
+            limits: ListenerLimits { max_handshakes_per_host: 2, ..ListenerLimits::default() },
+            connect_timeout: LONG,
+            ..QuicConfig::default()
+        };
         let victim = Node::new(config, 1 << 16).await;
         let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
         let over = RawClient::handshake_from(&victim, HOSTILE).await;
@@ -188,7 +198,11 @@ fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
 fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(RIGHT_SECRET))] secret: Option<&str>) {
     isolated(async move {
         let secret = secret.map(AuthSecret::new);
-        let config = QuicConfig { auth_secret: secret.clone(), max_connections: 1, ..QuicConfig::default() };
+        let config = QuicConfig {
+            auth_secret: secret.clone(),
+            limits: ListenerLimits { max_connections: 1, ..ListenerLimits::default() },
+            ..QuicConfig::default()
+        };
         let victim = Node::new(config, 1 << 16).await;
         // A sender whose connection holds the one place.
         let mut first = Node::new(QuicConfig { auth_secret: secret.clone(), ..QuicConfig::default() }, 1 << 16).await;

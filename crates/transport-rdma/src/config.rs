@@ -4,8 +4,8 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_net::ListenerLimits;
 use kv_proto::auth::AuthSecret;
-use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
 
 /// Environment variable naming the RDMA device (e.g. `rxe0`, `mlx5_0`).
 pub const ENV_DEVICE: &str = "KVLINK_RDMA_DEVICE";
@@ -60,20 +60,14 @@ pub struct RdmaConfig {
     /// allocating one is a system call, binding a free one only a work
     /// request.
     pub window_pool: usize,
-    /// Established incoming control connections (default 1024): a
-    /// connection takes its place only once its opening (and, with a
+    /// The control listener's places (default [`ListenerLimits::default`]):
+    /// a handshake place, taken at accept (or the connection is closed at
+    /// once), is held for at most [`RdmaConfig::connect_timeout`]; an
+    /// established place is taken only once the opening (and, with a
     /// secret, its proof) succeeded, before any queue pair is made for it,
-    /// so peers that never finish one cannot take these. One past it is
-    /// told so (status 5, or verdict 2 after the proof) and closed.
-    pub max_connections: usize,
-    /// Incoming control connections still in their handshake (default
-    /// [`DEFAULT_MAX_HANDSHAKES`]), each for at most
-    /// [`RdmaConfig::connect_timeout`]; more are closed at accept.
-    pub max_handshakes: usize,
-    /// Handshakes in progress from one source address (default
-    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
-    /// handshake place.
-    pub max_handshakes_per_host: usize,
+    /// and a connection past [`ListenerLimits::max_connections`] is told so
+    /// (status 5, or verdict 2 after the proof) and closed.
+    pub limits: ListenerLimits,
     /// The data plane's shared secret (default none). When set, the
     /// receiver serves only senders that prove it on the control connection
     /// (before any queue pair is made or grant opened for them), and the
@@ -104,9 +98,7 @@ impl Default for RdmaConfig {
             signal_interval: 16,
             max_windows_per_grant: 1 << 20,
             window_pool: 65536,
-            max_connections: 1024,
-            max_handshakes: DEFAULT_MAX_HANDSHAKES,
-            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
+            limits: ListenerLimits::default(),
             auth_secret: None,
             max_cached_grants: 256,
             idle_timeout: Duration::from_secs(300),

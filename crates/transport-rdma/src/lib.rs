@@ -35,7 +35,7 @@
 //!   sender. The receiver holds a connection in its handshake in a
 //!   handshake place (bounded in total and per source host, one deadline
 //!   for the whole set-up) and gives it an established place
-//!   ([`RdmaConfig::max_connections`]) only once the opening succeeded.
+//!   ([`RdmaConfig::limits`]) only once the opening succeeded.
 //! - **Grants.** [`BatchWriter::grant`](kv_proto::BatchWriter::grant) issues
 //!   the grant in [`kv_proto::RegisteredMemory`] (the one copy of the grant
 //!   bookkeeping: id, ranges, expiry) and returns `Grant::plain(id)`: the
@@ -193,5 +193,6 @@ mod transport;
 pub mod verbs;
 
 pub use config::RdmaConfig;
+pub use kv_net::ListenerLimits;
 #[cfg(feature = "verbs")]
 pub use transport::RdmaTransport;

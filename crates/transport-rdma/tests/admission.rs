@@ -19,7 +19,7 @@ use kv_proto::{BatchWriter, MemoryRegion, RegionAccess, TransportError, WriteOp}
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_rdma::handshake::opening::{self, FLAG_AUTH, MAGIC, OPENING_LEN, VERSION};
-use transport_rdma::{RdmaConfig, RdmaTransport};
+use transport_rdma::{ListenerLimits, RdmaConfig, RdmaTransport};
 
 const LEN: usize = 1 << 16;
 const SECRET: &str = "the data-plane secret";
@@ -189,8 +189,11 @@ async fn stalled_handshakes_do_not_crowd_out_an_honest_sender() {
         let victim = node(
             RegionAccess::Destination,
             RdmaConfig {
-                max_connections: PLACES,
-                max_handshakes_per_host: PLACES,
+                limits: ListenerLimits {
+                    max_connections: PLACES,
+                    max_handshakes_per_host: PLACES,
+                    ..ListenerLimits::default()
+                },
                 connect_timeout: LONG,
                 ..config(stall.secret())
             },
@@ -215,7 +218,11 @@ async fn stalled_handshakes_do_not_crowd_out_an_honest_sender() {
 async fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
     let victim = node(
         RegionAccess::Destination,
-        RdmaConfig { max_handshakes_per_host: 2, connect_timeout: LONG, ..config(None) },
+        RdmaConfig {
+            limits: ListenerLimits { max_handshakes_per_host: 2, ..ListenerLimits::default() },
+            connect_timeout: LONG,
+            ..config(None)
+        },
     )
     .await;
     let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
@@ -253,7 +260,14 @@ async fn only_senders_proving_the_secret_are_served() {
 /// is told so; the established connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_past_the_connection_limit_is_told_why() {
-    let victim = node(RegionAccess::Destination, RdmaConfig { max_connections: 1, ..config(Some(SECRET)) }).await;
+    let victim = node(
+        RegionAccess::Destination,
+        RdmaConfig {
+            limits: ListenerLimits { max_connections: 1, ..ListenerLimits::default() },
+            ..config(Some(SECRET))
+        },
+    )
+    .await;
     let mut first = node(RegionAccess::Source, config(Some(SECRET))).await;
     first.buf.fill(0xcd);
     let ops = [WriteOp { src: first.buf.addr(0), dst: victim.buf.addr(LEN - 4096), len: 4096 }];

@@ -11,6 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut};
+use kv_net::{read_exact, write_all, WireError};
 use kv_proto::auth::{self, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{put_op_list, ReplyStatus};
 use kv_proto::session::{End, Session, FRAME_TAG_LEN};
@@ -20,7 +21,6 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{is_closed_error, Progress, Sources};
 use crate::transport::Shared;
 use crate::wire::{
@@ -441,7 +441,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
 fn busy(peer: &str) -> TransportError {
     TransportError::Connect {
         peer: peer.to_owned(),
-        reason: "the receiver serves its maximum of data-plane connections (TcpConfig::max_connections) already"
+        reason: "the receiver serves its maximum of data-plane connections (TcpConfig::limits.max_connections) already"
             .to_owned(),
     }
 }

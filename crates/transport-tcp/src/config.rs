@@ -3,18 +3,10 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use kv_net::{
+    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+};
 use kv_proto::auth::AuthSecret;
-use kv_proto::{DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
-
-/// Default bound on the ops of one incoming batch (16 Mi ops: a 256 MiB op list).
-pub const DEFAULT_MAX_OPS_PER_BATCH: u64 = 16 * 1024 * 1024;
-
-/// Default [`TcpConfig::op_list_budget`]: 256 MiB.
-pub const DEFAULT_OP_LIST_BUDGET: u64 = 256 << 20;
-
-/// Default [`TcpConfig::unauthenticated_op_list_budget`]: 32 MiB, room for
-/// 20 batches of 100,000 ops at once.
-pub const DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET: u64 = 32 << 20;
 
 /// Configuration of a [`crate::TcpTransport`]. Every wait the transport makes
 /// is bounded by one of these durations.
@@ -93,38 +85,27 @@ pub struct TcpConfig {
     /// prove it (transcript-bound challenge–response at connection set-up,
     /// see the crate docs).
     pub auth_secret: Option<AuthSecret>,
-    /// Bound on established incoming connections (default 1024): a
-    /// connection takes its place only once its handshake (and, with a
-    /// secret, its proof) succeeded, so peers that never finish one cannot
-    /// take these. A connection past it is told so (accept status 5, or
+    /// The listener's places (default [`ListenerLimits::default`]): a
+    /// handshake place, taken at accept (or the connection is closed at
+    /// once), is held for at most [`TcpConfig::handshake_timeout`]; an
+    /// established place is taken only once the handshake (and, with a
+    /// secret, its proof) succeeded, and a connection past
+    /// [`ListenerLimits::max_connections`] is told so (accept status 5, or
     /// verdict 2 after the proof) and closed.
-    pub max_connections: usize,
-    /// Bound on incoming connections still in their handshake (default
-    /// [`DEFAULT_MAX_HANDSHAKES`]), each for at most
-    /// [`TcpConfig::handshake_timeout`]; connections past it are closed at
-    /// accept.
-    pub max_handshakes: usize,
-    /// Bound on the handshakes in progress from one source address (default
-    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
-    /// handshake place.
-    pub max_handshakes_per_host: usize,
+    pub limits: ListenerLimits,
 }
 
 impl TcpConfig {
     /// The op-list budget in force: [`TcpConfig::op_list_budget`] when peers
     /// must prove a secret, else [`TcpConfig::unauthenticated_op_list_budget`].
     pub fn op_list_budget_in_force(&self) -> u64 {
-        if self.auth_secret.is_some() {
-            self.op_list_budget
-        } else {
-            self.unauthenticated_op_list_budget
-        }
+        kv_net::budget_in_force(self.auth_secret.is_some(), self.op_list_budget, self.unauthenticated_op_list_budget)
     }
 
     /// The op bound in force for one incoming batch: the smaller of
     /// [`TcpConfig::max_ops_per_batch`] and what the budget in force holds.
     pub fn max_ops_in_force(&self) -> u64 {
-        self.max_ops_per_batch.min(self.op_list_budget_in_force() / crate::wire::OP_LEN as u64)
+        kv_net::max_ops_in_force(self.max_ops_per_batch, self.op_list_budget_in_force())
     }
 }
 
@@ -142,9 +123,7 @@ impl Default for TcpConfig {
             unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
             op_list_timeout: Duration::from_secs(10),
             max_idle_conns_per_peer: 4,
-            max_connections: 1024,
-            max_handshakes: DEFAULT_MAX_HANDSHAKES,
-            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
+            limits: ListenerLimits::default(),
             auth_secret: None,
             parallel_streams: 2,
             parallel_min_bytes: 16 << 20,

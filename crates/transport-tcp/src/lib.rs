@@ -36,10 +36,11 @@
 //!   its own connection;
 //! - let peers that do not finish their handshake crowd out those that did:
 //!   a connection in its handshake holds a handshake place (bounded in
-//!   total, [`TcpConfig::max_handshakes`], and per source host,
-//!   [`TcpConfig::max_handshakes_per_host`]) for at most one deadline
+//!   total, [`ListenerLimits::max_handshakes`], and per source host,
+//!   [`ListenerLimits::max_handshakes_per_host`], of
+//!   [`TcpConfig::limits`]) for at most one deadline
 //!   ([`TcpConfig::handshake_timeout`]), and takes an established place
-//!   ([`TcpConfig::max_connections`]) only once the handshake succeeded;
+//!   ([`ListenerLimits::max_connections`]) only once the handshake succeeded;
 //! - wait without a bound ([`TcpConfig`] holds every timeout);
 //! - touch registered memory after [`BatchWriter::close`],
 //!   [`BatchWriter::shutdown`] or the drop of the transport has returned.
@@ -185,15 +186,17 @@
 
 mod client;
 mod config;
-mod io;
 mod memory;
 mod server;
 mod split;
 mod transport;
 pub mod wire;
 
-pub use config::{
-    TcpConfig, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+pub use config::TcpConfig;
+// Shared with the other data planes (kv-net), under the names this crate
+// has always exported.
+pub use kv_net::{
+    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
 };
 pub use transport::TcpTransport;
 

@@ -28,14 +28,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, warn};
 
-use crate::io::{read_exact, write_all, WireError};
 use crate::memory::{DestinationError, Destinations, Progress};
 use crate::transport::Shared;
 use crate::wire::{
     auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_BUSY, AUTH_FAILED, AUTH_OK,
     AUTH_TAG_LEN, BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
 };
-use kv_net::{Admission, NoRoom, Share};
+use kv_net::{read_exact, write_all, Admission, NoRoom, Share, WireError};
 
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
@@ -239,10 +238,10 @@ impl Connection<'_> {
         Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
             let allowed = shared.busy_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
             if let Some(suppressed) = allowed {
-                warn!(peer = %self.peer, limit = shared.config.max_connections, suppressed,
+                warn!(peer = %self.peer, limit = shared.config.limits.max_connections, suppressed,
                     "connection limit reached, refusing a peer that finished its handshake");
             }
-            ConnError::Busy(shared.config.max_connections)
+            ConnError::Busy(shared.config.limits.max_connections)
         })
     }
 

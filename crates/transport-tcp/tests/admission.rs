@@ -20,7 +20,7 @@ use tokio::io::AsyncReadExt;
 use transport_tcp::wire::{
     Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_BUSY, AUTH_TAG_LEN, CHALLENGE_LEN, FLAG_AUTH, VERSION,
 };
-use transport_tcp::TcpConfig;
+use transport_tcp::{ListenerLimits, TcpConfig};
 
 const SECRET: &str = "s3cret";
 const HOSTILE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -88,8 +88,11 @@ fn stalled_handshakes_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, 
         const PLACES: usize = 4;
         let config = TcpConfig {
             auth_secret: stall.secret(),
-            max_connections: PLACES,
-            max_handshakes_per_host: PLACES,
+            limits: ListenerLimits {
+                max_connections: PLACES,
+                max_handshakes_per_host: PLACES,
+                ..ListenerLimits::default()
+            },
             handshake_timeout: LONG,
             ..TcpConfig::default()
         };
@@ -111,7 +114,11 @@ fn stalled_handshakes_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, 
 #[test]
 fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
     isolated(async move {
-        let config = TcpConfig { max_handshakes_per_host: 2, handshake_timeout: LONG, ..TcpConfig::default() };
+        let config = TcpConfig {
+            limits: ListenerLimits { max_handshakes_per_host: 2, ..ListenerLimits::default() },
+            handshake_timeout: LONG,
+            ..TcpConfig::default()
+        };
         let victim = Node::new(config, 1 << 16).await;
         let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
         let over = RawClient::connect_from(&victim, HOSTILE).await.until_closed().await;
@@ -127,7 +134,11 @@ fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
 fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(SECRET))] secret: Option<&str>) {
     isolated(async move {
         let secret = secret.map(AuthSecret::new);
-        let config = TcpConfig { auth_secret: secret.clone(), max_connections: 1, ..TcpConfig::default() };
+        let config = TcpConfig {
+            auth_secret: secret.clone(),
+            limits: ListenerLimits { max_connections: 1, ..ListenerLimits::default() },
+            ..TcpConfig::default()
+        };
         let victim = Node::new(config, 1 << 16).await;
         // A sender whose pooled connection holds the one place.
         let mut first = Node::new(TcpConfig { auth_secret: secret.clone(), ..TcpConfig::default() }, 1 << 16).await;

@@ -120,7 +120,9 @@ pub enum OpeningError {
     #[error("the receiver refused this sender's proof of the data-plane shared secret")]
     ProofRefused,
     /// The receiver serves its most connections already.
-    #[error("the receiver serves its maximum of RDMA control connections (RdmaConfig::max_connections) already")]
+    #[error(
+        "the receiver serves its maximum of RDMA control connections (RdmaConfig::limits.max_connections) already"
+    )]
     Busy,
     /// A status or verdict this build does not know.
     #[error("unknown control opening answer {0}")]

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kv_net::WireError;
 use kv_proto::{Endpoint, Grant, Protocol, SourceError, TransportError, WriteOp};
-use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::link::{ChainError, Link};
@@ -322,10 +322,12 @@ async fn windows(shared: &Shared, conn: &Conn, label: &str, grant: &Grant) -> Re
     // Each wait is bounded; a progress frame (a large grant being bound)
     // restarts the clock. `Err(None)`: a wait ran out.
     let reply: Result<Reply, Option<ControlError>> =
-        match tokio::time::timeout(io_timeout, control.write_all(&request)).await {
-            Err(_) => Err(None),
-            Ok(Err(err)) => Err(Some(ControlError::Io(err))),
-            Ok(Ok(())) => loop {
+        match kv_net::write_all(&mut *control, &request, io_timeout, "open-grant request").await {
+            Err(WireError::Timeout { .. }) => Err(None),
+            Err(WireError::Io { source, .. }) => Err(Some(ControlError::Io(source))),
+            // A write sees no end of stream; the arm keeps the match whole.
+            Err(WireError::Eof { .. }) => Err(Some(ControlError::PeerClosed)),
+            Ok(()) => loop {
                 match tokio::time::timeout(io_timeout, control::read_reply(&mut *control, &shared.control)).await {
                     Err(_) => break Err(None),
                     Ok(Ok(Reply::Progress(_))) => continue,

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_proto::{BatchRefusal, DestinationError, GrantId, HandshakePlace};
-use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -75,7 +74,7 @@ async fn accept_connection(
             if place.is_none() {
                 let allowed = lock(&shared.busy_refusals).allow(Instant::now());
                 if let Some(suppressed) = allowed {
-                    tracing::warn!(%peer, limit = shared.config.max_connections, suppressed,
+                    tracing::warn!(%peer, limit = shared.config.limits.max_connections, suppressed,
                         "rdma control connection refused: connection limit reached");
                 }
             }
@@ -146,9 +145,9 @@ async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, pla
             tracing::warn!(%peer, %grant, error = %err, "rdma control reply cannot be encoded");
             break;
         }
-        let written = tokio::time::timeout(shared.config.io_timeout, stream.write_all(&bytes)).await;
-        if !matches!(written, Ok(Ok(()))) {
-            tracing::debug!(%peer, %grant, "rdma control connection: reply not written");
+        let written = kv_net::write_all(&mut stream, &bytes, shared.config.io_timeout, "open-grant reply").await;
+        if let Err(error) = written {
+            tracing::debug!(%peer, %grant, %error, "rdma control connection: reply not written");
             break;
         }
         if fatal {
@@ -205,8 +204,8 @@ impl<'a> Progress<'a> {
         let frame = Reply::Progress(u32::try_from(ready).unwrap_or(u32::MAX));
         // A progress frame has no body: it always encodes.
         let _ = control::encode_reply(&frame, &ControlLimits { max_windows: 0 }, &mut bytes);
-        let written = tokio::time::timeout(self.io_timeout, self.stream.write_all(&bytes)).await;
-        self.failed = !matches!(written, Ok(Ok(())));
+        let written = kv_net::write_all(&mut *self.stream, &bytes, self.io_timeout, "progress frame").await;
+        self.failed = written.is_err();
         self.last = Instant::now();
     }
 }

@@ -1,0 +1,70 @@
+//! [`ListenerLimits`]: the bounds every data-plane listener (TCP, QUIC,
+//! RDMA's control port) keeps on its incoming connections, with their
+//! defaults, once; each transport's config embeds them as `limits`.
+
+use std::sync::Arc;
+
+use kv_proto::{HandshakePlaces, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
+use tokio::sync::Semaphore;
+
+/// Default [`ListenerLimits::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
+/// A listener's two pools of places: handshake places, taken at accept and
+/// held for at most the transport's one handshake deadline, and established
+/// places, taken only once the handshake (and, with a shared secret, its
+/// proof) succeeded, so peers that never finish a handshake cannot crowd
+/// out those that did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListenerLimits {
+    /// Incoming connections still in their handshake (default
+    /// [`DEFAULT_MAX_HANDSHAKES`]); more are refused at accept.
+    pub max_handshakes: usize,
+    /// Handshakes in progress from one source address (default
+    /// [`DEFAULT_MAX_HANDSHAKES_PER_HOST`]), so one host cannot take every
+    /// handshake place.
+    pub max_handshakes_per_host: usize,
+    /// Established incoming connections (default
+    /// [`DEFAULT_MAX_CONNECTIONS`]). A connection past it is told so where
+    /// the transport's wire allows, and closed.
+    pub max_connections: usize,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        Self {
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+impl ListenerLimits {
+    /// The handshake places these limits allow.
+    pub fn handshake_places(&self) -> HandshakePlaces {
+        HandshakePlaces::new(self.max_handshakes, self.max_handshakes_per_host)
+    }
+
+    /// The established places these limits allow (capped at what a
+    /// semaphore holds, which no real bound reaches).
+    pub fn established_places(&self) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(self.max_connections.min(Semaphore::MAX_PERMITS)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pools_follow_the_limits() {
+        let limits = ListenerLimits { max_handshakes: 3, max_handshakes_per_host: 2, max_connections: 1 };
+        let places = limits.handshake_places();
+        assert_eq!((places.limit(), places.per_host()), (3, 2));
+        let established = limits.established_places();
+        assert_eq!(established.available_permits(), 1);
+        let huge = ListenerLimits { max_connections: usize::MAX, ..ListenerLimits::default() };
+        assert_eq!(huge.established_places().available_permits(), Semaphore::MAX_PERMITS);
+    }
+}
