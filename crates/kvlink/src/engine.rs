@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blocks::{BlockPattern, BlockPool};
 use crate::fill;
+use crate::metrics::{Exposed, MetricsHub};
 
 /// Why the simulated engine could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -89,11 +90,45 @@ fn blocks_for(tokens: usize, block_size: usize) -> usize {
     tokens.div_ceil(block_size)
 }
 
-/// Allocates a cache of `shape` and starts a worker on it.
-async fn start_worker(config: WorkerConfig, shape: CacheShape) -> Result<(Arc<OwnedKvCache>, Worker), EngineError> {
+/// Allocates a cache of `shape` and starts a worker on it. The worker is
+/// shared only with a metrics hub, which holds it weakly (see
+/// [`crate::metrics::MetricsHub`]).
+async fn start_worker(
+    config: WorkerConfig,
+    shape: CacheShape,
+) -> Result<(Arc<OwnedKvCache>, Arc<Worker>), EngineError> {
     let cache = Arc::new(OwnedKvCache::allocate(shape)?);
     let worker = Worker::start(config, cache.clone()).await?;
-    Ok((cache, worker))
+    Ok((cache, Arc::new(worker)))
+}
+
+/// A worker on a metrics hub (at most one hub per instance).
+struct Shown {
+    role: KvRole,
+    engine_id: String,
+    exposed: Option<Exposed>,
+}
+
+impl Shown {
+    fn new(role: KvRole, engine_id: &str) -> Self {
+        Self { role, engine_id: engine_id.to_owned(), exposed: None }
+    }
+
+    fn expose(&mut self, worker: &Arc<Worker>, hub: &MetricsHub) {
+        self.exposed = Some(hub.expose(worker, self.role, &self.engine_id));
+    }
+}
+
+/// Takes the worker off its hub (keeping what it counted), then shuts it
+/// down.
+async fn stop_worker(shown: Shown, worker: Arc<Worker>) {
+    drop(shown);
+    match Arc::try_unwrap(worker) {
+        Ok(worker) => worker.shutdown().await,
+        // Not reached: the hub holds workers weakly and never past the drop
+        // above. Dropping this handle still closes the worker (its `Drop`).
+        Err(_) => tracing::error!("a worker is still shared at shutdown; it closes when the last handle goes"),
+    }
 }
 
 /// A prefill instance: computes requests' KV and holds it for D.
@@ -102,8 +137,10 @@ async fn start_worker(config: WorkerConfig, shape: CacheShape) -> Result<(Arc<Ow
 /// client's id plus a suffix), so D must pull by the `remote_request_id`
 /// this instance returns, never by the id it was handed.
 pub struct PrefillInstance {
+    /// Declared first so it drops first: off the hub before the worker goes.
+    shown: Shown,
     sched: ConnectorScheduler,
-    worker: Worker,
+    worker: Arc<Worker>,
     cache: Arc<OwnedKvCache>,
     pool: BlockPool,
     /// Held blocks, by the client's id.
@@ -139,8 +176,10 @@ impl PrefillInstance {
         let (cache, worker) = start_worker(config, shape).await?;
         let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
         let host = host.unwrap_or(addr.ip());
+        let shown = Shown::new(KvRole::Producer, engine_id.as_str());
         let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port());
         Ok(Self {
+            shown,
             sched,
             worker,
             cache,
@@ -166,6 +205,12 @@ impl PrefillInstance {
     /// The worker (for inspection).
     pub fn worker(&self) -> &Worker {
         &self.worker
+    }
+
+    /// Shows this instance's worker on `hub` until it shuts down (what it
+    /// counted stays on the hub after that).
+    pub fn expose(&mut self, hub: &MetricsHub) {
+        self.shown.expose(&self.worker, hub);
     }
 
     /// Whether prefill writes each request's KV pattern (off for a bench
@@ -308,7 +353,7 @@ impl PrefillInstance {
 
     /// Stops the worker and waits for its tasks.
     pub async fn shutdown(self) {
-        self.worker.shutdown().await;
+        stop_worker(self.shown, self.worker).await;
     }
 }
 
@@ -353,8 +398,10 @@ struct Pulling {
 /// A decode instance: pulls requests' KV from prefill instances and
 /// verifies it.
 pub struct DecodeInstance {
+    /// Declared first so it drops first: off the hub before the worker goes.
+    shown: Shown,
     sched: ConnectorScheduler,
-    worker: Worker,
+    worker: Arc<Worker>,
     cache: Arc<OwnedKvCache>,
     pool: BlockPool,
     pulling: HashMap<ReqId, Pulling>,
@@ -369,9 +416,11 @@ impl DecodeInstance {
         pattern: BlockPattern,
         seed: u64,
     ) -> Result<Self, EngineError> {
+        let shown = Shown::new(KvRole::Consumer, config.engine_id.as_str());
         let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0);
         let (cache, worker) = start_worker(config, shape).await?;
         Ok(Self {
+            shown,
             sched,
             worker,
             cache,
@@ -384,6 +433,12 @@ impl DecodeInstance {
     /// The worker (for inspection).
     pub fn worker(&self) -> &Worker {
         &self.worker
+    }
+
+    /// Shows this instance's worker on `hub` until it shuts down (what it
+    /// counted stays on the hub after that).
+    pub fn expose(&mut self, hub: &MetricsHub) {
+        self.shown.expose(&self.worker, hub);
     }
 
     /// Whether received KV is verified byte by byte (on by default).
@@ -488,7 +543,7 @@ impl DecodeInstance {
 
     /// Stops the worker and waits for its tasks.
     pub async fn shutdown(self) {
-        self.worker.shutdown().await;
+        stop_worker(self.shown, self.worker).await;
     }
 }
 

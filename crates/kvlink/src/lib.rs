@@ -13,6 +13,7 @@ pub mod blocks;
 pub mod control;
 pub mod engine;
 mod fill;
+pub mod metrics;
 pub mod runner;
 pub mod serve;
 pub mod stats;

@@ -3,7 +3,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use std::io::IsTerminal;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
 use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
+use kvlink::metrics::{MetricsEndpoint, MetricsHub, RunningEndpoint};
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{
     ServeOptions, Server, ShapePins, WorkerBounds, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
@@ -148,6 +149,15 @@ struct BenchArgs {
     /// channel and the data plane (the `serve` side must use the same).
     #[arg(long, value_name = "PATH")]
     auth_secret_file: Option<std::path::PathBuf>,
+    /// Serve this process's worker metrics (Prometheus text format) at
+    /// `http://ADDR/metrics` (port 0: any free port; the address is printed
+    /// on stderr once the workers are up).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// Keep the metrics endpoint up after the bench, with its totals, until
+    /// standard input closes (or Ctrl-C / SIGTERM).
+    #[arg(long, requires = "metrics")]
+    metrics_hold: bool,
 }
 
 /// A positive number of seconds on the command line (fractions allowed).
@@ -254,6 +264,11 @@ struct ServeArgs {
     /// Connections in their handshake at once from one host.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES_PER_HOST)]
     max_handshakes_per_host: usize,
+    /// Serve the sessions' worker metrics (Prometheus text format) at
+    /// `http://ADDR/metrics` (port 0: any free port; printed on stderr).
+    /// Counts add up over sessions.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
 }
 
 /// Reads a shared secret from a file (surrounding whitespace is not part of it).
@@ -263,6 +278,27 @@ fn read_secret(path: Option<&std::path::Path>) -> anyhow::Result<Option<AuthSecr
     let secret = text.trim_ascii();
     anyhow::ensure!(!secret.is_empty(), "the secret file {} is empty", path.display());
     Ok(Some(AuthSecret::new(secret)))
+}
+
+/// Binds the metrics endpoint at `addr` and serves `hub` on it.
+async fn start_metrics(addr: SocketAddr, hub: &MetricsHub) -> anyhow::Result<RunningEndpoint> {
+    Ok(MetricsEndpoint::bind(addr).await?.spawn(hub.clone()))
+}
+
+fn announce_metrics(endpoint: &RunningEndpoint) {
+    eprintln!("metrics on http://{}/metrics", endpoint.local_addr());
+}
+
+/// Resolves when standard input closes. A thread of its own, not the
+/// runtime's blocking pool: a read still waiting when the process ends
+/// (on a signal) must not hold the runtime's shutdown.
+fn stdin_closed() -> tokio::sync::oneshot::Receiver<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        let _ = tx.send(());
+    });
+    rx
 }
 
 fn progress_bar(len: usize) -> ProgressBar {
@@ -312,6 +348,21 @@ fn print_report(title: &str, r: &RunReport) {
         gib(r.peak_rss_bytes),
         gib(r.cache_bytes)
     );
+    let causes = |by_cause: &std::collections::BTreeMap<String, u64>| {
+        by_cause.iter().map(|(cause, n)| format!("{cause} {n}")).collect::<Vec<_>>().join(", ")
+    };
+    if !r.failures.is_empty() {
+        println!("  failures   pulls: {} (the decode worker's counts, warm-up included)", causes(&r.failures));
+    }
+    if !r.send_failures.is_empty() {
+        println!("  failures   sends: {} (the prefill worker's counts, warm-up included)", causes(&r.send_failures));
+    }
+    if let Some(error) = &r.error {
+        println!("  ENDED      {error}");
+    }
+    for mismatch in &r.metrics_mismatch {
+        println!("  MISMATCH   {mismatch}");
+    }
     for p in &r.peers {
         println!(
             "  server     {}: {:.3} CPU s per GB, peak RSS {:.2} GiB",
@@ -348,6 +399,7 @@ async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
         stall_timeout: Duration::from_secs(30),
         connect: Vec::new(),
         auth_secret: None,
+        metrics: None,
     };
     println!(
         "kvlink demo: prefill -> decode over loopback {protocol}, llama-3-8B-shaped cache \
@@ -398,6 +450,24 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         stall_timeout: Duration::from_secs(60),
         connect: args.connect.clone(),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,
+        metrics: args.metrics.map(|_| MetricsHub::new()),
+    };
+    // Bound before the run (a taken port fails it at once); announced once
+    // the workers are on the hub, so a scrape after the line shows them.
+    let metrics = match (args.metrics, &opts.metrics) {
+        (Some(addr), Some(hub)) => {
+            let endpoint = start_metrics(addr, hub).await?;
+            let workers = if args.connect.is_empty() { 2 } else { 1 };
+            let mut exposed = hub.exposed();
+            let line = format!("metrics on http://{}/metrics", endpoint.local_addr());
+            let announce = tokio::spawn(async move {
+                if exposed.wait_for(|n| *n >= workers).await.is_ok() {
+                    eprintln!("{line}");
+                }
+            });
+            Some((endpoint, announce))
+        }
+        _ => None,
     };
     let bar = if args.json { ProgressBar::hidden() } else { progress_bar(args.requests) };
     let report = run(&opts, &bar).await?;
@@ -420,6 +490,25 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
             ),
             &report,
         );
+    }
+    // A server gone mid-run: the report says what happened, and the exit
+    // says why in one line, as any other error.
+    if let Some(error) = &report.error {
+        eprintln!("kvlink: {error}");
+    }
+    if let Some((endpoint, announce)) = metrics {
+        announce.abort();
+        if args.metrics_hold {
+            use std::io::Write;
+            // The report is out before the wait: a script reads it, then scrapes.
+            let _ = std::io::stdout().flush();
+            let stop = shutdown_signal()?;
+            tokio::select! {
+                _ = stdin_closed() => {}
+                () = stop => {}
+            }
+        }
+        endpoint.stop().await;
     }
     Ok(report.complete())
 }
@@ -470,8 +559,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
         max_handshakes: args.max_handshakes.max(1),
         max_handshakes_per_host: args.max_handshakes_per_host.max(1),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,
+        metrics: args.metrics.map(|_| MetricsHub::new()),
     };
     let stop = shutdown_signal()?;
+    let metrics = match (args.metrics, &opts.metrics) {
+        (Some(addr), Some(hub)) => Some(start_metrics(addr, hub).await?),
+        _ => None,
+    };
+    if let Some(endpoint) = &metrics {
+        announce_metrics(endpoint);
+    }
     let server = Server::bind(opts).await?;
     println!("{}", server.ready_line());
     if args.figures {
@@ -498,15 +595,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
     if summary.interrupted {
         println!("stopped after {} sessions", summary.sessions);
     }
+    if let Some(endpoint) = metrics {
+        endpoint.stop().await;
+    }
     Ok(true)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    // KVLINK_LOG, as the vLLM package reads it; RUST_LOG as a fallback.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVLINK_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -4,7 +4,14 @@
 //! this process, or one here and one on a `kvlink serve` host, or decode
 //! here pulling from several `kvlink serve` producers (requests spread over
 //! them in turn).
+//!
+//! When a remote prefill server goes away mid-run (its control connection
+//! fails), the run stops issuing, lets the pulls in flight on the decode
+//! side here end (they fail) and reports them, with the error; a remote
+//! decode server that goes away ends the run with the error, as its pulls'
+//! outcomes went with it.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -16,6 +23,8 @@ use serde::Serialize;
 use crate::blocks::BlockPattern;
 use crate::control::{ControlClient, ControlError, PeerStats, RemoteDecode, RemotePrefill};
 use crate::engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};
+use crate::metrics::agreement::{self, Tally};
+use crate::metrics::MetricsHub;
 use crate::stats::{peak_rss_bytes, process_cpu_time, Latencies, ProcessFigures};
 
 /// Bound on waiting for the tasks of shut-down sides to be released before
@@ -54,6 +63,8 @@ pub struct RunOptions {
     pub connect: Vec<String>,
     /// Shared secret of the side channel and TCP data plane of both sides.
     pub auth_secret: Option<AuthSecret>,
+    /// Where this process's workers are shown (a metrics endpoint's hub).
+    pub metrics: Option<MetricsHub>,
 }
 
 /// Why a run stopped.
@@ -90,9 +101,15 @@ pub enum RunError {
 
 impl RunReport {
     /// Whether the run did everything it was asked: every measured request
-    /// received (and verified, if on), nothing failed, warm-up included.
+    /// received (and verified, if on), nothing failed, warm-up included, no
+    /// server went away, and the workers counted what the bench saw.
     pub fn complete(&self) -> bool {
-        self.failed == 0 && self.corrupt == 0 && self.warmup_failed == 0 && self.received == self.requests
+        self.failed == 0
+            && self.corrupt == 0
+            && self.warmup_failed == 0
+            && self.received == self.requests
+            && self.error.is_none()
+            && self.metrics_mismatch.is_empty()
     }
 }
 
@@ -155,6 +172,19 @@ pub struct RunReport {
     /// What this process held: before the run, after the warm-up, at the end
     /// of the measured part and after every side was shut down.
     pub figures: RunFigures,
+    /// Pulls that failed on the decode worker here, by cause (warm-up
+    /// included; causes with a count only; empty when decode ran remotely).
+    pub failures: BTreeMap<String, u64>,
+    /// Requests the prefill worker here failed to send, by cause (warm-up
+    /// included; empty when prefill ran remotely).
+    pub send_failures: BTreeMap<String, u64>,
+    /// Where the bench's own totals and its decode worker's counters
+    /// disagree (none when they agree).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub metrics_mismatch: Vec<String>,
+    /// Why the run ended early: a remote server went away mid-run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// One server of a remote run.
@@ -317,9 +347,31 @@ impl DecodeSide {
 struct Sides {
     prefill: PrefillSide,
     decode: DecodeSide,
+    /// Why a remote prefill server is taken as gone: no further call goes
+    /// to any server.
+    lost: Option<String>,
 }
 
 impl Sides {
+    /// Whether a failed call to a remote prefill server is survivable: the
+    /// decode side is here, so the pulls in flight still end and are told.
+    fn may_lose_prefill(&self) -> bool {
+        matches!((&self.prefill, &self.decode), (PrefillSide::Remote(_), DecodeSide::Local(_)))
+    }
+
+    /// Takes `error` of a call to a remote prefill server as the end of
+    /// it, where that is survivable; otherwise hands it back.
+    fn lose(&mut self, error: RunError) -> Result<(), RunError> {
+        match error {
+            RunError::Control(e) if self.may_lose_prefill() => {
+                tracing::error!(error = %e, "a prefill server went away; the pulls in flight end, no more are issued");
+                self.lost.get_or_insert_with(|| e.to_string());
+                Ok(())
+            }
+            e => Err(e),
+        }
+    }
+
     /// Waits up to `timeout` for pulls to finish. While decode waits here
     /// for remote prefills, their control connections are silent: they are
     /// kept alive with pings, or the servers would end the sessions as idle.
@@ -327,7 +379,8 @@ impl Sides {
         let (DecodeSide::Local(d), PrefillSide::Remote(servers)) = (&mut self.decode, &mut self.prefill) else {
             return self.decode.complete(timeout).await;
         };
-        let Some(every) = servers.iter_mut().map(|r| r.client().keepalive_interval()).min() else {
+        let every = servers.iter_mut().map(|r| r.client().keepalive_interval()).min();
+        let Some(every) = every.filter(|_| self.lost.is_none()) else {
             return Ok(d.complete(timeout).await);
         };
         let deadline = Instant::now() + timeout;
@@ -338,20 +391,66 @@ impl Sides {
                 return Ok(done);
             }
             for r in servers.iter_mut() {
-                r.client().ping().await?;
+                if let Err(e) = r.client().ping().await {
+                    self.lost.get_or_insert_with(|| e.to_string());
+                    tracing::error!(error = %e, "a prefill server went away; the pulls in flight end, no more are issued");
+                    // Wait on the decode side alone from now on.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    return Ok(d.complete(left).await);
+                }
             }
         }
     }
 
-    /// Each server's address and figures, on a remote run (empty otherwise).
+    /// Each server's address and figures, on a remote run (empty otherwise,
+    /// and once a server is gone).
     async fn peer_stats(&mut self) -> Result<Vec<(String, PeerStats)>, RunError> {
+        if self.lost.is_some() {
+            return Ok(Vec::new());
+        }
         let mut clients = self.prefill.remotes();
         clients.extend(self.decode.remote());
         let mut out = Vec::with_capacity(clients.len());
+        let mut failed = None;
         for c in clients {
-            out.push((c.peer_addr().to_string(), c.stats().await?));
+            match c.stats().await {
+                Ok(stats) => out.push((c.peer_addr().to_string(), stats)),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
-        Ok(out)
+        match failed {
+            None => Ok(out),
+            Some(e) => self.lose(e.into()).map(|()| Vec::new()),
+        }
+    }
+
+    /// The failures by cause of the workers here, and where the decode
+    /// worker's counters disagree with `tally` (what the bench saw of it).
+    fn failures(&self, tally: &Tally, report: &mut RunReport) {
+        if let DecodeSide::Local(d) = &self.decode {
+            let counted = d.worker().metrics();
+            report.failures = agreement::nonzero(&counted.pulls_failed);
+            report.metrics_mismatch = agreement::disagreements(tally, &counted);
+            for mismatch in &report.metrics_mismatch {
+                tracing::error!(%mismatch, "the bench and its decode worker disagree");
+            }
+        }
+        if let PrefillSide::Local(p) = &self.prefill {
+            report.send_failures = agreement::nonzero(&p.worker().metrics().sends_failed);
+        }
+    }
+
+    /// Shuts both sides down; a server that is gone is not called.
+    async fn shutdown(self) -> Result<(), RunError> {
+        let Sides { prefill, decode, lost } = self;
+        match (prefill, lost) {
+            (PrefillSide::Remote(servers), Some(_)) => drop(servers),
+            (prefill, _) => prefill.shutdown().await?,
+        }
+        decode.shutdown().await
     }
 }
 
@@ -377,9 +476,17 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
         let mut decode = DecodeInstance::start(d_config, shape, opts.pattern, 2).await?;
         prefill.set_write_patterns(opts.verify);
         decode.set_verify(opts.verify);
+        if let Some(hub) = &opts.metrics {
+            prefill.expose(hub);
+            decode.expose(hub);
+        }
         report.side = "both".to_owned();
         report.cache_bytes = 2 * shape.total_bytes();
-        return Ok(Sides { prefill: PrefillSide::Local(Box::new(prefill)), decode: DecodeSide::Local(decode) });
+        return Ok(Sides {
+            prefill: PrefillSide::Local(Box::new(prefill)),
+            decode: DecodeSide::Local(decode),
+            lost: None,
+        });
     }
     let call_timeout = opts.stall_timeout + Duration::from_secs(10);
     let mut clients = Vec::with_capacity(opts.connect.len());
@@ -403,18 +510,25 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
         let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts, Some(here));
         let mut prefill = PrefillInstance::start(config, shape, opts.pattern, 1).await?;
         prefill.set_write_patterns(opts.verify);
+        if let Some(hub) = &opts.metrics {
+            prefill.expose(hub);
+        }
         report.side = "prefill".to_owned();
         return Ok(Sides {
             prefill: PrefillSide::Local(Box::new(prefill)),
             decode: DecodeSide::Remote(RemoteDecode::new(client)),
+            lost: None,
         });
     }
     let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts, Some(here));
     let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
     decode.set_verify(opts.verify);
+    if let Some(hub) = &opts.metrics {
+        decode.expose(hub);
+    }
     report.side = "decode".to_owned();
     let servers = clients.into_iter().map(|(c, _)| RemotePrefill::new(c)).collect();
-    Ok(Sides { prefill: PrefillSide::Remote(servers), decode: DecodeSide::Local(decode) })
+    Ok(Sides { prefill: PrefillSide::Remote(servers), decode: DecodeSide::Local(decode), lost: None })
 }
 
 /// Runs the loop; `progress` ticks once per measured request.
@@ -438,6 +552,8 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
     let total = opts.warmup + opts.requests;
     let mut latencies = Latencies::default();
+    // Every request's outcome, warm-up included: what the workers count.
+    let mut tally = Tally::default();
     let mut ops_total = 0u64;
     let (mut next, mut finished) = (0usize, 0usize);
     let mut measure_start: Option<(Instant, Duration)> = None;
@@ -463,6 +579,10 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                     break; // drain the warm-up before measuring
                 }
                 peer_start = sides.peer_stats().await?;
+                if sides.lost.is_some() {
+                    failing = true;
+                    break;
+                }
                 report.figures.warm = ProcessFigures::sample();
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
@@ -473,7 +593,15 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             };
             let prefix_hit = opts.prefix_hit_every > 0 && next % opts.prefix_hit_every == opts.prefix_hit_every - 1;
             let prefix_hit_tokens = if prefix_hit { (opts.blocks_per_request / 4) * block_size } else { 0 };
-            for (spec, params, local) in sides.prefill.prefill(std::slice::from_ref(&spec), next).await? {
+            let prefilled = match sides.prefill.prefill(std::slice::from_ref(&spec), next).await {
+                Ok(prefilled) => prefilled,
+                Err(e) => {
+                    sides.lose(e)?;
+                    failing = true;
+                    break;
+                }
+            };
+            for (spec, params, local) in prefilled {
                 let pull =
                     PullSpec { id: spec.id, prompt_len: spec.prompt_len, seed: spec.seed, params, prefix_hit_tokens };
                 for remote in sides.decode.schedule(std::slice::from_ref(&pull)).await? {
@@ -486,7 +614,11 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             }
             next += 1;
         }
+        if finished == next {
+            break; // nothing in flight and nothing more to issue
+        }
         let completions = sides.complete(opts.stall_timeout).await?;
+        failing |= sides.lost.is_some();
         if completions.is_empty() {
             return Err(EngineError::Stalled { waited: opts.stall_timeout, in_flight: sides.decode.pulling() }.into());
         }
@@ -495,6 +627,14 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             // the first `warmup` completions are exactly the warm-up's.
             let is_warmup = finished < opts.warmup;
             finished += 1;
+            match &c {
+                Completion::Received { blocks, .. } => {
+                    tally.received += 1;
+                    tally.bytes += *blocks as u64 * bytes_per_block;
+                }
+                Completion::Corrupt { .. } => tally.corrupt += 1,
+                Completion::Failed { .. } => tally.failed += 1,
+            }
             if !matches!(c, Completion::Received { .. }) {
                 failing = true;
             }
@@ -532,6 +672,9 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
         report.figures.warm = report.figures.end;
     }
     let peer_end = sides.peer_stats().await?;
+    sides.failures(&tally, &mut report);
+    report.error = sides.lost.clone();
+    failing |= sides.lost.is_some();
     // Let P's last frees arrive, so nothing is left held. After failed
     // pulls P may hold those requests until its lease ends: don't wait for it.
     if !failing {
@@ -568,9 +711,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
         report.peer_cpu_seconds_per_gb = Some(report.peers.iter().map(|p| p.cpu_seconds_per_gb).sum());
         report.peer_peak_rss_bytes = report.peers.iter().map(|p| p.peak_rss_bytes).max();
     }
-    let Sides { prefill, decode } = sides;
-    prefill.shutdown().await?;
-    decode.shutdown().await?;
+    sides.shutdown().await?;
     // Everything this run spawned is shut down: as many tasks as before it.
     report.figures.after = ProcessFigures::settled(report.figures.baseline.tokio_tasks, SETTLE_BOUND).await;
     Ok(report)

@@ -158,6 +158,9 @@ pub struct ServeOptions {
     /// the server does anything for them) and of the worker's side channel
     /// and data plane.
     pub auth_secret: Option<AuthSecret>,
+    /// Where each session's instance shows its worker (a metrics endpoint's
+    /// hub; the worker's counts stay there after the instance shuts down).
+    pub metrics: Option<crate::metrics::MetricsHub>,
 }
 
 /// The worker bounds a server's instances run with.
@@ -668,6 +671,9 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
                 .await
                 .map_err(|e| format!("prefill: {e}"))?;
             p.set_write_patterns(verify);
+            if let Some(hub) = &opts.metrics {
+                p.expose(hub);
+            }
             Instance::Prefill(p)
         }
         _ => {
@@ -679,6 +685,9 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.transfer_timeout = opts.worker_bounds.transfer_timeout;
             let mut d = DecodeInstance::start(config, shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
             d.set_verify(verify);
+            if let Some(hub) = &opts.metrics {
+                d.expose(hub);
+            }
             Instance::Decode(d)
         }
     })

@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 pub mod faults;
 pub mod netns;
 pub mod proxy;
+pub mod scrape;
 
 pub const KVLINK: &str = env!("CARGO_BIN_EXE_kvlink");
 /// Bound on every wait: readiness, a bench run, an exit.
@@ -42,6 +43,8 @@ pub struct Proc {
     stderr: Option<JoinHandle<String>>,
     /// Stderr lines as they come (the whole of it is also kept for `finish`).
     log: mpsc::Receiver<String>,
+    /// Its standard input, when the test holds it open.
+    stdin: Option<ChildStdin>,
 }
 
 impl Proc {
@@ -51,10 +54,27 @@ impl Proc {
         Self::spawn_command(name, cmd)
     }
 
+    /// Like [`Proc::spawn`], with its standard input held open until
+    /// [`Proc::close_stdin`] (or the end of the `Proc`).
+    pub fn spawn_holding_stdin(name: &'static str, args: &[&str]) -> Self {
+        let mut cmd = kvlink_command(None);
+        cmd.args(args);
+        Self::start(name, cmd, true)
+    }
+
+    /// Closes its standard input (held by [`Proc::spawn_holding_stdin`]).
+    pub fn close_stdin(&mut self) {
+        self.stdin.take();
+    }
+
     /// Starts `cmd` with its output piped.
-    pub fn spawn_command(name: &'static str, mut cmd: Command) -> Self {
+    pub fn spawn_command(name: &'static str, cmd: Command) -> Self {
+        Self::start(name, cmd, false)
+    }
+
+    fn start(name: &'static str, mut cmd: Command, hold_stdin: bool) -> Self {
         let mut child = cmd
-            .stdin(Stdio::null())
+            .stdin(if hold_stdin { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -80,7 +100,8 @@ impl Proc {
             }
             s
         }));
-        Self { name, child, lines, stdout: Vec::new(), stderr, log }
+        let stdin = child.stdin.take();
+        Self { name, child, lines, stdout: Vec::new(), stderr, log, stdin }
     }
 
     /// The next stdout line (bounded).

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kv_proto::{KvTransferParams, LayoutKind, Protocol, ReqId};
-use kv_worker::{CacheDims, CacheShape};
+use kv_worker::{AuthSecret, CacheDims, CacheShape};
 use kvlink::control::{check_shape, ControlClient, RemoteDecode, RemotePrefill};
 use kvlink::{BlockPattern, Completion, PromptSpec, PullSpec};
 
@@ -45,9 +45,14 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// [`shape`], contiguous block ids (a later request reuses a failed one's
 /// blocks: a late write into them would show) and verification on.
 pub async fn session(control: SocketAddr) -> ControlClient {
+    session_with(control, None).await
+}
+
+/// Like [`session`], proving `secret` to a server that has one.
+pub async fn session_with(control: SocketAddr, secret: Option<&AuthSecret>) -> ControlClient {
     let bound = super::BOUND;
     let mut client = ControlClient::connect(&control.to_string(), bound, bound).await.unwrap();
-    client.hello(shape(), BlockPattern::Contiguous, Protocol::Tcp, true, None).await.unwrap();
+    client.hello(shape(), BlockPattern::Contiguous, Protocol::Tcp, true, secret).await.unwrap();
     client
 }
 
@@ -72,9 +77,20 @@ pub struct Proxy {
 
 impl Proxy {
     pub async fn start(p: SocketAddr, d: SocketAddr, tag: &str) -> Self {
+        Self::start_with(p, None, d, None, tag).await
+    }
+
+    /// Like [`Proxy::start`], proving `p_secret` to P and `d_secret` to D.
+    pub async fn start_with(
+        p: SocketAddr,
+        p_secret: Option<&AuthSecret>,
+        d: SocketAddr,
+        d_secret: Option<&AuthSecret>,
+        tag: &str,
+    ) -> Self {
         Self {
-            p: RemotePrefill::new(session(p).await),
-            d: RemoteDecode::new(session(d).await),
+            p: RemotePrefill::new(session_with(p, p_secret).await),
+            d: RemoteDecode::new(session_with(d, d_secret).await),
             tag: format!("{tag}-{}", std::process::id()),
             next: 0,
         }
