@@ -17,7 +17,12 @@ fn r(s: &str) -> ReqId {
 }
 
 fn request(id: &str, engine: Option<&str>) -> RequestBlocks {
-    RequestBlocks { req_id: r(id), decode_req_id: None, prefill_engine_id: engine.map(EngineId::new), block_ids: vec![7] }
+    RequestBlocks {
+        req_id: r(id),
+        decode_req_id: None,
+        prefill_engine_id: engine.map(EngineId::new),
+        block_ids: vec![7],
+    }
 }
 
 fn cause(outcome: &Outcome) -> Option<FailureCause> {
@@ -80,10 +85,38 @@ fn requests_meant_for_another_prefill_engine_are_refused_and_not_claimed() {
 /// A request not finished when the wait ends: its outcome, and whether P
 /// abandons it (frees it as soon as the engine finishes it).
 #[rstest]
-#[case::budget_passes(Duration::from_secs(30), LEASE, WaitEnd::Deadline, FailureCause::NotReady, "wait budget of 30s", true)]
-#[case::abort_timeout_first(Duration::from_secs(600), Duration::from_secs(20), WaitEnd::Deadline, FailureCause::NotReady, "within 20s", true)]
-#[case::decode_went_away(Duration::from_secs(30), LEASE, WaitEnd::ConnectionClosed, FailureCause::ConnectionLost, "connection closed", true)]
-#[case::prefill_shutting_down(Duration::from_secs(30), LEASE, WaitEnd::Shutdown, FailureCause::Shutdown, "shutting down", false)]
+#[case::budget_passes(
+    Duration::from_secs(30),
+    LEASE,
+    WaitEnd::Deadline,
+    FailureCause::NotReady,
+    "wait budget of 30s",
+    true
+)]
+#[case::abort_timeout_first(
+    Duration::from_secs(600),
+    Duration::from_secs(20),
+    WaitEnd::Deadline,
+    FailureCause::NotReady,
+    "within 20s",
+    true
+)]
+#[case::decode_went_away(
+    Duration::from_secs(30),
+    LEASE,
+    WaitEnd::ConnectionClosed,
+    FailureCause::ConnectionLost,
+    "connection closed",
+    true
+)]
+#[case::prefill_shutting_down(
+    Duration::from_secs(30),
+    LEASE,
+    WaitEnd::Shutdown,
+    FailureCause::Shutdown,
+    "shutting down",
+    false
+)]
 fn a_wait_that_ends_fails_what_still_waits(
     #[case] budget: Duration,
     #[case] abort_timeout: Duration,

@@ -158,6 +158,23 @@ fn device_holds(side: &Side, seed: u64, blocks: &[BlockId]) -> bool {
     })
 }
 
+/// P sends request "a" (seed `seed`) to D; D's pull lands in its slots
+/// and the copy to its device is ordered, not run.
+async fn pulled_not_copied(p: &mut Side, d: &mut Side, seed: u64) {
+    filled(p, seed, &[0, 1]);
+    p.start(&ready_meta(&[("a", vec![0, 1])]));
+    p.run_copies();
+    let meta = recv_meta(p, &[("a", vec![8, 9])]);
+    d.start(&meta);
+    let deadline = Instant::now() + BOUND;
+    while d.copies.is_empty() {
+        assert!(Instant::now() < deadline, "D's pull never landed");
+        p.poll();
+        d.poll();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_requests_than_slots_all_land_byte_exact_and_every_slot_comes_back() {
     let net = Net::new(Backend::Tcp).unwrap();
@@ -249,19 +266,7 @@ async fn a_pull_cancelled_mid_copy_is_waited_for_then_never_reported() {
     let net = Net::new(Backend::Tcp).unwrap();
     let mut p = side(&net, KvRole::Producer, "p", 4).await;
     let mut d = side(&net, KvRole::Consumer, "d", 4).await;
-    filled(&p, 3, &[0, 1]);
-    p.start(&ready_meta(&[("a", vec![0, 1])]));
-    p.run_copies();
-    let meta = recv_meta(&p, &[("a", vec![8, 9])]);
-    d.start(&meta);
-    // D's pull lands in its slots; the copy to the device is ordered, not run.
-    let deadline = Instant::now() + BOUND;
-    while d.copies.is_empty() {
-        assert!(Instant::now() < deadline);
-        p.poll();
-        d.poll();
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    pulled_not_copied(&mut p, &mut d, 3).await;
     let cancel =
         ConnectorMetadata { reqs_to_cancel: BTreeSet::from([ReqId::new("a")]), ..ConnectorMetadata::default() };
     let wait_for = d.start(&cancel);
@@ -279,18 +284,7 @@ async fn a_decode_gone_mid_copy_leaves_p_with_every_slot_free() {
     let net = Net::new(Backend::Tcp).unwrap();
     let mut p = side(&net, KvRole::Producer, "p", 4).await;
     let mut d = side(&net, KvRole::Consumer, "d", 4).await;
-    filled(&p, 4, &[0, 1]);
-    p.start(&ready_meta(&[("a", vec![0, 1])]));
-    p.run_copies();
-    let meta = recv_meta(&p, &[("a", vec![8, 9])]);
-    d.start(&meta);
-    let deadline = Instant::now() + BOUND;
-    while d.copies.is_empty() {
-        assert!(Instant::now() < deadline);
-        p.poll();
-        d.poll();
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    pulled_not_copied(&mut p, &mut d, 4).await;
     d.staged.shutdown().await;
     let deadline = Instant::now() + BOUND;
     while p.staged.staging_state() != (0, 4) {
