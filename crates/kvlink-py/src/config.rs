@@ -28,7 +28,45 @@ pub(crate) const EXTRA_KEYS: &[(&str, &str)] = &[
     ("auth_secret_file", "path of a file holding the shared secret of the side channel and TCP data plane"),
     ("advertised_host", "host name or address peers use to reach this instance (default: this host's IP)"),
     ("bind_host", "address the listeners bind (default: advertised_host if it is an IP address, else 0.0.0.0)"),
+    (
+        "host_staging",
+        "\"auto\" (KV of a cache outside host memory, a CUDA cache, moves through pinned host staging), \"always\" (a host cache too) or \"never\" (default \"auto\")",
+    ),
+    (
+        "staging_bytes",
+        "bytes of pinned host staging per worker, a whole number from 1 to 2^50, at least one block of every layer; capped at the cache's own size (default 4294967296, 4 GiB)",
+    ),
+    ("staging_wait", "seconds a transfer waits for free staging slots before it fails (default: transfer_timeout)"),
 ];
+
+/// `staging_bytes` when none is given: 4 GiB.
+pub(crate) const DEFAULT_STAGING_BYTES: u64 = 4 << 30;
+
+/// The largest `staging_bytes` accepted (1 PiB).
+const MAX_STAGING_BYTES: u64 = 1 << 50;
+
+/// `host_staging`: when a worker moves KV through host staging.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum HostStaging {
+    /// Iff the KV cache is not in host memory.
+    #[default]
+    Auto,
+    /// Always, a host cache too.
+    Always,
+    /// Never: a cache outside host memory is a start-up error.
+    Never,
+}
+
+impl HostStaging {
+    /// The setting's name in `kv_connector_extra_config`.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            HostStaging::Auto => "auto",
+            HostStaging::Always => "always",
+            HostStaging::Never => "never",
+        }
+    }
+}
 
 /// Keys vLLM's own P/D connectors define in `kv_connector_extra_config`,
 /// with the connector that reads each: accepted and ignored (the caller logs
@@ -87,6 +125,12 @@ pub(crate) struct Settings {
     pub(crate) advertised_host: Option<String>,
     /// `bind_host`.
     pub(crate) bind_host: Option<IpAddr>,
+    /// `host_staging`.
+    pub(crate) host_staging: HostStaging,
+    /// `staging_bytes` (default applied).
+    pub(crate) staging_bytes: u64,
+    /// `staging_wait` (`None`: the worker's transfer timeout).
+    pub(crate) staging_wait: Option<Duration>,
     /// Keys of other vLLM connectors that were given and are ignored, with
     /// the connector that reads each.
     pub(crate) ignored: Vec<(String, &'static str)>,
@@ -177,6 +221,21 @@ impl Settings {
                 ))
             })?),
         };
+        let host_staging = match extra.get("host_staging") {
+            None | Some(Value::Null) => HostStaging::Auto,
+            Some(v) => match v.as_str() {
+                Some("auto") => HostStaging::Auto,
+                Some("always") => HostStaging::Always,
+                Some("never") => HostStaging::Never,
+                _ => return Err(invalid("host_staging", v)),
+            },
+        };
+        let staging_bytes = match extra.get("staging_bytes") {
+            None | Some(Value::Null) => DEFAULT_STAGING_BYTES,
+            Some(v) => {
+                v.as_u64().filter(|n| (1..=MAX_STAGING_BYTES).contains(n)).ok_or_else(|| invalid("staging_bytes", v))?
+            }
+        };
         Ok(Self {
             transfer,
             queue_depth,
@@ -187,6 +246,9 @@ impl Settings {
             auth_secret_file,
             advertised_host: text(extra, "advertised_host")?.map(str::to_owned),
             bind_host,
+            host_staging,
+            staging_bytes,
+            staging_wait: seconds(extra, "staging_wait")?,
             ignored,
         })
     }

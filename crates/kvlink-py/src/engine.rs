@@ -1,10 +1,12 @@
 //! The one module that uses `kv-worker`'s API: config construction, start
-//! over engine memory, the per-step calls, and shutdown. Everything else in
-//! this crate goes through [`Engine`].
+//! over engine memory (or over host staging in front of it, with
+//! kv-worker's `StagedWorker`), the per-step calls, and shutdown.
+//! Everything else in this crate goes through [`Engine`].
 
 use std::time::Duration;
 
 use kv_proto::{ConnectorMetadata, LayoutKind};
+use kv_worker::staging::{CopyWork, StagedWorker};
 use kv_worker::{Finished, LayerCache, LayerTensor, RegisteredCache, Worker, WorkerConfig};
 
 use crate::config::Settings;
@@ -88,15 +90,27 @@ pub(crate) fn registered_cache(
     Ok(RegisteredCache::new(kind, engine_block_size, &layers).map_err(kv_worker::WorkerError::from)?)
 }
 
-/// A running kv-worker over engine memory.
+/// How a worker reaches the engine's KV.
+enum Inner {
+    /// The registered cache is the engine's own (host) memory.
+    Direct(Worker),
+    /// The registered cache is host staging; the engine copies between its
+    /// blocks and the slots as the [`StagedWorker`] orders.
+    Staged(Box<StagedWorker>),
+}
+
+/// A running kv-worker over engine memory, or over host staging in front
+/// of it.
 pub(crate) struct Engine {
-    worker: Worker,
+    inner: Inner,
     runtime: &'static ProcessRuntime,
 }
 
 impl Engine {
     /// Opens the configured transport and starts the worker. Blocks until
-    /// the listeners are bound.
+    /// the listeners are bound. With `staging_wait`, `cache` is host staging
+    /// memory (its blocks are the slots) and a request waits at most that
+    /// long for free slots.
     ///
     /// # Safety
     ///
@@ -108,6 +122,7 @@ impl Engine {
         runtime: &'static ProcessRuntime,
         config: WorkerConfig,
         cache: RegisteredCache,
+        staging_wait: Option<Duration>,
     ) -> Result<Self> {
         let worker = runtime.get().block_on(async move {
             let writer = kv_worker::transport::open(&config).await?;
@@ -116,44 +131,96 @@ impl Engine {
             // to be shut down.
             unsafe { Worker::start_with_writer(config, cache, writer).await }
         })?;
-        Ok(Self { worker, runtime })
+        let inner = match staging_wait {
+            None => Inner::Direct(worker),
+            Some(wait) => Inner::Staged(Box::new(StagedWorker::new(worker, wait))),
+        };
+        Ok(Self { inner, runtime })
     }
 
-    /// Applies one step's metadata (returns at once).
-    pub(crate) fn start_load_kv(&self, meta: &ConnectorMetadata) {
-        self.worker.start_load_kv(meta);
+    fn worker(&self) -> &Worker {
+        match &self.inner {
+            Inner::Direct(worker) => worker,
+            Inner::Staged(staged) => staged.worker(),
+        }
     }
 
-    /// What finished since the last call.
-    pub(crate) fn get_finished(&self) -> Finished {
-        self.worker.get_finished()
+    /// Applies one step's metadata (returns at once, once this step's
+    /// cancelled pulls are fenced on the wire); the copies it orders.
+    pub(crate) fn start_load_kv(&self, meta: &ConnectorMetadata) -> CopyWork {
+        match &self.inner {
+            Inner::Direct(worker) => {
+                worker.start_load_kv(meta);
+                CopyWork::default()
+            }
+            Inner::Staged(staged) => staged.start_load_kv(meta),
+        }
+    }
+
+    /// The engine finished these copies; the copies that became due.
+    pub(crate) fn copies_done(&self, ids: Vec<u64>) -> CopyWork {
+        match &self.inner {
+            Inner::Direct(_) => CopyWork::default(),
+            Inner::Staged(staged) => staged.copies_done(ids),
+        }
+    }
+
+    /// What finished since the last call (the engine's block ids), and the
+    /// copies that became due.
+    pub(crate) fn get_finished(&self) -> (Finished, CopyWork) {
+        match &self.inner {
+            Inner::Direct(worker) => (worker.get_finished(), CopyWork::default()),
+            Inner::Staged(staged) => staged.get_finished(),
+        }
+    }
+
+    /// `(requests in staging, free slots, slots)`, or `None` without staging.
+    pub(crate) fn staging_state(&self) -> Option<(usize, usize, u64)> {
+        match &self.inner {
+            Inner::Direct(_) => None,
+            Inner::Staged(staged) => {
+                let (requests, free) = staged.staging_state();
+                Some((requests, free, staged.worker().cache().num_blocks()))
+            }
+        }
     }
 
     /// Port of this worker's side-channel listener (producers only).
     pub(crate) fn side_channel_port(&self) -> Option<u16> {
-        self.worker.side_channel_addr().map(|a| a.port())
+        self.worker().side_channel_addr().map(|a| a.port())
     }
 
     /// The data-plane endpoint, as text.
     pub(crate) fn data_endpoint(&self) -> String {
-        self.worker.data_endpoint().to_string()
+        self.worker().data_endpoint().to_string()
     }
 
     /// Everything the worker counts, now.
     pub(crate) fn metrics(&self) -> kv_worker::metrics::MetricsSnapshot {
-        self.worker.metrics()
+        self.worker().metrics()
     }
 
     /// Transfer requests admitted on this (prefill) worker and not answered yet.
     pub(crate) fn transfers_in_progress(&self) -> usize {
-        self.worker.transfers_in_progress()
+        self.worker().transfers_in_progress()
     }
 
     /// Stops every task and the transport; `Ok` once no access to the
     /// registered memory can happen any more, `Err(())` if that did not
     /// finish within `timeout` (the memory must then be kept alive for good).
     pub(crate) fn shutdown(self, timeout: Duration) -> std::result::Result<(), ()> {
-        let Self { worker, runtime } = self;
-        runtime.get().block_on(async move { tokio::time::timeout(timeout, worker.shutdown()).await }).map_err(|_| ())
+        let Self { inner, runtime } = self;
+        runtime
+            .get()
+            .block_on(async move {
+                tokio::time::timeout(timeout, async move {
+                    match inner {
+                        Inner::Direct(worker) => worker.shutdown().await,
+                        Inner::Staged(staged) => (*staged).shutdown().await,
+                    }
+                })
+                .await
+            })
+            .map_err(|_| ())
     }
 }

@@ -2,13 +2,15 @@
 //! package that vLLM loads as a KV connector.
 //!
 //! - `sched`: `Scheduler`, the sans-IO scheduler side (no thread, no runtime);
-//! - `worker`: `Worker`, a kv-worker over the engine's KV cache, which the
-//!   caller describes with plain integers (see its safety contract);
+//! - `worker`: `Worker`, a kv-worker over the engine's KV cache, or over
+//!   host staging in front of it, which the caller describes with plain
+//!   integers (see its safety contract);
 //! - `settings` / `config`: `Settings`, `--kv-transfer-config` with every
 //!   `kv_connector_extra_config` key checked;
 //! - `engine`: the only module that calls kv-worker's API;
 //! - `step`: the per-step metadata envelope and what may be reported to vLLM;
-//! - `metrics`: the worker's metric families as Python data, by interval;
+//! - `metrics`: the worker's metric families as Python data, by interval
+//!   (and `zero_metrics()`, every family at zero);
 //! - `runtime`: the lazily created, process-bound tokio runtime (fork guard).
 //!
 //! Importing the module starts no thread; the runtime and the log subscriber
@@ -41,6 +43,14 @@ fn compiled_protocols() -> Vec<&'static str> {
     kv_worker::transport::compiled_in().into_iter().map(kv_proto::Protocol::as_str).collect()
 }
 
+/// Every metric family at zero, as a worker that has done nothing reports
+/// them (the shape of `Worker.metrics()`): what exporters register before
+/// any worker reports.
+#[pyfunction]
+fn zero_metrics(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+    metrics::families_to_py(py, &kv_worker::metrics::MetricsSnapshot::zero())
+}
+
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -54,5 +64,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::PyWorker>()?;
     m.add_function(wrap_pyfunction!(runtime_owner_pid, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_protocols, m)?)?;
+    m.add_function(wrap_pyfunction!(zero_metrics, m)?)?;
     Ok(())
 }

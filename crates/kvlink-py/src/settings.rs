@@ -84,6 +84,24 @@ impl PySettings {
         self.inner.auth_secret_file.as_ref().map(|p| p.display().to_string())
     }
 
+    /// `host_staging`: `"auto"`, `"always"` or `"never"`.
+    #[getter]
+    fn host_staging(&self) -> &'static str {
+        self.inner.host_staging.as_str()
+    }
+
+    /// `staging_bytes`, the default applied.
+    #[getter]
+    fn staging_bytes(&self) -> u64 {
+        self.inner.staging_bytes
+    }
+
+    /// `staging_wait` in seconds, if set (else the worker's transfer timeout).
+    #[getter]
+    fn staging_wait(&self) -> Option<f64> {
+        self.inner.staging_wait.map(|d| d.as_secs_f64())
+    }
+
     /// The keys `kv_connector_extra_config` accepts, with what each means.
     #[staticmethod]
     fn known_keys() -> Vec<(&'static str, &'static str)> {

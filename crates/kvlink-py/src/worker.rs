@@ -1,13 +1,26 @@
-//! The worker side for Python: one kv-worker over the engine's KV cache.
+//! The worker side for Python: one kv-worker over the engine's KV cache,
+//! or over host staging in front of it.
 //!
 //! Python objects are touched only by the calling Python thread: the
 //! runtime's tasks see plain integers (addresses, lengths, block ids) and
 //! owned Rust values. Calls that may wait release the GIL.
+//!
+//! **Staged** (`staged=True`): the registered memory is host staging the
+//! caller allocated, one region per region of the engine's cache with the
+//! same block length and as many blocks as there are slots; kv-worker's
+//! `StagedWorker` decides which request holds which slots and which copies
+//! the engine runs between its blocks and the slots. The copies are the
+//! caller's (`kvlink_vllm.staging`): every call queues the copies it
+//! ordered for [`PyWorker::take_copies`], the caller runs them and reports
+//! them with [`PyWorker::copies_done`]. The worker stays device-agnostic:
+//! it registers, grants and writes staging memory only.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kv_proto::{BlockId, LayoutKind, ReqId};
+use kv_worker::staging::{CopyDirection, CopyOrder, CopyWork};
+use kv_worker::Finished;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -24,9 +37,32 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 /// One tensor as `(address, bytes, blocks, tokens per block)`.
 type TensorTuple = (u64, u64, u64, u32);
 
+/// One copy order as Python sees it: `(id, request, "to_staging" |
+/// "to_device", [(engine block, slot), ...])`.
+type CopyTuple = (u64, String, &'static str, Vec<(BlockId, BlockId)>);
+
+fn copy_tuple(order: CopyOrder) -> CopyTuple {
+    let direction = match order.direction {
+        CopyDirection::ToStaging => "to_staging",
+        CopyDirection::ToDevice => "to_device",
+    };
+    (order.id, order.req.as_str().to_owned(), direction, order.pairs)
+}
+
+fn merge(into: &mut Finished, from: Finished) {
+    into.sending.extend(from.sending);
+    into.receiving.extend(from.receiving);
+    into.failed_receiving.extend(from.failed_receiving);
+}
+
 struct Running {
     engine: Engine,
     filter: ReportFilter,
+    /// Staged: copies ordered and not yet taken by [`PyWorker::take_copies`].
+    copies: Vec<CopyOrder>,
+    /// Staged: what [`PyWorker::pump`] collected for the engine's next
+    /// `get_finished`.
+    stash: Finished,
     /// What `metrics_since_last` reported last.
     intervals: Intervals,
     /// The Python objects owning the registered memory (vLLM's tensors),
@@ -35,6 +71,12 @@ struct Running {
 }
 
 impl Running {
+    /// Queues the copies of `work`; returns what must be finished now.
+    fn queue(&mut self, work: CopyWork) -> Vec<u64> {
+        self.copies.extend(work.copies);
+        work.wait_for
+    }
+
     /// Stops the engine; releases the memory's owners only if it stopped.
     fn stop(self) -> bool {
         let Running { engine, keepalive, .. } = self;
@@ -75,6 +117,8 @@ fn layout_kind(name: &str) -> Result<LayoutKind> {
 /// holds until it is shut down, and nothing frees, moves or resizes that
 /// memory meanwhile. Blocks are read by peers only after vLLM finished
 /// writing them, and written only into blocks vLLM allocated for a pull.
+/// Staged, the memory is the staging, and the caller copies a slot only as
+/// ordered (into slots before they are reported done, out of them after).
 #[pyclass(name = "Worker", module = "kvlink_vllm._native", frozen)]
 pub(crate) struct PyWorker {
     /// The process that started it.
@@ -101,7 +145,10 @@ impl PyWorker {
     /// request it finished while the pull was in flight (it then holds the
     /// request's blocks until the pull is reported, after its fence);
     /// `kvlink_vllm.versions` decides it per vLLM release.
-    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false))]
+    ///
+    /// `staged`: `layers` describe host staging (one region per region of
+    /// the engine's cache, as many blocks as slots), not the engine's cache.
+    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false, staged = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -115,6 +162,7 @@ impl PyWorker {
         tp_size: u16,
         tp_rank: u16,
         report_abandoned_pulls: bool,
+        staged: bool,
     ) -> Result<Self> {
         let rt = runtime::runtime()?;
         let kind = layout_kind(layout)?;
@@ -130,12 +178,13 @@ impl PyWorker {
             .collect();
         let cache = engine::registered_cache(kind, block_size, &layers)?;
         let config = engine::worker_config(settings.inner(), Placement { dp_rank, tp_size, tp_rank }, default_host)?;
+        let staging_wait = staged.then(|| settings.inner().staging_wait.unwrap_or(config.transfer_timeout));
         let engine = py.detach(|| {
             // SAFETY: the regions are the tensors owned by `keepalive` (this
             // type's documented contract with its caller); `keepalive` is
             // stored below and released only after `Engine::shutdown`
             // returned `Ok` (see `Running::stop`), else never.
-            unsafe { Engine::start(rt, config, cache) }
+            unsafe { Engine::start(rt, config, cache, staging_wait) }
         })?;
         let side_channel_port = engine.side_channel_port();
         let data_endpoint = engine.data_endpoint();
@@ -143,41 +192,110 @@ impl PyWorker {
         let intervals = Intervals::new(engine.metrics());
         Ok(Self {
             pid: std::process::id(),
-            state: Mutex::new(Some(Running { engine, filter: ReportFilter::new(abandoned), intervals, keepalive })),
+            state: Mutex::new(Some(Running {
+                engine,
+                filter: ReportFilter::new(abandoned),
+                copies: Vec::new(),
+                stash: Finished::default(),
+                intervals,
+                keepalive,
+            })),
             side_channel_port,
             data_endpoint,
         })
     }
 
     /// Applies one step's metadata (bytes from `Scheduler.build_connector_meta`).
-    fn start_load_kv(&self, py: Python<'_>, payload: &[u8]) -> Result<()> {
+    ///
+    /// Returns the ids of the copies the caller must finish, and report with
+    /// [`PyWorker::copies_done`], before it returns to the engine (staged: a
+    /// pull cancelled while its slots are copied to the engine's blocks;
+    /// a copy not started yet may be dropped instead of run). The copies
+    /// this step ordered wait in [`PyWorker::take_copies`].
+    fn start_load_kv(&self, py: Python<'_>, payload: &[u8]) -> Result<Vec<u64>> {
         runtime::check_pid(self.pid)?;
         let envelope = Envelope::decode(payload)?;
         py.detach(|| {
             let mut guard = self.running()?;
             let running = guard.as_mut().ok_or(Error::ShutDown)?;
             running.filter.started(&envelope);
-            // Fences this step's cancelled pulls before it returns.
-            running.engine.start_load_kv(&envelope.meta);
+            // Fences this step's cancelled pulls (on the wire) before it returns.
+            let work = running.engine.start_load_kv(&envelope.meta);
             running.filter.cancelled(&envelope.meta.reqs_to_cancel);
-            Ok(())
+            Ok(running.queue(work))
         })
     }
 
     /// `(finished_sending, finished_recving)` of this step; `finished_req_ids`
     /// is vLLM's list of requests finished since the previous step. Failed
     /// pulls are in `finished_recving`; their blocks in `take_load_errors()`.
+    /// Staged: in the engine's block ids, a pull reported once its copy to
+    /// the engine's blocks is done; the copies that became due are queued.
     fn get_finished(&self, py: Python<'_>, finished_req_ids: Vec<String>) -> Result<(Vec<String>, Vec<String>)> {
         runtime::check_pid(self.pid)?;
         py.detach(|| {
             let mut guard = self.running()?;
             let running = guard.as_mut().ok_or(Error::ShutDown)?;
-            let finished = running.engine.get_finished();
+            let (mut finished, work) = running.engine.get_finished();
+            running.queue(work);
+            merge(&mut finished, std::mem::take(&mut running.stash));
             let report = running.filter.report(finished_req_ids.into_iter().map(ReqId::from), finished);
             let names =
                 |set: std::collections::BTreeSet<ReqId>| set.into_iter().map(|r| r.as_str().to_owned()).collect();
             Ok((names(report.sending), names(report.recving)))
         })
+    }
+
+    /// Staged: the caller finished these copies (ids of
+    /// [`PyWorker::take_copies`]); unknown ids are ignored. The copies that
+    /// became due (slots freed for waiting requests) are queued.
+    fn copies_done(&self, py: Python<'_>, ids: Vec<u64>) -> Result<()> {
+        runtime::check_pid(self.pid)?;
+        py.detach(|| {
+            let mut guard = self.running()?;
+            let running = guard.as_mut().ok_or(Error::ShutDown)?;
+            let work = running.engine.copies_done(ids);
+            running.queue(work);
+            Ok(())
+        })
+    }
+
+    /// Staged: what the worker finished since the last call, kept for the
+    /// engine's next `get_finished`; slots of finished transfers come back
+    /// and waiting requests get them or fail at their bound. Lets a
+    /// background thread keep staging moving while the engine does not
+    /// step (an idle prefill instance). Without staging it does nothing.
+    fn pump(&self, py: Python<'_>) -> Result<()> {
+        runtime::check_pid(self.pid)?;
+        py.detach(|| {
+            let mut guard = self.running()?;
+            let running = guard.as_mut().ok_or(Error::ShutDown)?;
+            if running.engine.staging_state().is_none() {
+                return Ok(());
+            }
+            let (finished, work) = running.engine.get_finished();
+            running.queue(work);
+            merge(&mut running.stash, finished);
+            Ok(())
+        })
+    }
+
+    /// Staged: the copies ordered since the last call, as `(id, request,
+    /// "to_staging" | "to_device", [(engine block, slot), ...])`, oldest
+    /// first. `to_staging`: engine blocks into slots, then `copies_done`
+    /// (the slots are sent from then on); `to_device`: slots into engine
+    /// blocks, then `copies_done` (the pull is reported received after it).
+    fn take_copies(&self) -> Result<Vec<CopyTuple>> {
+        let mut guard = self.running()?;
+        let running = guard.as_mut().ok_or(Error::ShutDown)?;
+        Ok(std::mem::take(&mut running.copies).into_iter().map(copy_tuple).collect())
+    }
+
+    /// Staged: `(requests in staging, free slots, slots)`; `None` without staging.
+    #[getter]
+    fn staging_state(&self) -> Result<Option<(usize, usize, u64)>> {
+        let guard = self.running()?;
+        Ok(guard.as_ref().and_then(|r| r.engine.staging_state()))
     }
 
     /// Blocks of the failed pulls reported by `get_finished` since the last call.

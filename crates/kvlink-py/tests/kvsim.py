@@ -24,6 +24,11 @@ scheduler ``update_from_output()``
     prefill whose ``max_tokens`` is reached finishes (length capped):
     ``request_finished``, blocks freed unless delayed.
 
+With ``host_staging`` in the extra config ("always": this cache is host
+memory) the worker moves KV through host staging, and its copies between
+the cache and the staging are real copies; :meth:`Instance.hold_copies`
+holds them un-run, so a test can end a process or cancel a pull mid-copy.
+
 ``vllm_release="0.32.0"``: a request aborted while its pull is in flight
 keeps its blocks until the worker reports the pull in ``finished_recving``
 (vLLM PR #32255); the connector runs with that release's behaviour.
@@ -421,7 +426,19 @@ class Instance:
             "side_channel_port": self.worker.connector_worker.worker.side_channel_port,
             "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
+            "staging": self._stager().state() if self._stager() else None,
         }
+
+    # ------------------------------------------------------------------ host staging
+
+    def _stager(self):
+        return self.worker.connector_worker.stager
+
+    def hold_copies(self, held: bool) -> dict:
+        """Holds the staging copies un-run (or runs the held ones): a test
+        can then end this process mid-copy, or cancel a pull mid-copy."""
+        self._stager().hold_copies(held)
+        return self._stager().state()
 
     def metrics(self) -> list:
         """The worker's metric families now (counters since it started)."""
@@ -434,6 +451,15 @@ class Instance:
             for b in blocks
             if any(ctypes.string_at(self._block_addr(r, b), self.block_len).strip(b"\0") for r in range(len(self.regions)))
         ]
+
+    def scribble_free_blocks(self) -> int:
+        """Overwrites every free block (what a new request's forward would
+        do to blocks the engine got back); returns how many."""
+        junk = b"\xa5" * self.block_len
+        for block in self.free_blocks:
+            for region in range(len(self.regions)):
+                ctypes.memmove(self._block_addr(region, block), junk, self.block_len)
+        return len(self.free_blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[self.internal_ids[request_id]].block_ids)

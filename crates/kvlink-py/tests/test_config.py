@@ -20,6 +20,9 @@ ALL_KEYS = {
     "lease_renewal": 0,
     "advertised_host": "p.example",
     "bind_host": "127.0.0.1",
+    "host_staging": "always",
+    "staging_bytes": 1 << 20,
+    "staging_wait": 1.5,
 }
 
 
@@ -34,6 +37,7 @@ def test_every_documented_key_is_accepted(tmp_path):
     secret.write_text("s3cret\n")
     s = settings({**ALL_KEYS, "auth_secret_file": str(secret)})
     assert (s.protocol, s.num_workers, s.advertised_host) == ("tcp", 3, "p.example")
+    assert (s.host_staging, s.staging_bytes, s.staging_wait) == ("always", 1 << 20, 1.5)
     assert s.auth_secret_file == str(secret)
     assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | {"auth_secret_file"}
 
@@ -95,11 +99,25 @@ def test_unknown_key_is_an_error_naming_it():
         ({"advertised_host": ""}, "advertised_host"),
         ({"bind_host": "not-an-ip"}, "bind_host"),
         ({"auth_secret_file": "/nonexistent/kvlink-secret"}, "/nonexistent/kvlink-secret"),
+        ({"host_staging": "sometimes"}, "host_staging"),
+        ({"host_staging": True}, "host_staging"),
+        ({"staging_bytes": 0}, "staging_bytes"),
+        ({"staging_bytes": "4G"}, "staging_bytes"),
+        ({"staging_bytes": 4.5e9}, "staging_bytes"),
+        ({"staging_bytes": 1 << 51}, "staging_bytes"),
+        ({"staging_wait": 0}, "staging_wait"),
+        ({"staging_wait": "1s"}, "staging_wait"),
     ],
 )
 def test_bad_values_name_the_key(extra, named):
     with pytest.raises(ConfigError, match=named):
         settings(extra)
+
+
+def test_staging_defaults():
+    s = settings({})
+    # Staging only for a cache outside host memory; 4 GiB; waits as long as a pull.
+    assert (s.host_staging, s.staging_bytes, s.staging_wait) == ("auto", 4 << 30, None)
 
 
 def test_reference_environment_variables_are_honoured(monkeypatch):

@@ -82,13 +82,33 @@ def test_unreadable_layouts_are_errors_naming_the_layer():
         layout.describe({"l0": t((N, B, D))}, B)
 
 
-def test_device_memory_with_a_host_transport_is_a_startup_error_naming_the_fix():
+@pytest.mark.parametrize(
+    ("devices", "host_staging", "named"),
+    [
+        # Staging forbidden: a CUDA cache is out of the transport's reach.
+        (["cuda"], "never", ["cuda", "host_staging", "CPU backend", "tcp"]),
+        # A device kvlink does not stage.
+        (["xpu"], "auto", ["xpu", "CUDA", "CPU backend"]),
+        # CUDA memory that is not a torch tensor: nothing to copy it with.
+        (["cuda"], "auto", ["cuda", "torch"]),
+        # Layers on different devices.
+        (["cpu", "cuda"], "auto", ["different devices", "cpu", "cuda"]),
+    ],
+)
+def test_a_cache_kvlink_cannot_handle_is_a_startup_error_naming_the_device(devices, host_staging, named):
     settings = adapter.settings_from_transfer_config(
-        SimpleNamespace(kv_role="kv_consumer", engine_id="d", kv_connector_extra_config={"mooncake_protocol": "tcp"})
+        SimpleNamespace(
+            kv_role="kv_consumer",
+            engine_id="d",
+            kv_connector_extra_config={"mooncake_protocol": "tcp", "host_staging": host_staging},
+        )
     )
     side = adapter.WorkerSide(settings, "127.0.0.1", block_size=B)
+    caches = {f"model.layers.{i}.attn": t((2, N, B, H, D), device=d, addr=BASE + i * 10**8) for i, d in enumerate(devices)}
     with pytest.raises(ConfigError) as e:
-        side.register_kv_caches({"model.layers.0.attn": t((2, N, B, H, D), device="cuda")})
+        side.register_kv_caches(caches)
     text = str(e.value)
-    assert "model.layers.0.attn" in text and "cuda" in text and "CPU backend" in text and "tcp" in text
-    assert side._worker is None
+    assert "model.layers.0.attn" in text, text
+    for word in named:
+        assert word in text, (word, text)
+    assert side._worker is None and side.stager is None

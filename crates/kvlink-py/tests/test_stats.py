@@ -251,10 +251,17 @@ def test_prometheus_metrics_carry_every_family_per_engine(instances):
         None, {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, labelnames, {0: ["tiny", "0"], 1: ["tiny", "1"]}
     )
     assert isinstance(prom, KvlinkPromMetrics)
+    families = d.call("metrics")
+    # Every family is registered when the object is made, before any report,
+    # each series of every engine at zero.
+    assert sorted(Recorded.made) == sorted("vllm:kvlink_" + f["name"] for f in families)
+    zero_failed = Recorded.made["vllm:kvlink_pulls_failed"].children
+    causes = len(next(f for f in families if f["name"] == "pulls_failed")["samples"])
+    assert len(zero_failed) == 2 * causes and all(c["value"] == 0 for c in zero_failed.values())
+    assert ("tiny", "0") in Recorded.made["vllm:kvlink_pull_seconds"].children
     for e in events["D"]:
         if e["stats"] is not None:
             prom.observe(e["stats"], engine_idx=1)
-    families = d.call("metrics")
     assert sorted(Recorded.made) == sorted("vllm:kvlink_" + f["name"] for f in families)
     assert prom.names() == sorted(Recorded.made)
     for f in families:
@@ -262,11 +269,14 @@ def test_prometheus_metrics_carry_every_family_per_engine(instances):
         assert type(metric).__name__ == f["kind"].capitalize(), f["name"]
         assert metric.labelnames == labelnames + f["labels"]
         assert metric.documentation == f["help"]
-        assert all(key[:2] == ("tiny", "1") for key in metric.children), "engine 1's labels"
+        assert {key[:2] for key in metric.children} <= {("tiny", "0"), ("tiny", "1")}, "the engines' labels"
+        for key, child in metric.children.items():
+            if key[:2] == ("tiny", "0"):
+                assert child == {"value": 0, "observed": []}, ("engine 0 reported nothing", f["name"], key)
     received = Recorded.made["vllm:kvlink_pulls_received"].children
     assert received[("tiny", "1")]["value"] == 1
     failed = Recorded.made["vllm:kvlink_pulls_failed"].children
-    assert len(failed) == len(next(f for f in families if f["name"] == "pulls_failed")["samples"])
+    assert len([k for k in failed if k[:2] == ("tiny", "1")]) == causes
     assert all(c["value"] == 0 for c in failed.values()), "every cause has a series, at 0"
     # Histograms: the worker's buckets and sum, exactly.
     for name in ("pull_seconds", "pull_bytes"):

@@ -13,7 +13,9 @@ process separation is what the CI tests cover).
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 import time
 
 import pytest
@@ -35,6 +37,13 @@ from vllm.utils.hashing import sha256
 import kvlink_vllm
 from kvlink_vllm import versions
 from kvlink_vllm.connector import KvlinkConnector
+
+# The package tests that need torch (skipped in the `python` step's
+# environment) run here: `python -m kvlink_vllm.gpu_check --device cpu`, and
+# the torch copier's CUDA branch over CPU tensors.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_gpu_check import test_gpu_check_cpu_mode  # noqa: E402,F401
+from test_torch_copier import test_torch_copier_cuda_path_on_cpu_tensors  # noqa: E402,F401
 
 #: The installed release (a supported one: the connector checks it too).
 RELEASE = versions.check(versions.installed_version(), allow_unsupported=False).release
@@ -272,6 +281,49 @@ def test_prefill_to_decode_under_vllms_scheduler(model_dir, monkeypatch):
                 assert torch.all(d.block(t, block) == value("r1", i, layer)), (i, layer)
         # P freed its blocks when its worker reported r1 sent.
         assert "r1" not in p.scheduler.requests
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()
+
+
+@pytest.mark.parametrize("slots", [64, 4])
+def test_staged_prefill_to_decode_under_vllms_scheduler(model_dir, monkeypatch, slots):
+    """Host staging forced on over the CPU backend's torch tensors (the
+    copies a CUDA cache gets, run synchronously): P's KV goes through its
+    staging, D's through its own; with 4 slots the 5-block prompt cannot
+    be staged and D's vLLM recomputes it."""
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(free_port()))
+    extra = {"host_staging": "always", "staging_bytes": slots * 2 * len(LAYERS) * BLOCK * HEADS * HEAD * 4}
+    p = Instance(model_dir, "kv_producer", extra)
+    d = Instance(model_dir, "kv_consumer", {"transfer_timeout": 20, **extra})
+    try:
+        assert p.worker.connector_worker.stager.state()["slots"] == slots
+        p.add("r1", 70, {"do_remote_decode": True}, max_tokens=1)
+        params = p.step(compute_prefill)["finished"]["r1"]
+        req = d.add("d-r1", 70, dict(params), max_tokens=4)
+        log = steps_until(
+            [p, d],
+            lambda log: any("d-r1" in e[1]["recving"] for e in log) and any("r1" in e[0]["sending"] for e in log),
+        )
+        invalid = set().union(*(e[1]["invalid"] for e in log))
+        blocks = d.scheduler.kv_cache_manager.get_block_ids("d-r1")[0][:5]
+        ev = d.step()
+        assert req.status == RequestStatus.RUNNING
+        if slots == 4:
+            # vLLM's recompute policy: D computes the whole prompt itself.
+            assert invalid == set(blocks) and ev["scheduled"] == {"d-r1": 70}
+        else:
+            assert not invalid and req.num_computed_tokens >= 69
+            for i, block in enumerate(blocks):
+                for layer, t in enumerate(d.caches.values()):
+                    assert torch.all(d.block(t, block) == value("r1", i, layer)), (i, layer)
+        for inst in (p, d):
+            state = inst.worker.connector_worker.stager.state()
+            deadline = time.monotonic() + 10
+            while state["requests"] or state["free_slots"] != slots:
+                assert time.monotonic() < deadline, state
+                inst.step()
+                state = inst.worker.connector_worker.stager.state()
     finally:
         p.worker.shutdown()
         d.worker.shutdown()

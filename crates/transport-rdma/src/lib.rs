@@ -104,6 +104,55 @@
 //! selection), several queue pairs per peer where one cannot fill a link,
 //! and the device's own window bounds checks.
 //!
+//! # GPU memory (GPUDirect RDMA): what it will need, and the seam
+//!
+//! Today a CUDA KV cache reaches this transport only through host staging
+//! (the `kvlink_vllm` package copies device blocks into pinned host memory
+//! and back; the worker registers, grants and writes that memory): every
+//! region this crate registers is host memory, pinned by `ibv_reg_mr`.
+//! Writing device memory directly, without the staging copies, needs:
+//!
+//! - **Registration.** The seam is region registration:
+//!   [`BatchWriter::register_regions`](kv_proto::BatchWriter::register_regions)
+//!   (`&[MemoryRegion]` and a `RegionAccess`), which `transport/mod.rs`
+//!   forwards to `verbs::register_checked` and `ProtectionDomain::register`
+//!   (`verbs/memory.rs`, the `ibv_reg_mr` call). A device region is
+//!   registered instead with `ibv_reg_dmabuf_mr(pd, offset, length, iova,
+//!   fd, access)` on a dma-buf file descriptor the CUDA driver exports for
+//!   the allocation (`cuMemGetHandleForAddressRange(...,
+//!   CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ...)`, one per vLLM cache tensor),
+//!   with `iova` the device virtual address so that windows, op lists and
+//!   grants keep addressing by the same numbers as now. `MemoryRegion` is an
+//!   address and a length: it needs a memory kind (host, or device with the
+//!   dma-buf and its offset), carried from the engine side through
+//!   kv-worker's `RegisteredCache`, so that `tcp` and `quic` refuse device
+//!   regions and `host_staging = "auto"` stages exactly where the transport
+//!   cannot reach. sideway does not wrap `ibv_reg_dmabuf_mr`; the binding
+//!   goes into `rdma-mummy-sys` and the RAII type into `verbs/memory.rs`,
+//!   the crate's only `unsafe`. The older path, `ibv_reg_mr` on a CUDA
+//!   pointer through the `nvidia-peermem` kernel module, needs no new call
+//!   but a module this crate cannot check for; dma-buf is the one to build.
+//! - **The fence, unchanged.** Destinations stay registered `LOCAL_WRITE |
+//!   MW_BIND` without `REMOTE_WRITE`, and a peer writes only through the
+//!   type-2 windows bound per grant; whether the NIC binds windows on a
+//!   dma-buf memory region must be checked on the hardware (mlx5 supports
+//!   both; Soft-RoCE registers no device memory at all, so none of this can
+//!   be tested in the guest).
+//! - **Visibility on D.** A completed RDMA WRITE into GPU memory is not
+//!   ordered before the GPU's own later reads: before D reports a pull
+//!   received, after the revocation fence, the engine side must flush
+//!   (`cuFlushGPUDirectRDMAWrites`, or an event ordering the consumer
+//!   after it). Like the staging copies, that is the engine's to run,
+//!   ordered by kv-worker after its fence, so the Rust side stays
+//!   device-agnostic.
+//! - **Readiness on P.** The blocks are read by the NIC straight from the
+//!   device: a request is ready only once the engine's stream has finished
+//!   the forward passes that wrote them (the event the staging path already
+//!   records in `start_load_kv`), not only once vLLM finished the request.
+//! - **Placement.** One transport per NIC, the NIC on the GPU's PCIe switch
+//!   (`KVLINK_RDMA_*` per tensor-parallel rank), and the NIC's translation
+//!   limits for registering whole caches (tens of GiB per rank).
+//!
 //! # Connections
 //!
 //! One RC queue pair per peer (sender side: per address and receiver

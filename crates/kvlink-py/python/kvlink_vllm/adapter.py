@@ -6,7 +6,8 @@
 does), and block objects with ``get_unhashed_block_ids()``.
 
 :class:`WorkerSide` takes per-layer tensors (see :mod:`kvlink_vllm.layout`)
-and the metadata bytes the scheduler side built.
+and the metadata bytes the scheduler side built; a cache outside host
+memory (CUDA) moves through host staging (:mod:`kvlink_vllm.staging`).
 
 Both are what :class:`kvlink_vllm.connector.KvlinkConnector` delegates to,
 and what tests drive directly.
@@ -20,7 +21,7 @@ import os
 import socket
 from typing import Any, Iterable, Mapping
 
-from . import _native, layout, metrics
+from . import _native, layout, metrics, staging
 
 logger = logging.getLogger("kvlink_vllm")
 
@@ -158,6 +159,9 @@ class WorkerSide:
 
     The worker starts in :meth:`register_kv_caches` (vLLM calls it once the
     cache is allocated); the tensors stay referenced until :meth:`shutdown`.
+    With host staging (``host_staging``: a CUDA cache, or any with
+    "always"), the native worker registers the staging and :attr:`stager`
+    runs the copies between the cache and it.
     """
 
     def __init__(
@@ -181,6 +185,8 @@ class WorkerSide:
         self.dp_rank, self.tp_size, self.tp_rank = dp_rank, tp_size, tp_rank
         self.layout: layout.CacheLayout | None = None
         self._worker: _native.Worker | None = None
+        #: The copies between the cache and the staging (staged only).
+        self.stager: staging.Stager | None = None
         self._load_errors: set[int] = set()
         #: This worker's name in connector stats (its gauges are kept per worker).
         self.stats_key = f"{dp_rank}.{tp_rank}"
@@ -195,41 +201,76 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         if self._worker is not None:
             raise _native.KvlinkError("register_kv_caches called twice")
-        layout.check_memory(kv_caches, self.settings.protocol)
+        staged = staging.should_stage(kv_caches, self.settings.host_staging, self.settings.protocol)
         cache = layout.describe(kv_caches, self.block_size, self.use_mla, self.num_blocks)
         self.layout = cache
-        # The tensors are handed over as their owner: the native worker keeps
-        # them alive until it has stopped touching their memory.
-        keepalive = dict(kv_caches)
-        self._worker = _native.Worker(
-            self.settings,
-            self.host,
-            cache.kind,
-            self.block_size,
-            cache.native_layers(),
-            keepalive,
-            self.dp_rank,
-            self.tp_size,
-            self.tp_rank,
-            self.report_abandoned_pulls,
-        )
+        copier = None
+        if staged:
+            plan = staging.plan(cache, self.settings.staging_bytes)
+            copier = staging.copier_for(kv_caches, cache, plan)
+            layers = plan.native_layers(cache, copier.bases)
+            # The worker moves the staging; the cache's tensors stay alive
+            # with it too (the copies use them until it stopped).
+            keepalive: Any = {"kv_caches": dict(kv_caches), "staging": copier.keepalive}
+        else:
+            layers = cache.native_layers()
+            # The tensors are handed over as their owner: the native worker
+            # keeps them alive until it has stopped touching their memory.
+            keepalive = dict(kv_caches)
+        try:
+            self._worker = _native.Worker(
+                self.settings,
+                self.host,
+                cache.kind,
+                self.block_size,
+                layers,
+                keepalive,
+                self.dp_rank,
+                self.tp_size,
+                self.tp_rank,
+                self.report_abandoned_pulls,
+                staged,
+            )
+        except BaseException:
+            if copier is not None:
+                copier.release()  # nothing registered the staging with a transport
+            raise
+        if copier is not None:
+            self.stager = staging.Stager(self._worker, copier)
+            logger.info(
+                "kvlink host staging: %d slots (%d tokens per transfer at most) of %d bytes, %s host memory (%s copies)",
+                plan.slots,
+                plan.slots * self.block_size,
+                plan.total_bytes,
+                "pinned" if copier.pinned else "pageable",
+                copier.kind,
+            )
         logger.info(
-            "kvlink worker started: role=%s protocol=%s layout=%s regions=%d block_len=%d side_channel_port=%s data=%s",
+            "kvlink worker started: role=%s protocol=%s layout=%s regions=%d block_len=%d staged=%s side_channel_port=%s data=%s",
             self.settings.role,
             self.settings.protocol,
             cache.kind,
             sum(len(r) for _, r in cache.layers),
             cache.block_len,
+            staged,
             self._worker.side_channel_port,
             self._worker.data_endpoint,
         )
 
     def start_load_kv(self, payload: bytes) -> None:
-        self.worker.start_load_kv(payload)
+        worker = self.worker
+        if self.stager is not None:
+            self.stager.start_load_kv(payload)
+        else:
+            worker.start_load_kv(payload)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self.worker.get_finished(list(finished_req_ids))
-        self._load_errors.update(self.worker.take_load_errors())
+        worker = self.worker
+        if self.stager is not None:
+            sending, recving = self.stager.get_finished(list(finished_req_ids))
+        else:
+            sending, recving = worker.get_finished(list(finished_req_ids))
+        self._load_errors.update(worker.take_load_errors())
         return (set(sending) or None), (set(recving) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -254,5 +295,11 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         worker, self._worker = self._worker, None
-        if worker is not None and not worker.shutdown():
+        stager, self.stager = self.stager, None
+        if stager is not None:
+            stager.stop()
+        stopped = worker.shutdown() if worker is not None else True
+        if not stopped:
             logger.error("kvlink worker did not stop in time; its KV cache memory stays allocated")
+        if stager is not None:
+            stager.close(worker_stopped=stopped)

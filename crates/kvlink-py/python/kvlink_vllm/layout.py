@@ -35,7 +35,8 @@ from typing import Any, Mapping
 
 from ._native import ConfigError
 
-#: Memory the host-memory transports (tcp, quic) can reach.
+#: Memory the host-memory transports (tcp, quic) can reach; other memory
+#: (CUDA) moves through host staging (:mod:`kvlink_vllm.staging`).
 HOST_DEVICES = ("cpu",)
 
 
@@ -88,21 +89,6 @@ def _dense_bytes(shape: tuple[int, ...], strides: tuple[int, ...], elem: int) ->
             return None
         expected *= size
     return expected * elem
-
-
-def check_memory(kv_caches: Mapping[str, Any], protocol: str) -> None:
-    """Refuses memory the transport cannot reach, naming the fix."""
-    for name, t in kv_caches.items():
-        device = _device(t)
-        if device not in HOST_DEVICES:
-            raise ConfigError(
-                f"KV cache layer {name!r} is in {device} device memory, which "
-                f"mooncake_protocol={protocol!r} cannot reach: kvlink's tcp and quic "
-                "transports move host memory only. Fix: run this instance on vLLM's "
-                "CPU backend (KV cache in host memory), or use a transport that reaches "
-                "device memory (rdma with GPUDirect, not available in this kvlink build); "
-                "host staging of device KV is not implemented yet."
-            )
 
 
 def describe(

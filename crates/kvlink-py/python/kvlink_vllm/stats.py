@@ -10,9 +10,11 @@
 * :class:`KvlinkPromMetrics` (a vLLM ``KVConnectorPromMetrics``): every
   family the workers report, as Prometheus metrics named ``vllm:kvlink_<name>``
   with vLLM's engine labels (``model_name``, ``engine``) before the family's
-  own, on the engine's ``/metrics``. A family is registered when its first
-  report arrives (each worker's first step reports every family, zeros
-  included).
+  own, on the engine's ``/metrics``. Every family is registered when the
+  object is made, each series of the engine's labels at zero (kv-worker's
+  ``MetricsSnapshot::zero()``, ``_native.zero_metrics()``), so rates and
+  alerts see every series before the first report; a family a report
+  brings that this build does not know is registered when it arrives.
 
 Nothing here raises into vLLM's loops: a report that cannot be used is
 dropped with a rate-limited warning.
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import metrics
+from . import _native, metrics
 
 try:  # vLLM present: its real base classes.
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -139,6 +141,27 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
         self._gauges: dict[int, dict[str, Any]] = {}
         #: (engine, gauge name) -> label values set so far (reset to 0 when a report lacks them).
         self._gauge_keys: dict[tuple[int, str], set[tuple[str, ...]]] = {}
+        self._register_all()
+
+    def _register_all(self) -> None:
+        """Every family, and each of its series per engine at zero (a
+        series whose labels depend on what happens, a peer, appears with
+        its first report)."""
+        try:
+            families = _native.zero_metrics()
+        except Exception as e:  # never into vLLM's start-up: the families then come with the first report
+            metrics.warnings.warning("prom-zero", "kvlink: metrics not registered ahead of the first report: %r", e)
+            return
+        for family in families:
+            metric = self._metric(family)
+            if metric is None:
+                continue
+            for engine_idx in self._engine_labelvalues:
+                for sample in family.get("samples") or ():
+                    try:
+                        self._child(metric, engine_idx, family, sample)
+                    except Exception as e:  # that series only
+                        metrics.warnings.warning("prom-zero:" + str(family.get("name")), "kvlink: %r", e)
 
     def names(self) -> list[str]:
         """The Prometheus names registered so far (as created; a counter is
