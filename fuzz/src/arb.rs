@@ -186,6 +186,7 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
                 && r.requests.len() <= MAX_REQUESTS_PER_TRANSFER
                 && r.requests.iter().all(|b| {
                     text(b.req_id.as_str())
+                        && b.decode_req_id.as_ref().is_none_or(|id| text(id.as_str()))
                         && b.prefill_engine_id.as_ref().is_none_or(|e| text(e.as_str()))
                         && b.block_ids.len() <= MAX_BLOCKS_PER_REQUEST
                 })
