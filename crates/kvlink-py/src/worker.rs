@@ -148,7 +148,11 @@ impl PyWorker {
     ///
     /// `staged`: `layers` describe host staging (one region per region of
     /// the engine's cache, as many blocks as slots), not the engine's cache.
-    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false, staged = false))]
+    ///
+    /// `identity`: JSON of what must agree with the peer instance (kv-proto's
+    /// `ModelIdentity`: model, dtypes, shape, topology, versions), sent in
+    /// D's hello and compared by P; fields left empty or 0 are not compared.
+    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false, staged = false, identity = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -163,6 +167,7 @@ impl PyWorker {
         tp_rank: u16,
         report_abandoned_pulls: bool,
         staged: bool,
+        identity: Option<&str>,
     ) -> Result<Self> {
         let rt = runtime::runtime()?;
         let kind = layout_kind(layout)?;
@@ -177,7 +182,14 @@ impl PyWorker {
             })
             .collect();
         let cache = engine::registered_cache(kind, block_size, &layers)?;
-        let config = engine::worker_config(settings.inner(), Placement { dp_rank, tp_size, tp_rank }, default_host)?;
+        let mut config =
+            engine::worker_config(settings.inner(), Placement { dp_rank, tp_size, tp_rank }, default_host)?;
+        if let Some(identity) = identity {
+            let declared: kv_proto::ModelIdentity = serde_json::from_str(identity)
+                .map_err(|e| Error::Config(format!("the engine's model identity does not parse: {e}")))?;
+            // kvlink's own version is this build's, whatever the caller says.
+            config.identity = kv_proto::ModelIdentity { kvlink_version: config.identity.kvlink_version, ..declared };
+        }
         let staging_wait = staged.then(|| settings.inner().staging_wait.unwrap_or(config.transfer_timeout));
         let engine = py.detach(|| {
             // SAFETY: the regions are the tensors owned by `keepalive` (this

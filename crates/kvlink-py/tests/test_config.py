@@ -168,3 +168,37 @@ def test_auth_secret_mismatch_fails_the_pull_and_match_succeeds(instances, tmp_p
     # The D without the secret is refused: a failed load, its blocks reported.
     assert sorted(collected(ev["D2"], "invalid_block_ids")) == d_bad.call("verify", request_id="b")["blocks"]
     assert json.dumps(p.call("state")["violations"]) == "[]"
+
+
+def test_the_model_identity_is_read_from_vllms_config_and_what_is_missing_is_undeclared():
+    from types import SimpleNamespace
+
+    from kvlink_vllm.connector import model_identity
+
+    hf = SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 64, "_name_or_path": "/a"}')
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            model="tiny-llama",
+            dtype="torch.bfloat16",
+            hf_config=hf,
+            hf_text_config=SimpleNamespace(num_hidden_layers=2),
+            get_total_num_kv_heads=lambda: 4,
+            get_head_size=lambda: 16,
+        ),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    identity = model_identity(config)
+    assert identity["model"] == "", "a path differs between hosts: not compared"
+    assert identity["kv_dtype"] == "bfloat16"
+    assert identity["cache_dtype"] == "auto"
+    assert (identity["num_layers"], identity["num_kv_heads"], identity["head_size"]) == (2, 4, 16)
+    assert (identity["tp_size"], identity["pp_size"]) == (1, 1)
+    assert len(identity["config_hash"]) == 16
+    # Another architecture config, another hash; nothing readable, nothing declared.
+    other = SimpleNamespace(**{**vars(config), "model_config": SimpleNamespace(**{**vars(config.model_config), "hf_config": SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 32}')})})
+    moved = SimpleNamespace(**{**vars(config), "model_config": SimpleNamespace(**{**vars(config.model_config), "hf_config": SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 64, "_name_or_path": "/b"}')})})
+    assert model_identity(moved)["config_hash"] == identity["config_hash"], "the same model at another path"
+    assert model_identity(other)["config_hash"] != identity["config_hash"]
+    bare = model_identity(SimpleNamespace())
+    assert all(v in ("", 0) for v in bare.values()), bare

@@ -175,8 +175,11 @@ class WorkerSide:
         tp_size: int = 1,
         tp_rank: int = 0,
         report_abandoned_pulls: bool = False,
+        identity: Mapping[str, Any] | None = None,
     ):
         self.settings = settings
+        #: What must agree with the peer instance (see ``connector.model_identity``).
+        self.identity = dict(identity or {})
         self.report_abandoned_pulls = report_abandoned_pulls
         self.host = host
         self.block_size = block_size
@@ -230,6 +233,7 @@ class WorkerSide:
                 self.tp_rank,
                 self.report_abandoned_pulls,
                 staged,
+                json.dumps(self.identity) if self.identity else None,
             )
         except BaseException:
             if copier is not None:

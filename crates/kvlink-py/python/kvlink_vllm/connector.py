@@ -12,6 +12,7 @@ its own registry before ``kv_connector_module_path``.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -121,6 +122,64 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     return tp_size, int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
 
 
+def _text(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return text.removeprefix("torch.")
+
+
+def _number(get: Any) -> int:
+    try:
+        value = get() if callable(get) else get
+        return int(value or 0)
+    except Exception:  # an attribute this release or model lacks: undeclared
+        return 0
+
+
+def model_identity(vllm_config: Any) -> dict[str, Any]:
+    """What must agree between this instance and its peers for KV to mean
+    the same (kv-proto's ``ModelIdentity``): P refuses a decode instance
+    that differs in any of it at connect, naming both values. What cannot
+    be read is left empty (0), and is then not compared."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    config_hash = ""
+    hf_config = getattr(model, "hf_config", None)
+    if hf_config is not None and hasattr(hf_config, "to_json_string"):
+        try:
+            doc = json.loads(hf_config.to_json_string(use_diff=False))
+            # Where the checkpoint lives is not what it is: the same model
+            # mounted at another path on P and D must agree.
+            for key in ("_name_or_path", "name_or_path", "transformers_version"):
+                doc.pop(key, None)
+            text = json.dumps(doc, sort_keys=True)
+            config_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+        except Exception:  # a config that does not serialize: undeclared
+            config_hash = ""
+    text_config = getattr(model, "hf_text_config", None)
+    engine_version = ""
+    if HAVE_VLLM:
+        import vllm
+
+        engine_version = _text(getattr(vllm, "__version__", ""))
+    return {
+        # The model's path or name differs between hosts that mount one
+        # checkpoint at different places: the architecture hash stands for it.
+        "model": "",
+        "config_hash": config_hash,
+        "kv_dtype": _text(getattr(model, "dtype", "")),
+        "cache_dtype": _text(getattr(cache, "cache_dtype", "")),
+        "num_layers": _number(getattr(text_config, "num_hidden_layers", 0)),
+        "num_kv_heads": _number(getattr(model, "get_total_num_kv_heads", 0)),
+        "head_size": _number(getattr(model, "get_head_size", 0)),
+        "attention_layout": "",
+        "tp_size": _number(getattr(parallel, "tensor_parallel_size", 0)),
+        "pp_size": _number(getattr(parallel, "pipeline_parallel_size", 0)),
+        "engine_version": engine_version,
+        "kvlink_version": "",
+    }
+
+
 def _dp_rank(vllm_config: Any) -> int:
     parallel = getattr(vllm_config, "parallel_config", None)
     index = getattr(parallel, "data_parallel_index", None)
@@ -170,6 +229,7 @@ class KvlinkConnector(KVConnectorBase_V1):
                 tp_size=tp_size,
                 tp_rank=tp_rank,
                 report_abandoned_pulls=behaviour.report_abandoned_pulls,
+                identity=model_identity(vllm_config),
             )
 
     def _scheduler(self) -> adapter.SchedulerSide:
