@@ -4,10 +4,10 @@
 //! and for the data planes and the bench control channel what their real
 //! encoders write (whole sessions, and a few refusals). The rest of the corpora was grown by the fuzzer from these and
 //! reduced to a set cover of the edges reached; see `README.md`. The seeds
-//! match the current message layouts (protocol version 3, `idle_timeout`,
-//! `lease_renewal`, `block_tokens` and `dtype_bytes`, `XferRefused`,
-//! `KeepAlive`): rerun this when a layout changes, so that they still decode
-//! as intended.
+//! match the current message layouts (protocol version 7: the topology in
+//! the hello and its reply, a transfer request's heads, first tokens and
+//! piece size, `XferProgress`, `XferRefused`, `KeepAlive`): rerun this when
+//! a layout changes, so that they still decode as intended.
 //!
 //! `cargo run --manifest-path fuzz/Cargo.toml --no-default-features --example seeds`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind, Outcome,
-    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest,
+    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferProgress, XferReply, XferRequest,
 };
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
@@ -43,8 +43,16 @@ fn frame_input(choice: u8, seed: u16, stream: &[u8]) -> Vec<u8> {
 }
 
 fn messages() -> Vec<(&'static str, SideMessage)> {
-    let layout =
-        CacheLayout { kind: LayoutKind::SplitKv, region_count: 4, block_len: 4096, block_tokens: 16, dtype_bytes: 2 };
+    let layout = CacheLayout {
+        kind: LayoutKind::SplitKv,
+        region_count: 4,
+        block_len: 4096,
+        block_tokens: 16,
+        dtype_bytes: 2,
+        token_layout: kv_proto::TokenLayout::Nhd,
+        block_heads: 2,
+    };
+    let topology = kv_proto::RankTopology::new(2, 1, 1, 0, 4).unwrap_or_default();
     vec![
         (
             "hello",
@@ -54,6 +62,7 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 protocol: Protocol::Tcp,
                 layout,
                 identity: kv_proto::ModelIdentity::this_kvlink(),
+                topology,
             }),
         ),
         (
@@ -62,6 +71,8 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 engine_id: EngineId::new("prefill-0"),
                 idle_timeout: Duration::from_secs(300),
                 lease_renewal: Duration::from_secs(10),
+                topology,
+                layout,
             }),
         ),
         ("keep-alive", SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("req-a"), ReqId::new("req-b")] })),
@@ -82,14 +93,18 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                         decode_req_id: None,
                         prefill_engine_id: Some(EngineId::new("prefill-0")),
                         block_ids: vec![1, 2, 3],
+                        first_token: Some(16),
                     },
                     RequestBlocks {
                         req_id: ReqId::new("req-b"),
                         decode_req_id: None,
                         prefill_engine_id: None,
                         block_ids: Vec::new(),
+                        first_token: None,
                     },
                 ],
+                heads: Some(kv_proto::HeadRange::new(2, 2)),
+                piece_blocks: 8,
             }),
         ),
         (
@@ -109,6 +124,27 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
             }),
         ),
         ("refused", SideMessage::XferRefused { xfer_id: 43, reason: "reply too large".into() }),
+        (
+            "progress",
+            SideMessage::XferProgress(XferProgress {
+                xfer_id: 42,
+                req_id: ReqId::new("req-a"),
+                landed: 8,
+                outcome: None,
+            }),
+        ),
+        (
+            "progress-failed",
+            SideMessage::XferProgress(XferProgress {
+                xfer_id: 42,
+                req_id: ReqId::new("req-a"),
+                landed: 2,
+                outcome: Some(Outcome::Failed {
+                    cause: kv_proto::FailureCause::CopyFailed,
+                    reason: "copying into staging failed".into(),
+                }),
+            }),
+        ),
     ]
 }
 

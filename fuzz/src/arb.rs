@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use arbitrary::{Result, Unstructured};
 use kv_proto::{
-    CacheLayout, Endpoint, EngineId, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, Protocol,
-    ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply, XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS,
-    MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN,
+    CacheLayout, Endpoint, EngineId, Grant, GrantId, HeadRange, Hello, HelloReply, KeepAlive, LayoutKind, Outcome,
+    Protocol, RankTopology, ReqId, RequestBlocks, RequestOutcome, SideMessage, TokenLayout, XferProgress, XferReply,
+    XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN,
 };
 
 /// Text: usually what the fuzzer gives, sometimes one character repeated to
@@ -65,6 +65,23 @@ fn layout(u: &mut Unstructured<'_>) -> Result<CacheLayout> {
         block_len: u.arbitrary()?,
         block_tokens: u.arbitrary()?,
         dtype_bytes: u.arbitrary()?,
+        token_layout: *u.choose(&[TokenLayout::Undeclared, TokenLayout::Nhd, TokenLayout::Hnd])?,
+        block_heads: u.arbitrary()?,
+    })
+}
+
+fn head_range(u: &mut Unstructured<'_>) -> Result<HeadRange> {
+    Ok(HeadRange::new(u.arbitrary()?, u.arbitrary()?))
+}
+
+fn topology(u: &mut Unstructured<'_>) -> Result<RankTopology> {
+    Ok(RankTopology {
+        tp_size: u.arbitrary()?,
+        tp_rank: u.arbitrary()?,
+        pp_size: u.arbitrary()?,
+        pp_rank: u.arbitrary()?,
+        num_kv_heads: u.arbitrary()?,
+        heads: head_range(u)?,
     })
 }
 
@@ -107,14 +124,17 @@ pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
                 decode_req_id: if u.arbitrary()? { Some(req_id(u)?) } else { None },
                 prefill_engine_id: if u.arbitrary()? { Some(EngineId::new(text(u)?)) } else { None },
                 block_ids: vec(u, big, MAX_BLOCKS_PER_REQUEST, |u, _| u.arbitrary())?,
+                first_token: u.arbitrary()?,
             })
         })?,
+        heads: if u.arbitrary()? { Some(head_range(u)?) } else { None },
+        piece_blocks: u.arbitrary()?,
     })
 }
 
 /// Any side-channel message.
 pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
-    Ok(match u.int_in_range(0..=6)? {
+    Ok(match u.int_in_range(0..=7)? {
         0 => SideMessage::Hello(Hello {
             client_nonce: u.arbitrary()?,
             engine_id: EngineId::new(text(u)?),
@@ -134,12 +154,15 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
                 engine_version: text(u)?,
                 kvlink_version: text(u)?,
             },
+            topology: topology(u)?,
         }),
         1 => SideMessage::HelloReply(match u.int_in_range(0..=2)? {
             0 => HelloReply::Accepted {
                 engine_id: EngineId::new(text(u)?),
                 idle_timeout: duration(u)?,
                 lease_renewal: duration(u)?,
+                topology: topology(u)?,
+                layout: layout(u)?,
             },
             1 => HelloReply::Challenge { server_nonce: u.arbitrary()?, server_proof: u.arbitrary()? },
             _ => HelloReply::Rejected { reason: text(u)? },
@@ -159,7 +182,13 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
             let big = &mut big_allowance(u)?;
             SideMessage::KeepAlive(KeepAlive { req_ids: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, _| req_id(u))? })
         }
-        _ => SideMessage::XferRefused { xfer_id: u.arbitrary()?, reason: text(u)? },
+        6 => SideMessage::XferRefused { xfer_id: u.arbitrary()?, reason: text(u)? },
+        _ => SideMessage::XferProgress(XferProgress {
+            xfer_id: u.arbitrary()?,
+            req_id: req_id(u)?,
+            landed: u.arbitrary()?,
+            outcome: if u.arbitrary()? { Some(outcome(u)?) } else { None },
+        }),
     })
 }
 
@@ -193,6 +222,13 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
         }
         SideMessage::KeepAlive(k) => {
             k.req_ids.len() <= MAX_REQUESTS_PER_TRANSFER && k.req_ids.iter().all(|id| text(id.as_str()))
+        }
+        SideMessage::XferProgress(p) => {
+            text(p.req_id.as_str())
+                && match &p.outcome {
+                    None | Some(Outcome::Done) => true,
+                    Some(Outcome::Failed { reason, .. }) => text(reason),
+                }
         }
         SideMessage::XferReply(r) => {
             r.outcomes.len() <= MAX_REQUESTS_PER_TRANSFER

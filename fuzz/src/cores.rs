@@ -326,11 +326,11 @@ impl Sched {
         }
     }
 
-    fn record_recv(&mut self, id: &ReqId, params: &KvTransferParams, blocks: Vec<BlockId>) {
+    fn record_recv(&mut self, id: &ReqId, params: &KvTransferParams, blocks: Vec<BlockId>, first_token: Option<u64>) {
         // The pull holds the request on P from now on.
         self.end_watch(id);
         if let Some(remote) = remote_prefill(id, params) {
-            self.recv.insert(id.clone(), RecvReqMeta { local_block_ids: blocks, remote });
+            self.recv.insert(id.clone(), RecvReqMeta { local_block_ids: blocks, first_token, remote });
         }
     }
 
@@ -414,7 +414,9 @@ impl Sched {
         if params.do_remote_prefill {
             assert_ne!(self.role, KvRole::Producer);
             let blocks = if external > 0 { blocks.to_vec() } else { Vec::new() };
-            self.record_recv(&id, &params, blocks);
+            // The pulled blocks start after what the prefix cache held.
+            let first_token = (external > 0).then(|| before.prompt_len.saturating_sub(external) as u64);
+            self.record_recv(&id, &params, blocks, first_token);
             let mut cleared = params.clone();
             cleared.do_remote_prefill = false;
             assert_eq!(after.kv_transfer_params, Some(cleared), "do_remote_prefill must be cleared, nothing else");
@@ -447,6 +449,7 @@ impl Sched {
         // pull with the worker and not reported is cancelled.
         if let Some(pending) = self.recv.get_mut(&id) {
             pending.local_block_ids.clear();
+            pending.first_token = None;
         }
         if self.live_pulls.remove(&id) {
             self.cancel.insert(id.clone());
@@ -467,7 +470,7 @@ impl Sched {
             return;
         }
         if params.do_remote_prefill {
-            self.record_recv(&id, &params, Vec::new());
+            self.record_recv(&id, &params, Vec::new(), None);
             self.forget_if_live(&id);
             assert_eq!(result, Ok((false, None)));
             let mut cleared = params.clone();
@@ -874,8 +877,9 @@ impl Receiver {
 
     fn start(&mut self, reqs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) {
         let got = self.core.start(reqs, now);
-        // (D's id, D's blocks), and what is named to P: its id and engine.
-        type Named = (ReqId, Vec<BlockId>, ReqId, Option<EngineId>);
+        // (D's id, D's blocks), what is named to P (its id and engine), and
+        // the token D's blocks start at.
+        type Named = (ReqId, Vec<BlockId>, ReqId, Option<EngineId>, Option<u64>);
         let mut groups: BTreeMap<SideChannelAddr, Vec<Named>> = BTreeMap::new();
         for (id, meta) in reqs {
             if self.state.contains_key(id) {
@@ -892,7 +896,7 @@ impl Receiver {
                     let peer = SideChannelAddr { host: meta.remote.remote_host.clone(), port };
                     let group = groups.entry(peer).or_default();
                     let remote = &meta.remote.remote_request_id;
-                    if group.iter().any(|(_, _, r, _)| r == remote) {
+                    if group.iter().any(|(_, _, r, _, _)| r == remote) {
                         // Two of D's requests name one of P's: the later fails at once.
                         self.done.failed.insert(id.clone(), meta.local_block_ids.clone());
                         self.state.insert(id.clone(), ReqState::Reportable);
@@ -900,7 +904,7 @@ impl Receiver {
                     }
                     self.state.insert(id.clone(), ReqState::InFlight);
                     let engine = meta.remote.remote_engine_id.clone();
-                    group.push((id.clone(), meta.local_block_ids.clone(), remote.clone(), engine));
+                    group.push((id.clone(), meta.local_block_ids.clone(), remote.clone(), engine, meta.first_token));
                 }
             }
         }
@@ -913,17 +917,18 @@ impl Receiver {
             // P is asked for its own id of each request.
             let requests = group
                 .iter()
-                .map(|(id, b, remote, engine)| RequestBlocks {
+                .map(|(id, b, remote, engine, first_token)| RequestBlocks {
                     req_id: remote.clone(),
                     decode_req_id: Some(id.clone()),
                     prefill_engine_id: engine.clone(),
                     block_ids: b.clone(),
+                    first_token: *first_token,
                 })
                 .collect();
-            expected.push(PullBatch { xfer_id, peer, requests, deadline });
-            let named = group.iter().map(|(_, _, remote, _)| remote.clone()).collect();
-            let remote = group.iter().map(|(id, _, remote, _)| (id.clone(), remote.clone())).collect();
-            let reqs = group.into_iter().map(|(id, blocks, _, _)| (id, blocks)).collect();
+            expected.push(PullBatch { xfer_id, peer, requests, deadline, heads: None });
+            let named = group.iter().map(|(_, _, remote, _, _)| remote.clone()).collect();
+            let remote = group.iter().map(|(id, _, remote, _, _)| (id.clone(), remote.clone())).collect();
+            let reqs = group.into_iter().map(|(id, blocks, _, _, _)| (id, blocks)).collect();
             let pull = Pull { reqs, named, remote, deadline, grant: None, decided: None, lost: false };
             self.pulls.insert(xfer_id, pull);
         }
@@ -1210,7 +1215,7 @@ pub fn cores(data: &[u8]) {
                             remote_request_id: on_prefill(&id),
                             remote_engine_id: None,
                         };
-                        (id, RecvReqMeta { local_block_ids: blocks.clone(), remote })
+                        (id, RecvReqMeta { local_block_ids: blocks.clone(), first_token: None, remote })
                     })
                     .collect();
                 receiver.start(&reqs, now);

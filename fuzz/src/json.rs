@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kv_proto::{
     KvTransferConfig, KvTransferParams, Protocol, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT,
-    DEFAULT_NUM_WORKERS, ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT,
+    DEFAULT_NUM_WORKERS, ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT, EXTRA_KEYS, FOREIGN_KEYS,
 };
 use serde_json::Value;
 
@@ -21,8 +21,11 @@ fn field<'a>(obj: Option<&'a serde_json::Map<String, Value>>, name: &str) -> Opt
 /// the JSON. Checks: no panic, errors display; an accepted config holds
 /// exactly what the JSON and the environment say (role, engine id, protocol
 /// or none when unset, workers in 1..=4096, non-zero port, positive finite
-/// timeout, defaults for what is absent); it re-serializes (to the JSON vLLM would pass) and parses
-/// back to the same config; parsing is deterministic.
+/// timeout, defaults for what is absent), every key of
+/// `kv_connector_extra_config` is kvlink's or another connector's, and
+/// exactly the other connectors' are reported ignored; it re-serializes (to
+/// the JSON vLLM would pass) and parses back to the same config; parsing is
+/// deterministic.
 pub fn transfer_config_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     let mut parts = text.splitn(3, '\n');
@@ -58,6 +61,13 @@ pub fn transfer_config_json(data: &[u8]) {
         None => assert_eq!(config.protocol, None),
         Some(p) => assert_eq!(p.as_str(), config.protocol.map(Protocol::as_str)),
     }
+    let known = |k: &str| EXTRA_KEYS.iter().any(|(key, _)| *key == k);
+    let foreign = |k: &str| FOREIGN_KEYS.iter().any(|(key, _)| *key == k);
+    let keys: Vec<&String> = extra.map(|m| m.keys().collect()).unwrap_or_default();
+    assert!(keys.iter().all(|k| known(k) || foreign(k)), "accepted an unknown key among {keys:?}");
+    let ignored: Vec<&str> = config.ignored.iter().map(|(k, _)| k.as_str()).collect();
+    let expected: Vec<&str> = keys.iter().map(|k| k.as_str()).filter(|k| foreign(k)).collect();
+    assert_eq!(ignored, expected, "the ignored keys are not exactly the other connectors'");
     match field(extra, "num_workers") {
         None => assert_eq!(config.num_workers, DEFAULT_NUM_WORKERS),
         Some(n) => assert_eq!(n.as_u64(), u64::try_from(config.num_workers).ok()),
@@ -73,9 +83,12 @@ pub fn transfer_config_json(data: &[u8]) {
         Some(_) => assert!(config.abort_request_timeout > Duration::ZERO, "accepted a zero abort timeout"),
     }
 
-    // What vLLM would pass for this config, with the same environment (an
-    // unset protocol left out).
-    let mut extra_again = serde_json::Map::new();
+    // What vLLM would pass for this config, with the same environment: the
+    // extra config as given (its other keys checked above), role and engine
+    // id and the two original keys as the config holds them (an unset
+    // protocol left out).
+    let mut extra_again = extra.cloned().unwrap_or_default();
+    extra_again.remove("mooncake_protocol");
     extra_again.insert("num_workers".to_owned(), Value::from(config.num_workers));
     if let Some(protocol) = config.protocol {
         extra_again.insert("mooncake_protocol".to_owned(), Value::from(protocol.as_str()));

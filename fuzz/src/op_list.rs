@@ -1,12 +1,15 @@
-//! What the TCP and QUIC receivers share when a batch arrives: its op list
-//! read into `OpListBuffer` under a budget, then admitted against the grant
-//! (`RegisteredMemory::admit`), as both servers do it, with the byte source
-//! a fuzz input instead of a socket.
+//! What the TCP and QUIC receivers share when a batch arrives: the
+//! batch-receive machine (`kv_proto::receive`) both servers run, driven
+//! over a fuzz input instead of a socket, with the checks a batch must pass
+//! whatever its bytes.
 
 use std::time::{Duration, Instant};
 
-use kv_proto::dataplane::{decode_op, OpListBuffer, OPS_PER_READ, OP_LEN};
-use kv_proto::{DestinationError, GrantId, MemoryBudget, MemoryRegion, RegionAccess, RegisteredMemory};
+use kv_proto::dataplane::{decode_op, first_overlap, ReplyStatus, OPS_PER_READ, OP_LEN};
+use kv_proto::receive::{
+    BatchReceiver, DecodeHeader, Fault, Framing, HeaderFields, PayloadEnd, ReceiveLimits, Refusal, Step,
+};
+use kv_proto::{DestinationError, GrantId, MemoryBudget, MemoryRegion, NoRoom, RegionAccess, RegisteredMemory};
 
 use crate::alloc_meter;
 
@@ -22,6 +25,7 @@ pub(crate) const GRANT_RANGE: MemoryRegion = MemoryRegion { addr: 0x10_0000, len
 const SLACK: usize = 64 * 1024;
 
 /// A fuzz input read as a byte stream.
+#[derive(Clone, Copy)]
 pub(crate) struct Stream<'a> {
     bytes: &'a [u8],
 }
@@ -101,118 +105,237 @@ impl Receiver {
     }
 }
 
-/// How a batch's op list ended on the receiver.
+/// How the batches of one input ended.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum ListOutcome {
-    /// More ops than the limit: a protocol error.
-    TooManyOps,
-    /// The grant is not live: refused before the list is read.
-    DeadGrant,
-    /// The budget had no room for the list: refused, `unread` entries left.
-    NoRoom { unread: u64 },
-    /// The stream ended inside the list.
+pub(crate) enum Ended {
+    /// The stream ran out where the receiver waited for more.
     Truncated,
-    /// The lengths do not add up to the header's total: a protocol error.
-    LengthMismatch,
-    /// Refused by the grant check (outside the grant, overlapping).
-    Refused,
-    /// Admitted: the payload of `total` bytes follows.
-    Admitted,
+    /// The receiver would wait for the next batch, and there is none.
+    Idle,
+    /// The stream's one batch is done.
+    Done,
+    /// The connection (or stream) ends for this fault.
+    Failed(Fault),
 }
 
-/// Reads a batch's op list of `op_count` entries from `stream` under
-/// `grant`, as the TCP and QUIC receivers do: the count against the op limit,
-/// the grant's liveness, the list grown in `OpListBuffer`'s steps each
-/// charged to the budget first (half of it held by other batches if the
-/// receiver says so), then the grant check.
+/// What one batch showed, for the checks at its end.
+#[derive(Default)]
+struct Batch {
+    /// Where the batch started in the stream.
+    start: usize,
+    header: Option<(GrantId, u64, u64, bool, bool)>,
+    /// The op list's bytes as read.
+    list: Vec<u8>,
+    /// The most the batch held of the budget.
+    held: u64,
+    refused: Option<Refusal>,
+    landed: bool,
+    replies: Vec<ReplyStatus>,
+    stopped: bool,
+}
+
+/// Drives the batch-receive machine (`kv_proto::receive::BatchReceiver`,
+/// which the TCP and QUIC receivers run) over `stream` as `framing` says,
+/// with `receiver`'s memory, op limit and budget (half of it held by other
+/// batches if the receiver says so), landing admitted payloads by skipping
+/// them, until the stream runs out, the machine fails, or it is done.
 ///
-/// Checks: a count over the limit gets no buffer, one within does; a list
-/// within the limit always finds room in a budget it has alone; the
-/// buffer never holds more than it reported and was charged, never more
-/// entries than announced, and at most twice the entries that arrived or
-/// one read step; the heap the read takes stays within the buffer plus a
-/// slack; an admitted list's lengths add up to `total_bytes` and every op
-/// lies in the grant; a length mismatch is one.
-pub(crate) fn receive_op_list(
+/// Checks, per batch: a count over the limit fails before anything is
+/// buffered, and only such a count; a header that is not well formed fails
+/// at once, and only such a one; a grant not live is refused before its op
+/// list is read; a list within the limit always finds room in a budget it
+/// has alone; what the batch holds of the budget never exceeds its
+/// announced entries, nor twice what arrived or one read step, and its heap
+/// stays within twice that plus a slack; an admitted list's lengths add up
+/// and every op lies in the grant, no two overlapping; a length mismatch is
+/// one; a refusal for an op is for one outside the grant or overlapping;
+/// every refusal is answered `Refused` and only after it, `Ok` only for a
+/// pre-checked batch or a payload that landed; the op-list budget is given
+/// back before the reply; and, on a connection, what is left of a batch is
+/// read to its end, so the next batch starts where the sender put it.
+pub(crate) fn receive_batches<H: Copy + Into<HeaderFields>, const N: usize>(
     stream: &mut Stream<'_>,
     receiver: &Receiver,
-    grant: &GrantId,
-    op_count: u64,
-    total_bytes: u64,
-) -> ListOutcome {
+    framing: Framing,
+    decode: DecodeHeader<H, N>,
+) -> Ended {
     let Receiver { memory, max_ops, budget, others, now } = receiver;
-    let (memory, max_ops, budget, others, now) = (memory, *max_ops, *budget, *others, *now);
-    let Some(mut buffer) = OpListBuffer::within(op_count, max_ops) else {
-        assert!(op_count > max_ops, "a count of {op_count} within the limit of {max_ops} got no buffer");
-        return ListOutcome::TooManyOps;
-    };
-    assert!(op_count <= max_ops, "a count of {op_count} over the limit of {max_ops} got a buffer");
-    assert_eq!(buffer.count() as u64, op_count);
-    match memory.check_grant(grant, now) {
-        Ok(()) => {}
-        Err(DestinationError::UnknownGrant | DestinationError::ExpiredGrant) => {
-            assert_ne!(grant, &GrantId::from_bytes(GRANT_BYTES), "the live grant was refused");
-            return ListOutcome::DeadGrant;
-        }
-        Err(e) => panic!("the grant check failed with {e}"),
-    }
-
-    let budget = MemoryBudget::new(budget);
+    let (max_ops, now, others) = (*max_ops, *now, *others);
+    let connection = matches!(framing, Framing::Connection { .. });
+    let limits = ReceiveLimits { max_ops, op_list_budget: *budget, op_list_timeout: Duration::from_secs(10) };
+    let mut rx = BatchReceiver::new(memory, limits, framing, decode);
+    let budget = MemoryBudget::new(*budget);
     let mut other = budget.charge();
     if others {
         assert!(other.try_grow(budget.limit() / 2));
     }
-    let mut charge = budget.charge();
-    let (outcome, heap) = alloc_meter::measure(|| {
-        while !buffer.is_complete() {
-            let filled = buffer.filled();
-            let more = buffer.growth();
-            if more > 0 && !charge.try_grow(more) {
-                assert!(others, "a list within the op limit found no room in a budget it has alone");
-                return (ListOutcome::NoRoom { unread: (buffer.count() - filled) as u64 }, buffer.held());
+    let mut share = budget.charge();
+    let total_len = stream.bytes.len();
+    let mut batch = Batch::default();
+    let mut heap_bound = SLACK;
+    let (ended, heap) = alloc_meter::measure(|| loop {
+        let position = total_len - stream.bytes.len();
+        match rx.next_step() {
+            Step::AwaitBatch => {
+                assert!(connection, "a stream's batch waits for no other");
+                if position > 0 {
+                    end_of_batch(&batch, position - batch.start, N);
+                }
+                if stream.bytes.is_empty() {
+                    return Ended::Idle;
+                }
+                batch = Batch { start: position, ..Batch::default() };
+                rx.advance(now);
             }
-            let chunk = buffer.next_chunk();
-            let chunk_len = chunk.len();
-            let read = stream.read_into(chunk);
-            let held = buffer.held();
-            assert_eq!(held, charge.bytes(), "the buffer grew by more than it reported");
-            assert!(held <= op_count * OP_LEN as u64, "the buffer holds more than the {op_count} entries announced");
-            let step_bound = (2 * filled).max(filled + OPS_PER_READ) as u64 * OP_LEN as u64;
-            assert!(held <= step_bound, "{held} bytes held after {filled} entries arrived");
-            assert!(chunk_len > 0 && chunk_len <= OPS_PER_READ * OP_LEN && chunk_len % OP_LEN == 0);
-            if !read {
-                return (ListOutcome::Truncated, held);
+            Step::Read { what, into, by } => {
+                let chunk_len = into.len();
+                if !stream.read_into(into) {
+                    return Ended::Truncated;
+                }
+                if what == "op list" {
+                    assert!(by.is_some(), "the op list has its deadline");
+                    let step_bound = (2 * (batch.list.len() / OP_LEN)).max(batch.list.len() / OP_LEN + OPS_PER_READ);
+                    assert!(share.bytes() <= (step_bound * OP_LEN) as u64, "{} bytes held", share.bytes());
+                    assert!(chunk_len > 0 && chunk_len <= OPS_PER_READ * OP_LEN && chunk_len % OP_LEN == 0);
+                    batch.list.extend_from_slice(into);
+                }
+                rx.advance(now);
+                if what == "batch header" {
+                    let header = rx.header().map(|&h| {
+                        let h: HeaderFields = h.into();
+                        (h.grant, h.op_count, h.total_bytes, h.precheck, h.well_formed)
+                    });
+                    batch.header = header;
+                }
+            }
+            Step::Charge { bytes, .. } => {
+                let Some((_, count, ..)) = batch.header else { panic!("a charge before a header") };
+                assert!(count <= max_ops, "a count of {count} over the limit of {max_ops} is charged");
+                if share.try_grow(bytes) {
+                    batch.held = batch.held.max(share.bytes());
+                    heap_bound = heap_bound.max(2 * usize::try_from(batch.held).unwrap_or(usize::MAX) + SLACK);
+                    assert!(share.bytes() <= count * OP_LEN as u64, "more held than the {count} entries announced");
+                    rx.advance(now);
+                } else {
+                    assert!(others, "a list within the op limit found no room in a budget it has alone");
+                    let no_room = if share.holds_fair_share() {
+                        NoRoom::GiveWay { held: share.bytes(), holders: budget.holders() }
+                    } else {
+                        NoRoom::Timeout
+                    };
+                    rx.no_room(no_room);
+                }
+            }
+            Step::Refused { refusal, reason } => {
+                assert!(!reason.is_empty() && batch.refused.is_none() && batch.replies.is_empty());
+                let (grant, ..) = batch.header.unwrap_or((GrantId::from_bytes([0; 16]), 0, 0, false, true));
+                match refusal {
+                    Refusal::Grant(DestinationError::UnknownGrant | DestinationError::ExpiredGrant) => {
+                        assert_ne!(grant, GrantId::from_bytes(GRANT_BYTES), "the live grant was refused");
+                        assert!(batch.list.is_empty(), "a dead grant's op list was read");
+                    }
+                    Refusal::Grant(DestinationError::OutsideGrant { .. } | DestinationError::OverlappingOps { .. }) => {
+                        let ops: Vec<(u64, u64)> = entries(&batch.list).collect();
+                        let outside = ops.iter().any(|&(dst, len)| !GRANT_RANGE.contains(dst, len));
+                        assert!(outside || first_overlap(ops.iter().copied()).is_some(), "refused a list in its grant");
+                    }
+                    Refusal::NoRoom(_) => assert!(others),
+                    other => panic!("refused for {other:?}"),
+                }
+                batch.refused = Some(*refusal);
+                rx.advance(now);
+            }
+            Step::Discard { bytes } => {
+                assert!(connection && batch.refused.is_some(), "only a refused batch is dropped");
+                if !stream.skip(bytes) {
+                    return Ended::Truncated;
+                }
+                rx.advance(now);
+            }
+            Step::Stop => {
+                assert!(!connection && batch.refused.is_some(), "only a refused stream is stopped");
+                batch.stopped = true;
+                rx.advance(now);
+            }
+            Step::Payload { batch: admitted, .. } => {
+                let Some((grant, count, total, ..)) = batch.header else { panic!("a payload before a header") };
+                assert_eq!(admitted.grant(), grant);
+                assert_eq!(grant, GrantId::from_bytes(GRANT_BYTES));
+                assert!(admitted.access().is_live());
+                assert_eq!(admitted.entries().len() as u64, count);
+                assert_eq!(admitted.total(), total);
+                let ops: Vec<(u64, u64)> = admitted.entries().iter().map(decode_op).collect();
+                let sum = ops.iter().try_fold(0u64, |sum, &(_, len)| sum.checked_add(len));
+                assert_eq!(sum, Some(total), "admitted with lengths that do not add up");
+                for &(dst, len) in &ops {
+                    assert!(len == 0 || GRANT_RANGE.contains(dst, len), "admitted an op at {dst:#x}+{len:#x}");
+                }
+                assert_eq!(first_overlap(ops.iter().copied()), None, "admitted overlapping ops");
+                if !stream.skip(total) {
+                    return Ended::Truncated;
+                }
+                batch.landed = true;
+                rx.payload_end(PayloadEnd::Complete);
+            }
+            Step::Release => {
+                share.release();
+                rx.advance(now);
+            }
+            Step::Reply { status, .. } => {
+                let admission = status == ReplyStatus::Ok && !batch.landed;
+                assert!(admission || share.bytes() == 0, "the budget is given back before the reply");
+                match status {
+                    ReplyStatus::Refused => assert!(batch.refused.is_some(), "refused without a refusal"),
+                    ReplyStatus::Ok => {
+                        let precheck = batch.header.is_some_and(|(.., precheck, _)| precheck);
+                        assert!(batch.landed || (precheck && batch.replies.is_empty()), "Ok before the payload");
+                    }
+                    other => panic!("the machine replied {other:?}"),
+                }
+                batch.replies.push(status);
+                rx.advance(now);
+            }
+            Step::Done => {
+                assert!(!connection);
+                assert!(batch.landed || batch.stopped, "a stream done without its payload or a stop");
+                return Ended::Done;
+            }
+            Step::Fail(fault) => {
+                let (_, count, total, _, well_formed) =
+                    batch.header.unwrap_or((GrantId::from_bytes([0; 16]), 0, 0, false, true));
+                match fault {
+                    Fault::Malformed => assert!(!well_formed),
+                    Fault::TooManyOps { count: c, max } => {
+                        assert!(well_formed && c == count && count > max && max == max_ops);
+                        assert!(batch.list.is_empty());
+                    }
+                    Fault::LengthMismatch { declared, sum } => {
+                        assert_eq!(declared, total);
+                        assert_eq!(entries(&batch.list).map(|(_, len)| len).try_fold(0u64, u64::checked_add), sum);
+                        assert_ne!(sum, Some(total), "a length mismatch where the lengths add up");
+                    }
+                    other => panic!("the machine failed with {other:?}"),
+                }
+                return Ended::Failed(fault);
             }
         }
-        let held = buffer.held();
-        let list = buffer.into_entries();
-        assert_eq!(list.len() as u64, op_count);
-        let sum = list.iter().try_fold(0u64, |sum, entry| sum.checked_add(decode_op(entry).1));
-        let outcome = match memory.admit(grant, list.iter().map(decode_op), total_bytes, now) {
-            Ok(access) => {
-                assert!(access.is_live());
-                assert_eq!(sum, Some(total_bytes), "admitted with lengths that do not add up");
-                for (dst, len) in list.iter().map(decode_op) {
-                    let inside = len == 0 || GRANT_RANGE.contains(dst, len);
-                    assert!(inside, "admitted an op at {dst:#x}+{len:#x} outside the grant");
-                }
-                ListOutcome::Admitted
-            }
-            Err(DestinationError::LengthMismatch { declared, sum: got }) => {
-                assert_eq!((declared, got), (total_bytes, sum));
-                assert_ne!(sum, Some(total_bytes), "a length mismatch where the lengths add up");
-                ListOutcome::LengthMismatch
-            }
-            Err(DestinationError::OutsideGrant { .. } | DestinationError::OverlappingOps { .. }) => {
-                assert_eq!(sum, Some(total_bytes));
-                ListOutcome::Refused
-            }
-            Err(e) => panic!("admission of a live grant failed with {e}"),
-        };
-        (outcome, held)
     });
-    let (outcome, held) = outcome;
-    let bound = 2 * usize::try_from(held).unwrap_or(usize::MAX) + SLACK;
-    assert!(heap <= bound, "reading an op list took {heap} bytes of heap, its buffer {held}");
-    outcome
+    assert!(heap <= heap_bound, "receiving took {heap} bytes of heap, the op list {} at most", batch.held);
+    ended
+}
+
+fn entries(list: &[u8]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    list.chunks_exact(OP_LEN).map(|entry| decode_op(entry.try_into().unwrap_or(&[0; OP_LEN])))
+}
+
+/// Checks at the end of a batch on a connection, which read `read` bytes:
+/// exactly its header, op list and (unless it was refused before its
+/// payload was sent) payload, so the next one starts in step; it was
+/// answered.
+fn end_of_batch(batch: &Batch, read: usize, header_len: usize) {
+    let Some((_, count, total, precheck, _)) = batch.header else { panic!("a batch ended without a header") };
+    assert!(!batch.replies.is_empty(), "a batch ended without a reply");
+    let payload = if precheck && batch.refused.is_some() { 0 } else { total };
+    let expected = (count * OP_LEN as u64).saturating_add(payload).saturating_add(header_len as u64);
+    assert_eq!(read as u64, expected, "the batch read {read} bytes, not its header, list and payload");
 }

@@ -1,14 +1,15 @@
 //! `quic_dataplane`: arbitrary bytes as what a QUIC data-plane peer sends.
 
 use kv_proto::dataplane::{decode_verdict_header, put_verdict, ReplyStatus, MAX_REASON_LEN, OP_LEN};
+use kv_proto::receive::Framing;
 use transport_quic::details::{DetailsError, EndpointDetails, DETAILS_LEN, MAGIC as DETAILS_MAGIC};
 use transport_quic::wire::{
     BatchHeader, ClientHello, HelloError, ServerHello, BATCH_HEADER_LEN, CLIENT_HELLO_LEN, HELLO_AUTH, HELLO_MAGIC,
     HELLO_VERSION, SERVER_HELLO_LEN,
 };
-use transport_quic::QuicConfig;
+use transport_quic::{OpListLimits, QuicConfig};
 
-use crate::op_list::{self, ListOutcome, Stream};
+use crate::op_list::{self, Ended, Stream};
 
 /// The endpoint details a sender decodes before it connects.
 fn details(bytes: &[u8]) {
@@ -61,29 +62,31 @@ fn config(choice: u8) -> QuicConfig {
         2 => (OP_LEN * kv_proto::dataplane::OPS_PER_READ) as u64 + 4096,
         _ => transport_quic::DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
     };
-    let mut config =
-        QuicConfig { op_list_budget: budget, unauthenticated_op_list_budget: budget, ..QuicConfig::default() };
+    let mut config = QuicConfig {
+        op_lists: OpListLimits { budget, unauthenticated_budget: budget, ..OpListLimits::default() },
+        ..QuicConfig::default()
+    };
     if choice & 4 != 0 {
-        config.max_ops_per_batch = 3;
+        config.op_lists.max_ops_per_batch = 3;
     }
     config
 }
 
 /// One batch's stream as the receiver reads it: header, op list, payload,
-/// end of stream.
+/// end of stream, through the machine the receiver runs.
 fn batch(options: u8, stream: &mut Stream<'_>) {
     let config = config(options);
-    let Some(header_bytes) = stream.array::<BATCH_HEADER_LEN>() else { return };
+    let mut header_stream = *stream;
+    let Some(header_bytes) = header_stream.array::<BATCH_HEADER_LEN>() else { return };
     let header = BatchHeader::decode(header_bytes);
     assert_eq!(&header.encode(), header_bytes, "a batch header does not re-encode to its bytes");
-    let receiver =
-        op_list::Receiver::new(config.max_ops_in_force(), config.op_list_budget_in_force(), options & 8 != 0);
-    let outcome = op_list::receive_op_list(stream, &receiver, &header.grant, header.op_count, header.total_bytes);
-    if outcome == ListOutcome::Admitted {
-        // The payload, then the end of the stream (more is a protocol error).
-        let complete = stream.skip(header.total_bytes);
-        assert!(complete || header.total_bytes > 0);
-    }
+    let receiver = op_list::Receiver::new(
+        config.op_lists.max_ops_in_force(config.auth_secret.is_some()),
+        config.op_lists.budget_in_force(config.auth_secret.is_some()),
+        options & 8 != 0,
+    );
+    let ended = op_list::receive_batches(stream, &receiver, Framing::StreamPerBatch, BatchHeader::decode);
+    assert!(matches!(ended, Ended::Done | Ended::Truncated | Ended::Failed(_)), "{ended:?}");
 }
 
 /// The verdict a sender reads after its hello proof, or after a batch.
@@ -113,8 +116,8 @@ fn verdict(stream: &mut Stream<'_>) {
 ///   what it found;
 /// - client and server hellos that decode re-encode to their bytes; a
 ///   refused one is refused for what its bytes say;
-/// - a batch header re-encodes to its bytes; its op list is read as the
-///   receiver reads it (see `op_list::receive_op_list`);
+/// - a batch header re-encodes to its bytes; the batch is received by the
+///   machine the receiver runs (see `op_list::receive_batches`);
 /// - a verdict re-encodes to its bytes.
 pub fn quic_dataplane(data: &[u8]) {
     let Some((&choice, rest)) = data.split_first() else { return };

@@ -14,6 +14,7 @@ use transport_rdma::details::{self, DetailsError, EndpointDetails};
 use transport_rdma::handshake::codec::{self, HEADER_LEN};
 use transport_rdma::handshake::exchange::read_message;
 use transport_rdma::handshake::{HandshakeError, HandshakeLimits};
+use transport_rdma::tags::FrameTags;
 
 use crate::alloc_meter;
 
@@ -47,7 +48,8 @@ fn replies(choice: u8, mut bytes: &[u8]) {
     let limits = control_limits(choice);
     while !bytes.is_empty() {
         let before = bytes;
-        let (read, heap) = alloc_meter::measure(|| ready(control::read_reply(&mut bytes, &limits)));
+        let (read, heap) =
+            alloc_meter::measure(|| ready(control::read_reply(&mut bytes, &limits, &mut FrameTags::none())));
         let consumed = before.len() - bytes.len();
         let bound = 4 * consumed + READ_SLACK;
         assert!(heap <= bound, "reading a reply from {consumed} bytes took {heap} bytes of heap");
@@ -89,7 +91,7 @@ fn replies(choice: u8, mut bytes: &[u8]) {
 fn requests(mut bytes: &[u8]) {
     loop {
         let before = bytes;
-        match ready(control::read_request(&mut bytes)) {
+        match ready(control::read_request(&mut bytes, &mut FrameTags::none())) {
             Ok(None) => {
                 assert!(before.is_empty());
                 return;
@@ -121,7 +123,7 @@ fn handshake_limits(choice: u8) -> HandshakeLimits {
 fn handshake(choice: u8, bytes: &[u8]) {
     let limits = handshake_limits(choice);
     let mut reader = bytes;
-    let (read, heap) = alloc_meter::measure(|| ready(read_message(&mut reader, &limits)));
+    let (read, heap) = alloc_meter::measure(|| ready(read_message(&mut reader, &limits, &mut FrameTags::none())));
     let consumed = bytes.len() - reader.len();
     let claimed = HEADER_LEN + limits.max_regions as usize * codec::REGION_LEN;
     let bound = 4 * claimed.min(consumed + claimed) + 64 * 1024;

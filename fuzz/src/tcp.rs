@@ -1,13 +1,15 @@
 //! `tcp_dataplane`: arbitrary bytes as what a TCP data-plane peer sends.
 
 use kv_proto::dataplane::{ReplyStatus, MAX_REASON_LEN, OP_LEN};
+use kv_proto::receive::Framing;
 use transport_tcp::wire::{
     encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, AUTH_TAG_LEN, BATCH_HEADER_LEN,
-    FLAG_AUTH, MAGIC, PREAMBLE_LEN, REPLY_HEADER_LEN, SUPPORTED_BATCH_FLAGS, SUPPORTED_FLAGS, VERSION,
+    FLAG_AUTH, FLAG_PAYLOAD_AUTH, MAGIC, PREAMBLE_LEN, REPLY_HEADER_LEN, SUPPORTED_BATCH_FLAGS, SUPPORTED_FLAGS,
+    VERSION,
 };
-use transport_tcp::TcpConfig;
+use transport_tcp::{OpListLimits, TcpConfig};
 
-use crate::op_list::{self, ListOutcome, Stream};
+use crate::op_list::{self, Ended, Stream};
 
 /// The receiver's configuration: op-list budgets small enough for an input
 /// to exhaust, or the defaults; a small or the default op limit.
@@ -18,10 +20,12 @@ fn config(choice: u8) -> TcpConfig {
         2 => (OP_LEN * kv_proto::dataplane::OPS_PER_READ) as u64 + 4096,
         _ => transport_tcp::DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
     };
-    let mut config =
-        TcpConfig { op_list_budget: budget, unauthenticated_op_list_budget: budget, ..TcpConfig::default() };
+    let mut config = TcpConfig {
+        op_lists: OpListLimits { budget, unauthenticated_budget: budget, ..OpListLimits::default() },
+        ..TcpConfig::default()
+    };
     if choice & 4 != 0 {
-        config.max_ops_per_batch = 3;
+        config.op_lists.max_ops_per_batch = 3;
     }
     config
 }
@@ -45,6 +49,7 @@ fn receive(options: u8, stream: &mut Stream<'_>) {
     let answer = preamble.answer(has_secret);
     let expected_ok = preamble.version == VERSION
         && preamble.flags & !SUPPORTED_FLAGS == 0
+        && (preamble.flags & FLAG_PAYLOAD_AUTH == 0 || preamble.flags & FLAG_AUTH != 0)
         && (preamble.flags & FLAG_AUTH != 0) == has_secret;
     assert_eq!(
         answer == AcceptStatus::Accepted,
@@ -60,40 +65,36 @@ fn receive(options: u8, stream: &mut Stream<'_>) {
         return;
     }
 
-    let receiver =
-        op_list::Receiver::new(config.max_ops_in_force(), config.op_list_budget_in_force(), options & 32 != 0);
-    while let Some(header_bytes) = stream.array::<BATCH_HEADER_LEN>() {
-        let header = BatchHeader::decode(header_bytes);
-        assert_eq!(&header.encode(), header_bytes, "a batch header does not re-encode to its bytes");
-        let well_formed = header.flags & !SUPPORTED_BATCH_FLAGS == 0 && header.reserved == 0;
-        assert_eq!(header.is_well_formed(), well_formed);
-        if !well_formed {
-            return;
-        }
-        if preamble.announces_auth() {
-            // An authenticated connection's header is followed by its tag,
-            // under a session key these bytes cannot know: the receiver
-            // checks it before acting on the header, and closes.
-            return;
-        }
-        let outcome = op_list::receive_op_list(stream, &receiver, &header.grant, header.op_count, header.total_bytes);
-        let payload_follows = !header.wants_precheck();
-        let continues = match outcome {
-            ListOutcome::TooManyOps | ListOutcome::Truncated | ListOutcome::LengthMismatch => false,
-            ListOutcome::DeadGrant => {
-                stream.skip(header.op_count.saturating_mul(OP_LEN as u64))
-                    && (!payload_follows || stream.skip(header.total_bytes))
-            }
-            ListOutcome::NoRoom { unread } => {
-                stream.skip(unread * OP_LEN as u64) && (!payload_follows || stream.skip(header.total_bytes))
-            }
-            ListOutcome::Refused => !payload_follows || stream.skip(header.total_bytes),
-            ListOutcome::Admitted => stream.skip(header.total_bytes),
-        };
-        if !continues {
-            return;
-        }
+    let receiver = op_list::Receiver::new(
+        config.op_lists.max_ops_in_force(config.auth_secret.is_some()),
+        config.op_lists.budget_in_force(config.auth_secret.is_some()),
+        options & 32 != 0,
+    );
+    if preamble.announces_auth() {
+        // An authenticated connection's header is followed by its tag,
+        // under a session key these bytes cannot know: the receiver checks
+        // it before acting on the header, and closes.
+        let Some(header_bytes) = stream.array::<BATCH_HEADER_LEN>() else { return };
+        check_header(header_bytes);
+        return;
     }
+    // The headers as they come, checked before the machine reads them.
+    let mut headers = *stream;
+    let framing = Framing::Connection { session: None, tagged_payloads: false };
+    let ended = op_list::receive_batches(stream, &receiver, framing, BatchHeader::decode);
+    if let Some(header_bytes) = headers.array::<BATCH_HEADER_LEN>() {
+        check_header(header_bytes);
+    }
+    assert!(matches!(ended, Ended::Idle | Ended::Truncated | Ended::Failed(_)), "{ended:?}");
+}
+
+/// A batch header re-encodes to its bytes, and is well formed exactly with
+/// known flags and a zero reserved field.
+fn check_header(header_bytes: &[u8; BATCH_HEADER_LEN]) {
+    let header = BatchHeader::decode(header_bytes);
+    assert_eq!(&header.encode(), header_bytes, "a batch header does not re-encode to its bytes");
+    let well_formed = header.flags & !SUPPORTED_BATCH_FLAGS == 0 && header.reserved == 0;
+    assert_eq!(header.is_well_formed(), well_formed);
 }
 
 /// The sender's side: an accept reply, then replies to batches (each
@@ -135,13 +136,15 @@ fn send(stream: &mut Stream<'_>) {
 /// - every preamble, accept reply, batch header and reply header that
 ///   decodes re-encodes to its bytes; a bad magic is reported as found;
 /// - a preamble is accepted exactly for this build's version, known flags
-///   and a secret on both sides or neither;
+///   (payload tags only with the secret) and a secret on both sides or
+///   neither;
 /// - a batch header is well formed exactly with known flags and a zero
 ///   reserved field;
-/// - the op list of each batch is read as the receiver reads it (see
-///   `op_list::receive_op_list`: within the limit and budget, memory
+/// - the batches are received by the machine the receiver runs (see
+///   `op_list::receive_batches`: within the limit and budget, memory
 ///   following the bytes that arrive, admitted only inside the grant with
-///   lengths adding up), and the stream goes on where the receiver's would.
+///   lengths adding up, refusals answered, and each batch read to its end
+///   so the next starts in step).
 pub fn tcp_dataplane(data: &[u8]) {
     let Some((&options, rest)) = data.split_first() else { return };
     let mut stream = Stream::new(rest);

@@ -107,8 +107,8 @@ impl Step {
             ),
             Action::DependencyRule => "dependency rule (cargo tree -e normal per crate)".to_owned(),
             Action::UnsafeFiles => "`unsafe` only in the files ARCHITECTURE.md lists, and all of them".to_owned(),
-            Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, kv-worker's conformance RDMA cases \
-                                 and end-to-end test, in a Soft-RoCE guest)"
+            Action::RdmaTest => "cargo xtask rdma-test (transport-rdma's tests, the conformance suite's among them, \
+                                 and kv-worker's RDMA end-to-end test, in a Soft-RoCE guest)"
                 .to_owned(),
             Action::Engine(release) => format!(
                 "cargo xtask engine-test --vllm {release} (vLLM {release} CPU: baseline, P and D as `vllm serve`, \
@@ -175,23 +175,28 @@ fn steps() -> Vec<Step> {
         args.extend_from_slice(&["--", "-D", "warnings"]);
         steps.push(Step::cargo(&format!("clippy:{suffix}"), "clippy", args));
     }
-    // The fuzz crate without its libFuzzer entry points (stable; they are one line each).
-    steps.push(Step::cargo(
-        "clippy:fuzz",
-        "clippy",
-        vec![
-            "clippy",
-            "--manifest-path",
-            "fuzz/Cargo.toml",
-            "--no-default-features",
-            "--all-targets",
-            "--locked",
-            "--",
-            "-D",
-            "warnings",
-        ],
-    ));
-    // All features, so every compiled-in transport runs the conformance suite.
+    // The fuzz crate without its libFuzzer entry points (stable; they are
+    // one line each), with `--cfg fuzzing` as cargo-fuzz builds it.
+    steps.push(Step {
+        name: "clippy:fuzz".to_owned(),
+        group: "clippy",
+        action: Action::Cargo {
+            args: vec![
+                "clippy",
+                "--manifest-path",
+                "fuzz/Cargo.toml",
+                "--no-default-features",
+                "--all-targets",
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ],
+            env: vec![("RUSTFLAGS", fuzz::fuzzing_rustflags())],
+        },
+    });
+    // All features: every test of every crate (each transport runs the
+    // conformance suite in its own tests; RDMA's, in `rdma-test`).
     let mut test = vec!["test", "--workspace", "--all-features"];
     test.extend_from_slice(EXCLUDED);
     test.push("--no-fail-fast");
@@ -285,7 +290,10 @@ pub(crate) fn run(args: &CiArgs) -> Result<ExitCode> {
         let elapsed = started.elapsed();
         match &outcome {
             Ok(()) => println!("<== {}: ok in {}", step.name, seconds(elapsed)),
-            Err(err) => println!("<== {}: FAILED in {}: {err:#}", step.name, seconds(elapsed)),
+            Err(err) => {
+                println!("<== {}: FAILED in {}: {err:#}", step.name, seconds(elapsed));
+                println!("    {}", cmd::machine_state(&root));
+            }
         }
         results.push((step, elapsed, outcome.is_ok()));
     }

@@ -37,6 +37,29 @@ pub(crate) fn cargo(root: &Path, args: &[&str], colour: bool) -> Command {
     command
 }
 
+/// What a failed step may have run out of, in one line: free space on the
+/// filesystem holding `dir` (`df`) and the memory the kernel says is
+/// available (`/proc/meminfo`). A build that dies for want of either prints
+/// its cause far above the summary; this line is printed beside it.
+pub(crate) fn machine_state(dir: &Path) -> String {
+    let disk = Command::new("df")
+        .args(["-Pk"])
+        .arg(dir)
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .and_then(|text| text.lines().nth(1).and_then(|line| line.split_whitespace().nth(3)?.parse::<u64>().ok()))
+        .map_or_else(|| "unknown".to_owned(), |kib| format!("{:.1} GiB", kib as f64 / (1 << 20) as f64));
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|line| line.starts_with("MemAvailable:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or_else(|| "unknown".to_owned(), |kib| format!("{:.1} GiB", kib as f64 / (1 << 20) as f64));
+    format!("disk free under {}: {disk}; memory available: {memory}", dir.display())
+}
+
 /// Runs `command` with inherited stdio and fails unless it exits 0.
 pub(crate) fn run_inherited(mut command: Command, display: &str) -> Result<()> {
     let status = command.status().with_context(|| format!("could not start `{display}`"))?;

@@ -9,11 +9,14 @@
 //!   libFuzzer under `fuzz/artifacts/<target>/` and fails the command.
 //! * `cargo xtask fuzz --replay` runs every committed corpus file through the
 //!   same checks on the current (stable) toolchain: the crate's
-//!   `tests/replay.rs`, built without libFuzzer.
+//!   `tests/replay.rs`, built without libFuzzer but, as cargo-fuzz builds,
+//!   with `--cfg fuzzing` (the modules kvlink's crates make public to the
+//!   fuzz targets only are public under it).
 //!
 //! Fuzzing needs the nightly toolchain and cargo-fuzz; when either is
 //! missing the command says so in one line and fails (CI never skips it).
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -229,12 +232,26 @@ fn finish(mut run: Running, root: &Path) -> Result<bool> {
     Ok(false)
 }
 
+/// `RUSTFLAGS` for a stable build of the fuzz crate: the caller's, and
+/// `--cfg fuzzing` as cargo-fuzz passes it (modules public to the fuzz
+/// targets only are public under it).
+pub(crate) fn fuzzing_rustflags() -> OsString {
+    let mut flags = std::env::var_os("RUSTFLAGS").unwrap_or_default();
+    if !flags.is_empty() {
+        flags.push(" ");
+    }
+    flags.push("--cfg fuzzing");
+    flags
+}
+
 /// `cargo xtask fuzz --replay`: the corpus through the checks, on stable.
 fn replay(root: &Path) -> Result<()> {
     let manifest = fuzz_dir(root).join("Cargo.toml");
     let manifest = manifest.to_string_lossy().into_owned();
     let args = ["test", "--manifest-path", &manifest, "--no-default-features", "--locked"];
-    cmd::run_inherited(cmd::cargo(root, &args, true), &format!("cargo {}", args.join(" ")))
+    let mut command = cmd::cargo(root, &args, true);
+    command.env("RUSTFLAGS", fuzzing_rustflags());
+    cmd::run_inherited(command, &format!("RUSTFLAGS='--cfg fuzzing' cargo {}", args.join(" ")))
 }
 
 /// Runs `cargo xtask fuzz`; an error when anything failed.
@@ -254,6 +271,9 @@ pub(crate) fn run(args: &FuzzArgs) -> Result<()> {
     println!("fuzz: cargo +nightly fuzz build --fuzz-dir fuzz");
     let mut build = nightly(&root, &["fuzz", "build", "--fuzz-dir", "fuzz"]);
     build.stdin(Stdio::null());
+    // cargo-fuzz answers a failed build with its own backtrace, which would
+    // push the compiler's or linker's message out of a truncated log's tail.
+    build.env("RUST_BACKTRACE", "0");
     cmd::run_inherited(build, "cargo +nightly fuzz build")?;
     println!("fuzz: built in {:.0}s", started.elapsed().as_secs_f64());
 

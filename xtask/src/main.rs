@@ -19,8 +19,8 @@
 //! * `cargo xtask ci --step <name>` runs only the named step(s);
 //!   `cargo xtask ci --list` lists them.
 //! * `cargo xtask rdma-test` builds the RDMA tests (transport-rdma's, with
-//!   its verbs layer; kv-worker's conformance suite and end-to-end test with
-//!   its `rdma` feature) and runs them in a QEMU guest with a Soft-RoCE
+//!   its verbs layer, the conformance suite among them; kv-worker's
+//!   end-to-end test with its `rdma` feature) and runs them in a QEMU guest with a Soft-RoCE
 //!   device; `--bench` runs `kvlink demo` and `kvlink bench` over RDMA and
 //!   perftest's `ib_write_bw` there instead, with the throughput ratio.
 //!

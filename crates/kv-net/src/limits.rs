@@ -26,7 +26,9 @@ pub struct ListenerLimits {
     pub max_handshakes_per_host: usize,
     /// Established incoming connections (default
     /// [`DEFAULT_MAX_CONNECTIONS`]). A connection past it is told so where
-    /// the transport's wire allows, and closed.
+    /// the transport's wire allows, and closed; 0 refuses every connection,
+    /// on every listener. (0 handshake places counts as 1: a listener with
+    /// none would be refusing everything at accept, unable to say why.)
     pub max_connections: usize,
 }
 
@@ -64,6 +66,8 @@ mod tests {
         assert_eq!((places.limit(), places.per_host()), (3, 2));
         let established = limits.established_places();
         assert_eq!(established.available_permits(), 1);
+        let none = ListenerLimits { max_connections: 0, ..ListenerLimits::default() };
+        assert_eq!(none.established_places().available_permits(), 0, "0 refuses every connection");
         let huge = ListenerLimits { max_connections: usize::MAX, ..ListenerLimits::default() };
         assert_eq!(huge.established_places().available_permits(), Semaphore::MAX_PERMITS);
     }

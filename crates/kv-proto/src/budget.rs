@@ -135,6 +135,41 @@ impl Drop for Charge {
     }
 }
 
+/// Why a charge could not grow: what a caller that waits for room (with
+/// its own runtime and bound) reports when it gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRoom {
+    /// The budget stayed full until the deadline.
+    Timeout,
+    /// The budget is full and this holder holds an equal share of it or
+    /// more (`held` bytes, among `holders`): it gives way
+    /// ([`Charge::holds_fair_share`]).
+    GiveWay {
+        /// Bytes this holder holds.
+        held: u64,
+        /// Holders holding any bytes.
+        holders: u64,
+    },
+}
+
+impl NoRoom {
+    /// Why a batch of `ops` ops is refused for want of room in an op-list
+    /// budget of `limit` bytes, waited on for at most `timeout`, for its
+    /// sender.
+    pub fn reason(self, ops: u64, limit: u64, timeout: std::time::Duration) -> String {
+        match self {
+            NoRoom::Timeout => format!(
+                "no room for the op list of {ops} ops within {timeout:?}: the receiver's op-list budget of {limit} \
+                 bytes is held by other batches; try again"
+            ),
+            NoRoom::GiveWay { held, holders } => format!(
+                "no room for the op list of {ops} ops: the receiver's op-list budget of {limit} bytes is full and \
+                 this batch holds {held} bytes of it, an equal share or more among {holders} batches; try again"
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -75,6 +75,8 @@ causes! {
     Shutdown = 14, "shutdown";
     /// Two requests of one step named the same prefill request.
     DuplicateRequest = 15, "duplicate_request";
+    /// A copy between the engine's (device) blocks and host staging failed.
+    CopyFailed = 16, "copy_failed";
 }
 
 impl From<u16> for FailureCause {

@@ -35,9 +35,11 @@ pub struct ModelIdentity {
     /// How heads and tokens are ordered inside a block (`NHD`, `HND`).
     #[serde(deserialize_with = "bounded::text")]
     pub attention_layout: String,
-    /// Tensor-parallel size.
+    /// Tensor-parallel size (not compared here: the hello's
+    /// [`crate::RankTopology`] carries it, and P and D may differ in it).
     pub tp_size: u32,
-    /// Pipeline-parallel size.
+    /// Pipeline-parallel size (compared through the hello's
+    /// [`crate::RankTopology`]).
     pub pp_size: u32,
     /// The engine's version (e.g. vLLM's).
     #[serde(deserialize_with = "bounded::text")]
@@ -78,8 +80,6 @@ impl ModelIdentity {
         number("layers", self.num_layers, theirs.num_layers);
         number("KV heads", self.num_kv_heads, theirs.num_kv_heads);
         number("head size", self.head_size, theirs.head_size);
-        number("tensor-parallel size", self.tp_size, theirs.tp_size);
-        number("pipeline-parallel size", self.pp_size, theirs.pp_size);
         out
     }
 }

@@ -18,8 +18,11 @@
 //! It is also where the checks that keep peers out of memory live, once:
 //! [`RegisteredMemory`] (sources, destinations, write grants and their fence)
 //! and [`dataplane`] (the op list and verdict every data-plane wire shares),
-//! the bound on memory peers make a transport hold, [`MemoryBudget`], and
-//! the bound on connections still in their handshake, [`HandshakePlaces`].
+//! the order in which a receiver applies them to a peer's batch,
+//! [`receive::BatchReceiver`] (a sans-IO machine every byte-stream data
+//! plane drives), the bound on memory peers make a transport hold,
+//! [`MemoryBudget`], and the bound on connections still in their handshake,
+//! [`HandshakePlaces`].
 //!
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
@@ -41,10 +44,12 @@ mod metadata;
 mod op_list;
 mod params;
 pub mod random;
+pub mod receive;
 mod registered;
 pub mod session;
 mod stats;
 mod throttle;
+pub mod topology;
 mod wire;
 mod writer;
 
@@ -52,12 +57,13 @@ pub use admission::{
     HandshakePlace, HandshakePlaces, NoPlace, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST,
 };
 pub use bounded::{bounded_text, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN};
-pub use budget::{Charge, MemoryBudget};
+pub use budget::{Charge, MemoryBudget, NoRoom};
 pub use cause::FailureCause;
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
-    ConfigError, KvTransferConfig, DEFAULT_ABORT_REQUEST_TIMEOUT, DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS,
-    ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT,
+    ConfigError, HostStaging, KvTransferConfig, ListenerOverrides, DEFAULT_ABORT_REQUEST_TIMEOUT,
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS, DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES,
+    ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT, EXTRA_KEYS, FOREIGN_KEYS, MAX_STAGING_BYTES,
 };
 pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
 pub use grant::{Grant, GrantError, GrantId, GRANT_ID_LEN, MAX_GRANT_DETAILS_LEN};
@@ -66,11 +72,14 @@ pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
 pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 pub use metadata::{ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
-pub use registered::{DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError};
+pub use registered::{
+    CheckedSources, DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError,
+};
 pub use stats::{BatchRefusal, TransportCounters, TransportStats};
 pub use throttle::LogThrottle;
+pub use topology::{HeadRange, Part, RankTopology, TokenLayout, TopologyError};
 pub use wire::{
     CacheLayout, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage,
-    XferReply, XferRequest,
+    XferProgress, XferReply, XferRequest,
 };
 pub use writer::{BatchWriter, Endpoint, ParseProtocolError, Protocol, TransportError, MAX_ENDPOINT_DETAILS_LEN};

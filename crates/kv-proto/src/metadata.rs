@@ -12,6 +12,11 @@ pub struct RecvReqMeta {
     /// Local blocks the KV lands in. Empty on a full prefix-cache hit or an
     /// abort before scheduling: P is still told, so it frees its blocks.
     pub local_block_ids: Vec<BlockId>,
+    /// The prompt token the first of those blocks starts at (the tokens
+    /// D's prefix cache already held); `None` when the engine did not say
+    /// (P then takes D's blocks to be its last ones).
+    #[serde(default)]
+    pub first_token: Option<u64>,
     /// Where the request is pulled from, and what P calls it.
     pub remote: RemotePrefill,
 }

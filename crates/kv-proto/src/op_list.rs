@@ -21,6 +21,8 @@ pub const OPS_PER_READ: usize = 64 * 1024;
 pub struct OpListBuffer {
     list: Vec<OpEntry>,
     count: usize,
+    /// Where the entries the last [`OpListBuffer::next_chunk`] handed out start.
+    chunk_start: usize,
 }
 
 impl OpListBuffer {
@@ -29,7 +31,7 @@ impl OpListBuffer {
     /// nothing.
     pub fn within(count: u64, max: u64) -> Option<Self> {
         match usize::try_from(count) {
-            Ok(count_usize) if count <= max => Some(Self { list: Vec::new(), count: count_usize }),
+            Ok(count_usize) if count <= max => Some(Self { list: Vec::new(), count: count_usize, chunk_start: 0 }),
             _ => None,
         }
     }
@@ -81,7 +83,15 @@ impl OpListBuffer {
             self.list.reserve_exact(capacity - start);
         }
         self.list.resize(end, [0; OP_LEN]);
-        self.list.get_mut(start..).unwrap_or_default().as_flattened_mut()
+        self.chunk_start = start;
+        self.current_chunk()
+    }
+
+    /// The entries the last [`OpListBuffer::next_chunk`] handed out, again
+    /// (empty before the first): a reader that hands them out in one step
+    /// and reads into them in another.
+    pub fn current_chunk(&mut self) -> &mut [u8] {
+        self.list.get_mut(self.chunk_start..).unwrap_or_default().as_flattened_mut()
     }
 
     /// The entries handed out so far (all of them once complete).
@@ -124,6 +134,7 @@ mod tests {
             ]
         );
         assert_eq!(b.growth(), 0);
+        assert_eq!(b.current_chunk().len(), 5 * OP_LEN, "the last chunk, again");
         assert!(b.next_chunk().is_empty());
         assert_eq!(b.into_entries().len(), count);
     }

@@ -422,6 +422,39 @@ impl RegisteredMemory {
     }
 }
 
+/// A batch's source ranges, each checked inside a source region
+/// ([`RegisteredMemory::check_sources`]): the payload a transport may read
+/// (inside [`RegisteredMemory::read_sources`]) to send it.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedSources<'m, 'o> {
+    memory: &'m RegisteredMemory,
+    ops: &'o [WriteOp],
+    total: u64,
+}
+
+impl<'m, 'o> CheckedSources<'m, 'o> {
+    /// Checks every op's source range in `memory`.
+    pub fn check(memory: &'m RegisteredMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
+        let total = memory.check_sources(ops)?;
+        Ok(Self { memory, ops, total })
+    }
+
+    /// The memory the sources were checked in.
+    pub fn memory(&self) -> &'m RegisteredMemory {
+        self.memory
+    }
+
+    /// The ops.
+    pub fn ops(&self) -> &'o [WriteOp] {
+        self.ops
+    }
+
+    /// The payload's length.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -438,6 +471,18 @@ mod tests {
 
     fn id(n: u8) -> GrantId {
         GrantId::from_bytes([n; 16])
+    }
+
+    #[test]
+    fn checked_sources_keep_the_ops_and_their_total() {
+        let mem = memory();
+        let ops = [WriteOp { src: 1000, dst: 0, len: 60 }, WriteOp { src: 1099, dst: 0, len: 2 }];
+        assert_eq!(CheckedSources::check(&mem, &ops).unwrap_err(), SourceError::Outside { addr: 1099, len: 2 });
+        let checked = CheckedSources::check(&mem, &ops[..1]).unwrap();
+        assert_eq!((checked.ops(), checked.total()), (&ops[..1], 60));
+        assert!(std::ptr::eq(checked.memory(), &mem));
+        mem.close();
+        assert_eq!(CheckedSources::check(&mem, &ops[..1]).unwrap_err(), SourceError::Closed);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! What a transport counts about the peers that write into it: batches it
-//! refused, by reason, and peers that failed to authenticate. Relaxed
-//! atomics, bumped on refusal paths only (never per op or per byte).
+//! refused, by reason, peers that failed to authenticate, and frames that
+//! failed their tag after the handshake. Relaxed atomics, bumped on refusal
+//! paths only (never per op or per byte).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -61,6 +62,7 @@ impl From<&DestinationError> for BatchRefusal {
 pub struct TransportCounters {
     refused: [AtomicU64; BatchRefusal::ALL.len()],
     auth_failures: AtomicU64,
+    tag_failures: AtomicU64,
 }
 
 impl TransportCounters {
@@ -74,6 +76,13 @@ impl TransportCounters {
         self.auth_failures.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A frame on an authenticated connection failed its tag ([`crate::session`]):
+    /// altered or injected on the path after the handshake; the connection
+    /// ended.
+    pub fn tag_failed(&self) {
+        self.tag_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The counts now, with `grants_live` as the caller read it.
     pub fn snapshot(&self, grants_live: usize) -> TransportStats {
         TransportStats {
@@ -83,6 +92,7 @@ impl TransportCounters {
                 .map(|&why| (why, self.refused[why as usize].load(Ordering::Relaxed)))
                 .collect(),
             auth_failures: self.auth_failures.load(Ordering::Relaxed),
+            tag_failures: self.tag_failures.load(Ordering::Relaxed),
         }
     }
 }
@@ -96,6 +106,9 @@ pub struct TransportStats {
     pub batches_refused: Vec<(BatchRefusal, u64)>,
     /// Peers that failed the data plane's authentication since start.
     pub auth_failures: u64,
+    /// Frames (headers, op lists, payloads, replies, control frames) that
+    /// failed their tag since start, each ending its connection.
+    pub tag_failures: u64,
 }
 
 #[cfg(test)]
@@ -109,9 +122,12 @@ mod tests {
         counters.refused(BatchRefusal::from(&DestinationError::UnknownGrant));
         counters.refused(BatchRefusal::UnknownGrant);
         counters.auth_failed();
+        counters.tag_failed();
+        counters.tag_failed();
         let stats = counters.snapshot(3);
         assert_eq!(stats.grants_live, 3);
         assert_eq!(stats.auth_failures, 1);
+        assert_eq!(stats.tag_failures, 2);
         assert_eq!(stats.batches_refused.len(), BatchRefusal::ALL.len());
         let count = |why| stats.batches_refused.iter().find(|(w, _)| *w == why).map(|(_, n)| *n);
         assert_eq!(count(BatchRefusal::UnknownGrant), Some(2));

@@ -19,6 +19,7 @@ use crate::cause::FailureCause;
 use crate::grant::Grant;
 use crate::identity::ModelIdentity;
 use crate::ids::{BlockId, EngineId, ReqId};
+use crate::topology::{HeadRange, RankTopology, TokenLayout};
 use crate::writer::{Endpoint, Protocol};
 
 /// How a KV cache is laid out in registered regions.
@@ -45,12 +46,18 @@ pub struct CacheLayout {
     pub block_tokens: u32,
     /// Bytes per element (2 for bf16); 0 when the engine did not declare it.
     pub dtype_bytes: u32,
+    /// How tokens and heads are ordered in a block's K, V or latent plane
+    /// (undeclared: blocks are only ever copied whole).
+    pub token_layout: TokenLayout,
+    /// KV heads in one block (MLA: 1); 0 when undeclared.
+    pub block_heads: u32,
 }
 
 impl CacheLayout {
     /// What differs between this layout (`ours`, named `our_name`) and a
     /// peer's, each difference naming both values; empty when they agree.
-    /// An undeclared dtype (0) on either side is not compared.
+    /// An undeclared dtype (0), token layout or head count on either side is
+    /// not compared.
     pub fn mismatches(&self, our_name: &str, theirs: &CacheLayout, their_name: &str) -> Vec<String> {
         let mut out = Vec::new();
         let mut differ = |what: &str, ours: String, other: String| {
@@ -64,6 +71,12 @@ impl CacheLayout {
         differ("tokens per block", self.block_tokens.to_string(), theirs.block_tokens.to_string());
         if self.dtype_bytes != 0 && theirs.dtype_bytes != 0 {
             differ("bytes per element", self.dtype_bytes.to_string(), theirs.dtype_bytes.to_string());
+        }
+        if self.token_layout != TokenLayout::Undeclared && theirs.token_layout != TokenLayout::Undeclared {
+            differ("token layout", self.token_layout.to_string(), theirs.token_layout.to_string());
+        }
+        if self.block_heads != 0 && theirs.block_heads != 0 {
+            differ("heads per block", self.block_heads.to_string(), theirs.block_heads.to_string());
         }
         out
     }
@@ -83,6 +96,8 @@ pub struct Hello {
     pub layout: CacheLayout,
     /// D's model, KV storage, topology and versions.
     pub identity: ModelIdentity,
+    /// Where this decode worker sits in its instance, and the heads it holds.
+    pub topology: RankTopology,
 }
 
 impl Hello {
@@ -112,6 +127,12 @@ pub enum HelloReply {
         /// it; a request it stops renewing is freed when this runs out,
         /// never later than P's abort timeout after it finished.
         lease_renewal: Duration,
+        /// Where this prefill worker sits in its instance: D learns from
+        /// it which of P's workers hold its heads.
+        topology: RankTopology,
+        /// This prefill worker's cache layout: D learns from it whether
+        /// blocks copy whole or heads and tokens must be mapped.
+        layout: CacheLayout,
     },
     /// P requires the shared secret: it proves it knows it, and D must
     /// answer with [`SideMessage::AuthProof`] before anything else.
@@ -146,6 +167,10 @@ pub struct RequestBlocks {
     /// [`crate::MAX_BLOCKS_PER_REQUEST`].
     #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_BLOCKS_PER_REQUEST }>")]
     pub block_ids: Vec<BlockId>,
+    /// The prompt token D's blocks start from (what D's prefix cache
+    /// already held); `None`: D's blocks are the last of P's, block for
+    /// block (then both sides' blocks must hold as many tokens).
+    pub first_token: Option<u64>,
 }
 
 /// D asks P to write requests' KV into D's memory (the reference's
@@ -170,6 +195,39 @@ pub struct XferRequest {
     /// The requests and their D blocks (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
     #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
     pub requests: Vec<RequestBlocks>,
+    /// `None`: P copies its blocks whole (both caches are laid out alike).
+    /// Otherwise the model's KV heads P writes, each head row into its
+    /// place in D's blocks, mapped by token (empty: P writes nothing and
+    /// only releases the requests; another of P's workers sends the KV).
+    pub heads: Option<HeadRange>,
+    /// D's progress pieces: with `n > 0`, P writes each request in pieces
+    /// of at most `n` of D's blocks, in D's order, says after each one that
+    /// it landed ([`XferProgress`]), and says each request's outcome as soon
+    /// as it is known; a decode that stages copies each landed piece on
+    /// while the rest is on the wire. 0: no progress messages. With
+    /// [`XferRequest::heads`], a piece is still counted in D's blocks: P
+    /// writes its heads of the tokens those blocks hold (a D pulling a
+    /// request in parts copies a block on only once every part landed it).
+    pub piece_blocks: u32,
+}
+
+/// P → D, while a transfer request is served (only when D asked for
+/// pieces, [`XferRequest::piece_blocks`]): how far one request got. The
+/// reply still carries every outcome; where the two differ, the first one
+/// P said wins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XferProgress {
+    /// The transfer request's `xfer_id`.
+    pub xfer_id: u64,
+    /// The request, as P names it (the [`RequestBlocks::req_id`] D sent).
+    pub req_id: ReqId,
+    /// The first `landed` of D's blocks of it (in the order D listed
+    /// them) are in D's memory: written with remote completion, and never
+    /// written again by this transfer (with [`XferRequest::heads`]: the
+    /// heads it asks for, of the tokens P holds).
+    pub landed: u32,
+    /// Its outcome, once known (P writes nothing more of it then).
+    pub outcome: Option<Outcome>,
 }
 
 /// D → P, no reply: D still means to pull these requests (it has seen them
@@ -243,6 +301,8 @@ pub enum SideMessage {
     },
     /// D → P: renews P's hold on requests D still means to pull.
     KeepAlive(KeepAlive),
+    /// P → D: how far one request of a transfer request got, before the reply.
+    XferProgress(XferProgress),
 }
 
 impl XferRequest {
@@ -271,6 +331,8 @@ mod tests {
             block_len: 32768,
             block_tokens: 16,
             dtype_bytes: 2,
+            token_layout: TokenLayout::Nhd,
+            block_heads: 8,
         };
         assert!(ours.mismatches("p", &ours, "d").is_empty());
         let theirs = CacheLayout { kind: LayoutKind::Fused, block_tokens: 32, dtype_bytes: 1, ..ours };
@@ -283,7 +345,12 @@ mod tests {
                 "bytes per element: p has 2, d has 1"
             ]
         );
-        let undeclared = CacheLayout { dtype_bytes: 0, ..ours };
-        assert!(ours.mismatches("p", &undeclared, "d").is_empty(), "an undeclared dtype is not compared");
+        let undeclared = CacheLayout { dtype_bytes: 0, token_layout: TokenLayout::Undeclared, block_heads: 0, ..ours };
+        assert!(ours.mismatches("p", &undeclared, "d").is_empty(), "undeclared fields are not compared");
+        let hnd = CacheLayout { token_layout: TokenLayout::Hnd, block_heads: 4, ..ours };
+        assert_eq!(
+            ours.mismatches("p", &hnd, "d"),
+            ["token layout: p has NHD, d has HND", "heads per block: p has 8, d has 4"]
+        );
     }
 }

@@ -93,6 +93,20 @@ impl Endpoint {
             Ok(_) => Ok(()),
         }
     }
+
+    /// Checks, before a batch is written to it, that the endpoint is one of
+    /// `protocol`'s and its address has the `host:port` shape
+    /// ([`Endpoint::check_address`]).
+    pub fn check_for(&self, protocol: Protocol) -> Result<(), TransportError> {
+        if self.protocol != protocol {
+            return Err(TransportError::WrongProtocol {
+                peer: self.to_string(),
+                expected: protocol,
+                got: self.protocol,
+            });
+        }
+        self.check_address().map_err(|reason| TransportError::BadEndpoint { peer: self.to_string(), reason })
+    }
 }
 
 impl fmt::Display for Endpoint {
@@ -205,7 +219,7 @@ impl From<GrantError> for TransportError {
 /// issues and revokes write grants, serves peers' writes inside them, and
 /// writes batches into peers' memory under the grants they issued.
 ///
-/// # Contract (every transport; the conformance suite in `kv-worker` proves it)
+/// # Contract (every transport; the conformance suite, `test_support::conformance`, proves it)
 ///
 /// - **Least privilege.** Memory registered as [`RegionAccess::Source`] is
 ///   only ever read, never written by a peer. A peer may write only inside a
@@ -286,6 +300,20 @@ pub trait BatchWriter: Send + Sync + 'static {
     /// and waits for the transport's tasks. Later calls fail with
     /// [`TransportError::Shutdown`].
     async fn shutdown(&self);
+}
+
+/// A batch whose sources cannot be sent fails as the caller's mistake
+/// (outside its source regions), or because the transport shut down.
+impl From<crate::registered::SourceError> for TransportError {
+    fn from(error: crate::registered::SourceError) -> Self {
+        use crate::registered::SourceError;
+        match error {
+            SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
+                TransportError::SourceOutOfBounds { addr, len }
+            }
+            SourceError::Closed => TransportError::Shutdown,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, FailureCause, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply,
-    KeepAlive, LayoutKind, Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferReply,
-    XferRequest, FRAME_HEADER_LEN, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
+    KeepAlive, LayoutKind, Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferProgress,
+    XferReply, XferRequest, FRAME_HEADER_LEN, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -23,6 +23,8 @@ fn hello() -> SideMessage {
             block_len: 65536,
             block_tokens: 16,
             dtype_bytes: 2,
+            token_layout: kv_proto::TokenLayout::Hnd,
+            block_heads: 8,
         },
         identity: kv_proto::ModelIdentity {
             model: "meta-llama/Llama-3.1-8B".into(),
@@ -30,6 +32,7 @@ fn hello() -> SideMessage {
             num_layers: 32,
             ..kv_proto::ModelIdentity::this_kvlink()
         },
+        topology: kv_proto::RankTopology::new(4, 3, 2, 1, 8).unwrap(),
     })
 }
 
@@ -46,9 +49,18 @@ fn xfer_request() -> SideMessage {
                 decode_req_id: None,
                 prefill_engine_id: Some(EngineId::new("p0")),
                 block_ids: vec![1, 2, 3, 9],
+                first_token: Some(32),
             },
-            RequestBlocks { req_id: ReqId::new("r2"), decode_req_id: None, prefill_engine_id: None, block_ids: vec![] },
+            RequestBlocks {
+                req_id: ReqId::new("r2"),
+                decode_req_id: None,
+                prefill_engine_id: None,
+                block_ids: vec![],
+                first_token: None,
+            },
         ],
+        heads: Some(kv_proto::HeadRange::new(2, 2)),
+        piece_blocks: 64,
     })
 }
 
@@ -65,6 +77,20 @@ fn xfer_reply() -> SideMessage {
     })
 }
 
+fn accepted() -> SideMessage {
+    let layout = match hello() {
+        SideMessage::Hello(hello) => hello.layout,
+        _ => unreachable!(),
+    };
+    SideMessage::HelloReply(HelloReply::Accepted {
+        engine_id: EngineId::new("p"),
+        idle_timeout: Duration::from_secs(300),
+        lease_renewal: Duration::from_secs(10),
+        topology: kv_proto::RankTopology::new(2, 1, 1, 0, 8).unwrap(),
+        layout,
+    })
+}
+
 fn encode(msg: &SideMessage) -> Vec<u8> {
     let mut buf = BytesMut::new();
     FrameCodec::default().encode(msg, &mut buf).unwrap();
@@ -73,7 +99,7 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 
 #[rstest]
 #[case::hello(hello())]
-#[case::hello_accepted(SideMessage::HelloReply(HelloReply::Accepted { engine_id: EngineId::new("p"), idle_timeout: Duration::from_secs(300), lease_renewal: Duration::from_secs(10) }))]
+#[case::hello_accepted(accepted())]
 #[case::keep_alive(SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("a"), ReqId::new("b")] }))]
 #[case::transfer_refused(SideMessage::XferRefused { xfer_id: 7, reason: "too big".into() })]
 #[case::hello_challenge(SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] }))]
@@ -81,6 +107,8 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 #[case::hello_rejected(SideMessage::HelloReply(HelloReply::Rejected { reason: "block_len 1 vs 2".into() }))]
 #[case::xfer_request(xfer_request())]
 #[case::xfer_reply(xfer_reply())]
+#[case::progress(SideMessage::XferProgress(XferProgress { xfer_id: 42, req_id: ReqId::new("r1"), landed: 3, outcome: None }))]
+#[case::progress_with_outcome(SideMessage::XferProgress(XferProgress { xfer_id: 42, req_id: ReqId::new("r2"), landed: 0, outcome: Some(Outcome::Failed { cause: FailureCause::CopyFailed, reason: "copy".into() }) }))]
 fn every_message_round_trips(#[case] msg: SideMessage) {
     let bytes = encode(&msg);
     assert_eq!(FrameCodec::default().decode_exact(&bytes).unwrap(), msg);
@@ -203,8 +231,11 @@ fn many_requests(count: usize, id_len: usize) -> XferRequest {
                 decode_req_id: None,
                 prefill_engine_id: None,
                 block_ids: vec![],
+                first_token: None,
             })
             .collect(),
+        heads: None,
+        piece_blocks: 0,
     }
 }
 
@@ -269,7 +300,9 @@ proptest! {
         grant in any::<[u8; 16]>(),
         budget_ms in any::<u32>(),
         addrs in proptest::collection::vec(any::<u64>(), 0..8),
-        reqs in proptest::collection::vec(("[a-z0-9-]{1,12}", proptest::collection::vec(any::<u32>(), 0..16)), 0..8),
+        reqs in proptest::collection::vec(("[a-z0-9-]{1,12}", proptest::collection::vec(any::<u32>(), 0..16), any::<Option<u64>>()), 0..8),
+        heads in any::<Option<(u32, u32)>>(),
+        piece_blocks in any::<u32>(),
     ) {
         let msg = SideMessage::XferRequest(XferRequest {
             xfer_id,
@@ -277,7 +310,9 @@ proptest! {
             grant: Grant::plain(GrantId::from_bytes(grant)),
             wait_budget: Duration::from_millis(u64::from(budget_ms)),
             region_base_addrs: addrs,
-            requests: reqs.into_iter().map(|(id, block_ids)| RequestBlocks { req_id: ReqId::new(id), decode_req_id: None, prefill_engine_id: None, block_ids }).collect(),
+            requests: reqs.into_iter().map(|(id, block_ids, first_token)| RequestBlocks { req_id: ReqId::new(id), decode_req_id: None, prefill_engine_id: None, block_ids, first_token }).collect(),
+            heads: heads.map(|(first, count)| kv_proto::HeadRange::new(first, count)),
+            piece_blocks,
         });
         prop_assert_eq!(FrameCodec::default().decode_exact(&encode(&msg)).unwrap(), msg);
     }

@@ -203,7 +203,12 @@ impl ConnectorScheduler {
                 return Err(SchedError::RemotePrefillOnProducer { role: self.role, request_id: request_id.clone() });
             }
             let local_block_ids = if num_external_tokens > 0 { unhashed_block_ids.to_vec() } else { Vec::new() };
-            self.record_recv(request_id, params, local_block_ids);
+            // What the prefix cache held: the pulled blocks start there (P
+            // maps tokens, not block ids, when its blocks hold another
+            // number of tokens).
+            let first_token =
+                (num_external_tokens > 0).then(|| req.prompt_len.saturating_sub(num_external_tokens) as u64);
+            self.record_recv(request_id, params, local_block_ids, first_token);
             // Only one KV transfer per request.
             params.do_remote_prefill = false;
         } else if params.do_remote_decode {
@@ -313,7 +318,7 @@ impl ConnectorScheduler {
             if self.role == KvRole::Producer {
                 return Err(SchedError::RemotePrefillOnProducer { role: self.role, request_id: request_id.clone() });
             }
-            self.record_recv(request_id, params, Vec::new());
+            self.record_recv(request_id, params, Vec::new(), None);
             params.do_remote_prefill = false;
             self.forget_if_live(request_id);
             return Ok((false, None));
@@ -350,7 +355,13 @@ impl ConnectorScheduler {
 
     /// Records a pull of `local_block_ids` from the side channel named in
     /// `params`, or logs and skips it if the params name none.
-    fn record_recv(&mut self, request_id: &ReqId, params: &KvTransferParams, local_block_ids: Vec<BlockId>) {
+    fn record_recv(
+        &mut self,
+        request_id: &ReqId,
+        params: &KvTransferParams,
+        local_block_ids: Vec<BlockId>,
+        first_token: Option<u64>,
+    ) {
         // The pull holds the request on P from now on.
         self.unwatch(request_id);
         match params.remote() {
@@ -363,7 +374,7 @@ impl ConnectorScheduler {
                     "recording pull"
                 );
                 let remote = self.remote_prefill(request_id, params, host, port);
-                self.reqs_need_recv.insert(request_id.clone(), RecvReqMeta { local_block_ids, remote });
+                self.reqs_need_recv.insert(request_id.clone(), RecvReqMeta { local_block_ids, first_token, remote });
             }
             None => warn!(
                 %request_id,
@@ -421,6 +432,7 @@ impl ConnectorScheduler {
         if let Some(pending) = self.reqs_need_recv.get_mut(request_id) {
             debug!(%request_id, "request finished before its pull went out: P is only told to free");
             pending.local_block_ids.clear();
+            pending.first_token = None;
         }
         if self.live_recvs.remove(request_id) {
             debug!(%request_id, "request finished while its pull may be in flight: cancelling it");

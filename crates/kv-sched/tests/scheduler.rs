@@ -86,8 +86,10 @@ enum Step {
     Build,
 }
 
+/// The pull of `r1` (64 tokens, 16 of them cached) into `blocks`.
 fn pull_meta(blocks: &[BlockId]) -> ConnectorMetadata {
-    meta(vec![("r1", recv_from_p(blocks))], vec![])
+    let pull = if blocks.is_empty() { recv_from_p(blocks) } else { recv_from_p_at(blocks, 16) };
+    meta(vec![("r1", pull)], vec![])
 }
 
 #[rstest]
@@ -151,7 +153,7 @@ fn watches_last_from_first_sight_to_the_pull(
     Some(pull_from_p()),
     UNHASHED,
     48,
-    Ok(meta(vec![("r1", recv_from_p(UNHASHED))], vec![])),
+    Ok(meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![])),
     Some(pulled_from_p())
 )]
 #[case::remote_prefill_pulls_unhashed_blocks_on_both(
@@ -159,7 +161,7 @@ fn watches_last_from_first_sight_to_the_pull(
     Some(pull_from_p()),
     UNHASHED,
     48,
-    Ok(meta(vec![("r1", recv_from_p(UNHASHED))], vec![])),
+    Ok(meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![])),
     Some(pulled_from_p())
 )]
 #[case::partial_prefix_hit_pulls_only_unhashed_blocks(
@@ -167,7 +169,7 @@ fn watches_last_from_first_sight_to_the_pull(
     Some(pull_from_p()),
     &[7],
     16,
-    Ok(meta(vec![("r1", recv_from_p(&[7]))], vec![])),
+    Ok(meta(vec![("r1", recv_from_p_at(&[7], 48))], vec![])),
     Some(pulled_from_p())
 )]
 #[case::full_prefix_hit_sends_empty_block_list_on_consumer(
@@ -247,7 +249,7 @@ fn watches_last_from_first_sight_to_the_pull(
     Some(params(true, true, Some(P_HOST), Some(P_PORT))),
     UNHASHED,
     48,
-    Ok(meta(vec![("r1", recv_from_p(UNHASHED))], vec![])),
+    Ok(meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![])),
     Some(params(false, true, Some(P_HOST), Some(P_PORT)))
 )]
 fn update_state_after_alloc(
@@ -480,12 +482,12 @@ fn length_capped_without_blocks_forgets_send_entry(#[case] role: KvRole) {
 #[case::consumer_emits_recvs_only(
     Consumer,
     [Ok(()), Err(decode_on_consumer("p")), Err(decode_on_consumer("q"))],
-    meta(vec![("d", recv_from_p(UNHASHED))], vec![])
+    meta(vec![("d", recv_from_p_at(UNHASHED, 16))], vec![])
 )]
 #[case::both_emits_recvs_and_sends(
     Both,
     [Ok(()), Ok(()), Ok(())],
-    meta(vec![("d", recv_from_p(UNHASHED))], vec![("p", SendUpdate::Expect), ("q", ready(HELD))])
+    meta(vec![("d", recv_from_p_at(UNHASHED, 16))], vec![("p", SendUpdate::Expect), ("q", ready(HELD))])
 )]
 fn build_connector_meta_gates_on_role(
     #[case] role: KvRole,
@@ -539,7 +541,7 @@ fn update_twice_in_one_step_yields_one_pull(#[values(Consumer, Both)] role: KvRo
     let mut r = req("r1", 64, Running, Some(pull_from_p()));
     s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap();
     s.update_state_after_alloc(&mut r, &[8, 9], 32).unwrap();
-    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(UNHASHED))], vec![]));
+    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![]));
     assert_eq!(s.build_connector_meta(), empty());
 }
 
@@ -548,7 +550,7 @@ fn update_again_after_build_yields_no_second_pull(#[values(Consumer, Both)] role
     let mut s = sched(role);
     let mut r = req("r1", 64, Running, Some(pull_from_p()));
     s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap();
-    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(UNHASHED))], vec![]));
+    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![]));
     // Preempted and rescheduled: the engine calls the connector again.
     assert_eq!(s.get_num_new_matched_tokens(&r, 0), (0, false));
     s.update_state_after_alloc(&mut r, UNHASHED, 0).unwrap();
@@ -581,7 +583,7 @@ fn a_pull_reported_finished_is_not_cancelled(#[values(Consumer, Both)] role: KvR
     let mut s = sched(role);
     let mut r = req("r1", 64, Running, Some(pull_from_p()));
     s.update_state_after_alloc(&mut r, UNHASHED, 48).unwrap();
-    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p(UNHASHED))], vec![]));
+    assert_eq!(s.build_connector_meta(), meta(vec![("r1", recv_from_p_at(UNHASHED, 16))], vec![]));
     assert_eq!(s.live_pulls(), 1);
     s.pull_finished(&ReqId::from("r1"));
     r.status = FinishedStopped;
@@ -786,6 +788,7 @@ fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
     assert_eq!(d.get_num_new_matched_tokens(&on_d, 16), (24, true));
     let pulled = RecvReqMeta {
         local_block_ids: vec![3, 4],
+        first_token: Some(16),
         remote: RemotePrefill {
             remote_host: P_HOST.to_owned(),
             remote_port: P_PORT,
@@ -873,7 +876,7 @@ fn many_requests_in_one_step_are_all_emitted() {
     assert_eq!(
         s.build_connector_meta(),
         meta(
-            vec![("b", recv_from_p(&[])), ("m", recv_from_p(UNHASHED)), ("z", recv_from_p(UNHASHED))],
+            vec![("b", recv_from_p(&[])), ("m", recv_from_p_at(UNHASHED, 16)), ("z", recv_from_p_at(UNHASHED, 16))],
             vec![("a", SendUpdate::Expect)]
         )
     );

@@ -134,8 +134,10 @@ impl OwnedKvCache {
                     .collect(),
             })
             .collect();
-        cache.registered =
-            RegisteredCache::new(shape.kind(), shape.block_size(), &layers)?.with_dtype_bytes(shape.dtype_bytes());
+        let heads = if shape.kind() == kv_proto::LayoutKind::Mla { 1 } else { shape.num_kv_heads() };
+        cache.registered = RegisteredCache::new(shape.kind(), shape.block_size(), &layers)?
+            .with_dtype_bytes(shape.dtype_bytes())
+            .with_heads(heads, shape.token_layout())?;
         Ok(cache)
     }
 

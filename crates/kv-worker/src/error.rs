@@ -29,17 +29,17 @@ pub enum WorkerError {
         writer: Protocol,
     },
     /// The side-channel port does not fit in 16 bits.
-    #[error("side-channel port {bootstrap_port} + {dp_rank} * {tp_size} + {tp_rank} exceeds 65535")]
+    #[error("the side-channel port of the worker at {place} from port {bootstrap_port} exceeds 65535 (bootstrap port + (dp_rank * pp_size + pp_rank) * tp_size + tp_rank)")]
     PortOverflow {
         /// Bootstrap (or base) port.
         bootstrap_port: u16,
-        /// Data-parallel rank.
-        dp_rank: u16,
-        /// Tensor-parallel size.
-        tp_size: u16,
-        /// Tensor-parallel rank.
-        tp_rank: u16,
+        /// Where the worker sits.
+        place: crate::config::Placement,
     },
+    /// The worker's place in its instance, or the heads its cache declares,
+    /// cannot be.
+    #[error("worker topology: {0}")]
+    Topology(String),
     /// The side-channel listener could not bind.
     #[error("cannot listen on {addr}: {cause}")]
     Bind {

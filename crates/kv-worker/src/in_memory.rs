@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use kv_proto::{
     BatchWriter, DestinationError, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, RegisteredMemory,
-    SourceError, TransportError, WriteOp,
+    TransportError, TransportStats, WriteOp,
 };
 
 /// The address scheme of in-memory endpoints.
@@ -144,6 +144,10 @@ impl BatchWriter for InMemoryWriter {
         self.node.memory.revoke(grant);
     }
 
+    fn stats(&self) -> TransportStats {
+        self.node.memory.stats()
+    }
+
     async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {
         if peer.protocol != Protocol::Tcp {
             return Err(TransportError::WrongProtocol {
@@ -158,12 +162,7 @@ impl BatchWriter for InMemoryWriter {
                 reason: format!("an in-memory endpoint is {MEM_SCHEME}<name>"),
             });
         };
-        let total = self.node.memory.check_sources(ops).map_err(|e| match e {
-            SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
-                TransportError::SourceOutOfBounds { addr, len }
-            }
-            SourceError::Closed => TransportError::Shutdown,
-        })?;
+        let total = self.node.memory.check_sources(ops)?;
         if ops.is_empty() {
             return Ok(());
         }

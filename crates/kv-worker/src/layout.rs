@@ -1,7 +1,8 @@
 //! KV-cache registration: turns the engine's per-layer cache tensors into the
 //! memory regions a transport registers, and checks they are consistent.
 
-use kv_proto::{BlockId, CacheLayout, LayoutKind, MemoryRegion};
+use kv_proto::topology::regions_per_layer as layout_regions_per_layer;
+use kv_proto::{BlockId, CacheLayout, LayoutKind, MemoryRegion, TokenLayout};
 
 /// One cache tensor of a layer, as the engine allocated it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +78,16 @@ pub enum LayoutError {
         /// The tensor's block dimension.
         kernel: u32,
     },
+    /// The declared heads do not divide a block evenly.
+    #[error("a block of {block_len} bytes and {tokens} tokens does not hold {heads} heads of whole elements")]
+    Heads {
+        /// Bytes of a block in one region.
+        block_len: u64,
+        /// Tokens per block.
+        tokens: u32,
+        /// Heads declared.
+        heads: u32,
+    },
     /// The tensor wraps the address space.
     #[error("layer {layer}: tensor at {addr:#x} of {len} bytes wraps the address space")]
     Wraps {
@@ -99,6 +110,8 @@ pub struct RegisteredCache {
     block_len: u64,
     block_tokens: u32,
     dtype_bytes: u32,
+    token_layout: TokenLayout,
+    block_heads: u32,
 }
 
 impl RegisteredCache {
@@ -166,7 +179,33 @@ impl RegisteredCache {
             block_len: first.len / first.num_blocks,
             block_tokens: engine_block_size,
             dtype_bytes: 0,
+            token_layout: TokenLayout::Undeclared,
+            block_heads: 0,
         })
+    }
+
+    /// Declares how a block is laid out inside: `block_heads` KV heads (1
+    /// for MLA's latent) in `token_layout` order, so P and D can map heads
+    /// and tokens between caches that differ (tensor-parallel size, block
+    /// size, NHD or HND); undeclared, blocks are only copied whole between
+    /// equal layouts.
+    ///
+    /// # Errors
+    ///
+    /// [`LayoutError::Heads`] when a block's K, V or latent plane is not a
+    /// whole number of heads of whole tokens (with a declared dtype: of
+    /// whole elements).
+    pub fn with_heads(self, block_heads: u32, token_layout: TokenLayout) -> Result<Self, LayoutError> {
+        if token_layout == TokenLayout::Undeclared || block_heads == 0 {
+            return Ok(Self { block_heads: 0, token_layout: TokenLayout::Undeclared, ..self });
+        }
+        let bad = LayoutError::Heads { block_len: self.block_len, tokens: self.block_tokens, heads: block_heads };
+        let declared = Self { block_heads, token_layout, ..self };
+        let head_len = kv_proto::topology::head_bytes(&declared.layout()).ok_or(bad.clone())?;
+        if declared.dtype_bytes != 0 && head_len % u64::from(declared.dtype_bytes) != 0 {
+            return Err(bad);
+        }
+        Ok(declared)
     }
 
     /// Declares the bytes per element of the cache (2 for bf16), which P and
@@ -184,6 +223,8 @@ impl RegisteredCache {
             block_len: 0,
             block_tokens: 0,
             dtype_bytes: 0,
+            token_layout: TokenLayout::Undeclared,
+            block_heads: 0,
         }
     }
 
@@ -216,6 +257,8 @@ impl RegisteredCache {
             block_len: self.block_len,
             block_tokens: self.block_tokens,
             dtype_bytes: self.dtype_bytes,
+            token_layout: self.token_layout,
+            block_heads: self.block_heads,
         }
     }
 
@@ -271,6 +314,7 @@ pub enum ShapeError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheShape {
     dims: CacheDims,
+    token_layout: TokenLayout,
     block_len: u64,
     region_len: u64,
     region_count: u32,
@@ -300,7 +344,18 @@ impl CacheShape {
         let region_len = block_len.checked_mul(dims.num_blocks).ok_or(overflow("bytes per region"))?;
         let region_count = dims.num_layers.checked_mul(regions_per_layer(dims.kind)).ok_or(overflow("regions"))?;
         let total_bytes = region_len.checked_mul(u64::from(region_count)).ok_or(overflow("total bytes"))?;
-        Ok(Self { dims, block_len, region_len, region_count, total_bytes })
+        Ok(Self { dims, token_layout: TokenLayout::Nhd, block_len, region_len, region_count, total_bytes })
+    }
+
+    /// This shape with its blocks' heads and tokens in `order` (NHD, the
+    /// default, or HND).
+    pub fn with_token_layout(self, order: TokenLayout) -> Self {
+        Self { token_layout: order, ..self }
+    }
+
+    /// How heads and tokens are ordered in a block.
+    pub fn token_layout(&self) -> TokenLayout {
+        self.token_layout
     }
 
     /// A llama-3-8B-shaped cache: 32 layers, 8 KV heads, head dim 128, bf16,
@@ -328,7 +383,7 @@ impl CacheShape {
     ///
     /// [`ShapeError::Overflow`] if the cache becomes too large to address.
     pub fn with_num_blocks(self, num_blocks: u64) -> Result<Self, ShapeError> {
-        Self::try_new(CacheDims { num_blocks, ..self.dims })
+        Ok(Self::try_new(CacheDims { num_blocks, ..self.dims })?.with_token_layout(self.token_layout))
     }
 
     /// The dimensions it was made from.
@@ -412,10 +467,7 @@ impl From<CacheShape> for CacheDims {
 }
 
 fn regions_per_layer(kind: LayoutKind) -> u32 {
-    match kind {
-        LayoutKind::SplitKv => 2,
-        LayoutKind::Fused | LayoutKind::Mla => 1,
-    }
+    layout_regions_per_layer(kind)
 }
 
 #[cfg(test)]
@@ -450,9 +502,25 @@ mod tests {
                 region_count: 4,
                 block_len: 100,
                 block_tokens: 16,
-                dtype_bytes: 0
+                dtype_bytes: 0,
+                token_layout: TokenLayout::Undeclared,
+                block_heads: 0,
             }
         );
+    }
+
+    #[test]
+    fn declared_heads_must_divide_a_block() {
+        let t = |addr| LayerTensor { addr, len: 4 * 160, num_blocks: 4, kernel_block_size: 16 };
+        let c = RegisteredCache::new(LayoutKind::SplitKv, 16, &[layer("l0", vec![t(0x1000), t(0x2000)])])
+            .unwrap()
+            .with_dtype_bytes(2);
+        let hnd = c.clone().with_heads(5, TokenLayout::Hnd).unwrap();
+        assert_eq!((hnd.layout().token_layout, hnd.layout().block_heads), (TokenLayout::Hnd, 5));
+        assert!(matches!(c.clone().with_heads(3, TokenLayout::Nhd), Err(LayoutError::Heads { heads: 3, .. })));
+        // 160 bytes of 16 tokens and 10 heads: one byte per head, half an element.
+        assert!(matches!(c.clone().with_heads(10, TokenLayout::Nhd), Err(LayoutError::Heads { heads: 10, .. })));
+        assert_eq!(c.clone().with_heads(0, TokenLayout::Nhd).unwrap().layout().token_layout, TokenLayout::Undeclared);
     }
 
     #[test]

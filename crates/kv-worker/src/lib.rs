@@ -35,17 +35,25 @@ mod sender;
 pub mod serving;
 mod side_channel;
 pub mod staging;
+mod timer;
+pub mod topology;
 pub mod transport;
 mod watch;
 mod worker;
 
 pub use cache::{AllocError, BlockError, OwnedKvCache};
-pub use config::{AuthSecret, DataEndpointPolicy, WorkerConfig, DEFAULT_LEASE_RENEWAL};
+pub use config::{
+    default_side_channel_limits, AuthSecret, DataEndpointPolicy, ListenerLimits, Placement, WorkerConfig,
+    DEFAULT_LEASE_RENEWAL, DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS,
+};
 pub use error::WorkerError;
 pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};
 pub use plan::GrantPlanError;
-pub use receiver::{PullBatch, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr};
-pub use sender::{Claim, SenderCore};
+pub use receiver::{
+    PeerInfo, PullBatch, PullProgress, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr,
+};
+pub use renewal::{RenewalSchedule, Renewed};
+pub use sender::{Claim, Puller, SenderCore};
 pub use side_channel::{SideChannelCodec, SideChannelError};
 pub use watch::WatchList;
-pub use worker::{Finished, Worker};
+pub use worker::{Finished, Settled, Worker};

@@ -35,6 +35,39 @@ pub enum PlanError {
         /// The block.
         block: BlockId,
     },
+    /// The two caches cannot be mapped onto each other.
+    #[error("the caches cannot be mapped: {0}")]
+    Unmappable(String),
+    /// A side does not hold the heads to write.
+    #[error("{side} holds {held}, not all of the {wanted} asked for")]
+    HeadsNotHeld {
+        /// `prefill` or `decode`.
+        side: &'static str,
+        /// The heads asked for.
+        wanted: kv_proto::HeadRange,
+        /// The heads that side holds.
+        held: kv_proto::HeadRange,
+    },
+    /// Block sizes differ and D did not say which token its blocks start at.
+    #[error(
+        "blocks of {local} tokens here and {remote} on decode, and decode did not say which token its blocks start at"
+    )]
+    FirstTokenNeeded {
+        /// P's tokens per block.
+        local: u32,
+        /// D's tokens per block.
+        remote: u32,
+    },
+    /// D asks for tokens P does not hold.
+    #[error("decode's {blocks} blocks from token {first_token} reach past the {held} tokens prefill holds")]
+    TokensOutOfRange {
+        /// The token D's blocks start at.
+        first_token: u64,
+        /// D's blocks.
+        blocks: usize,
+        /// Tokens P's blocks hold.
+        held: u64,
+    },
 }
 
 /// The geometry a plan needs: both sides' region bases and the block length.

@@ -29,10 +29,29 @@ enum SendEntry {
     /// Scheduled with `do_remote_decode`, not finished yet: D may already ask.
     Expected { renewed: Option<Renewal> },
     /// Finished by length cap; blocks held until D pulls, the lease ends, or
-    /// (once renewed) the renewal runs out.
-    Ready { block_ids: Vec<BlockId>, ready_at: Instant, lease_end: Instant, renewed: Option<Renewal> },
-    /// A transfer is writing it (its blocks still held); it ends in `complete`.
-    InFlight { blocks: usize },
+    /// (once renewed) the renewal runs out. Only the first `staged` blocks
+    /// hold its KV yet (all of them unless staged in pieces,
+    /// [`SenderCore::handle_staged`]).
+    Ready { block_ids: Vec<BlockId>, staged: usize, ready_at: Instant, lease_end: Instant, renewed: Option<Renewal> },
+    /// A transfer is writing it (its blocks still held); it ends in
+    /// `complete`. The first `staged` of its blocks may be written; `failed`:
+    /// the rest never will be (the transfer fails it).
+    InFlight { blocks: usize, staged: usize, failed: Option<FailureCause> },
+    /// Several decode ranks pull it, each its own heads: held until every
+    /// one of them has pulled it, or until its lease ends while none writes.
+    /// Each claimant's transfer writes its first `staged` blocks, as
+    /// [`SendEntry::InFlight`]'s does; once P gives up on it (`failed`,
+    /// with the end of the failed entry it leaves), no one claims it any
+    /// more, and it is freed as soon as none writes.
+    Shared {
+        block_ids: Vec<BlockId>,
+        staged: usize,
+        failed: Option<(FailureCause, Instant)>,
+        lease_end: Instant,
+        expected: u32,
+        claimed: BTreeSet<u32>,
+        writing: u32,
+    },
     /// Not finished yet, and the pull that asked for it gave up (its decode
     /// instance went away or its wait budget passed): freed the moment it
     /// is ready instead of held for a lease no one will use.
@@ -40,6 +59,21 @@ enum SendEntry {
     /// P could not make it ready (no staging room within the bound): the
     /// engine freed it; a pull for it fails with this cause, until `until`.
     Failed { cause: FailureCause, until: Instant },
+}
+
+/// Who pulls a request from this prefill worker: decode rank `rank`, one
+/// of `of` decode ranks that each pull it (their own heads) from here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Puller {
+    /// The decode worker's tensor-parallel rank.
+    pub rank: u32,
+    /// How many decode ranks pull each request from this worker.
+    pub of: u32,
+}
+
+impl Puller {
+    /// The one decode worker that pulls each request from here.
+    pub const ONLY: Puller = Puller { rank: 0, of: 1 };
 }
 
 /// What a pull for a request finds on P.
@@ -63,6 +97,7 @@ impl SendEntry {
     /// When a ready entry's blocks are freed unless a pull claims them.
     fn ready_until(&self) -> Option<Instant> {
         match self {
+            SendEntry::Shared { lease_end, writing: 0, failed: None, .. } => Some(*lease_end),
             SendEntry::Ready { lease_end, renewed, .. } => Some(match renewed {
                 Some(r) if !r.contested => r.until.min(*lease_end),
                 _ => *lease_end,
@@ -112,7 +147,7 @@ impl SenderCore {
                 self.entries.entry(req.clone()).or_insert(SendEntry::Expected { renewed: None });
             }
             SendUpdate::Ready { block_ids } => match self.entries.get(req) {
-                Some(SendEntry::InFlight { .. }) => {
+                Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => {
                     tracing::warn!(req_id = %req, "ready update for a request already being sent; ignored");
                 }
                 Some(SendEntry::Abandoned) => {
@@ -127,12 +162,14 @@ impl SenderCore {
                         _ => None,
                     };
                     let lease_end = now + self.lease;
-                    let ready = SendEntry::Ready { block_ids: block_ids.clone(), ready_at: now, lease_end, renewed };
+                    let staged = block_ids.len();
+                    let ready =
+                        SendEntry::Ready { block_ids: block_ids.clone(), staged, ready_at: now, lease_end, renewed };
                     self.entries.insert(req.clone(), ready);
                 }
             },
             SendUpdate::Forget => match self.entries.get(req) {
-                Some(SendEntry::InFlight { .. }) => {
+                Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => {
                     tracing::warn!(req_id = %req, "forget update for a request being sent; it ends with its transfer");
                 }
                 Some(_) => {
@@ -144,8 +181,93 @@ impl SenderCore {
         }
     }
 
+    /// `req` is ready in pieces: its KV is in the first `staged` of
+    /// `block_ids` (more follow, in order, until all are). On an expected
+    /// request it acts as [`SendUpdate::Ready`] does (a pull may claim it
+    /// and write what is staged); on a ready or in-flight one it lets the
+    /// transfer write more (counts that go back are ignored). A request P
+    /// no longer holds (sent, failed, freed) is not made ready again.
+    pub fn handle_staged(&mut self, req: &ReqId, block_ids: &[BlockId], staged: usize, now: Instant) {
+        let staged = staged.min(block_ids.len());
+        match self.entries.get_mut(req) {
+            Some(
+                SendEntry::Ready { staged: have, .. }
+                | SendEntry::InFlight { staged: have, .. }
+                | SendEntry::Shared { staged: have, .. },
+            ) => {
+                *have = (*have).max(staged);
+            }
+            Some(SendEntry::Expected { .. } | SendEntry::Abandoned) => {
+                self.handle_update(req, &SendUpdate::Ready { block_ids: block_ids.to_vec() }, now);
+                if let Some(SendEntry::Ready { staged: have, .. }) = self.entries.get_mut(req) {
+                    *have = staged;
+                }
+            }
+            Some(SendEntry::Failed { .. }) | None => {
+                tracing::debug!(req_id = %req, "staged pieces of a request no longer held; ignored");
+            }
+        }
+    }
+
+    /// What the transfer writing `req` may write now: `Ok(n)`, its first
+    /// `n` blocks; `Err(cause)`, it failed (P gave up staging the rest).
+    /// `None`: not being written. Every decode rank writing a shared
+    /// request is told the same.
+    pub fn writable(&self, req: &ReqId) -> Option<Result<usize, FailureCause>> {
+        match self.entries.get(req) {
+            Some(
+                SendEntry::InFlight { failed: Some(cause), .. } | SendEntry::Shared { failed: Some((cause, _)), .. },
+            ) => Some(Err(*cause)),
+            Some(SendEntry::InFlight { staged, .. } | SendEntry::Shared { staged, .. }) => Some(Ok(*staged)),
+            _ => None,
+        }
+    }
+
     /// A pull for `req` arrived: take its blocks if it is ready.
     pub fn claim(&mut self, req: &ReqId, now: Instant) -> Claim {
+        self.claim_by(req, Puller::ONLY, now)
+    }
+
+    /// A pull for `req` from `puller` arrived: take its blocks if it is
+    /// ready. Where several decode ranks pull it, each may claim it once
+    /// (at once or one after another); it is freed when the last of them
+    /// has completed, or when its lease ends while none is writing. The
+    /// first claim sets how many are awaited.
+    pub fn claim_by(&mut self, req: &ReqId, puller: Puller, now: Instant) -> Claim {
+        if let Some(SendEntry::Shared { block_ids, lease_end, claimed, writing, failed, .. }) =
+            self.entries.get_mut(req)
+        {
+            if claimed.contains(&puller.rank) {
+                return Claim::InFlight;
+            }
+            if let Some((cause, _)) = failed {
+                return Claim::Failed(*cause);
+            }
+            if *writing == 0 && *lease_end <= now {
+                self.expire(req);
+                return Claim::Expired;
+            }
+            claimed.insert(puller.rank);
+            *writing += 1;
+            return Claim::Ready(block_ids.clone());
+        }
+        let live = self.entries.get(req).and_then(SendEntry::ready_until).is_some_and(|end| end > now);
+        if let (true, true, Some(&SendEntry::Ready { ref block_ids, staged, lease_end, .. })) =
+            (puller.of > 1, live, self.entries.get(req))
+        {
+            let blocks = block_ids.clone();
+            let shared = SendEntry::Shared {
+                block_ids: blocks.clone(),
+                staged,
+                failed: None,
+                lease_end,
+                expected: puller.of.min(kv_proto::topology::MAX_PARALLEL_SIZE),
+                claimed: BTreeSet::from([puller.rank]),
+                writing: 1,
+            };
+            self.entries.insert(req.clone(), shared);
+            return Claim::Ready(blocks);
+        }
         match self.entries.get(req) {
             None => Claim::Unknown,
             // The pull now waiting for it holds it: renewals no longer
@@ -155,7 +277,7 @@ impl SenderCore {
                 self.entries.insert(req.clone(), SendEntry::Expected { renewed: None });
                 Claim::NotReady
             }
-            Some(SendEntry::InFlight { .. }) => Claim::InFlight,
+            Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => Claim::InFlight,
             Some(&SendEntry::Failed { cause, .. }) => {
                 self.entries.remove(req);
                 Claim::Failed(cause)
@@ -164,9 +286,9 @@ impl SenderCore {
                 self.expire(req);
                 Claim::Expired
             }
-            Some(SendEntry::Ready { block_ids, .. }) => {
+            Some(&SendEntry::Ready { ref block_ids, staged, .. }) => {
                 let blocks = block_ids.len();
-                match self.entries.insert(req.clone(), SendEntry::InFlight { blocks }) {
+                match self.entries.insert(req.clone(), SendEntry::InFlight { blocks, staged, failed: None }) {
                     Some(SendEntry::Ready { block_ids, .. }) => Claim::Ready(block_ids),
                     _ => Claim::Unknown,
                 }
@@ -174,12 +296,28 @@ impl SenderCore {
         }
     }
 
-    /// A transfer of a claimed request ended, written or not: P frees its blocks.
+    /// A transfer of a claimed request ended, written or not: P frees its
+    /// blocks (where several decode ranks pull it, once the last has).
     pub fn complete(&mut self, req: &ReqId) {
-        if let Some(SendEntry::InFlight { .. }) = self.entries.get(req) {
-            self.entries.remove(req);
-            self.finished.insert(req.clone());
+        match self.entries.get_mut(req) {
+            Some(SendEntry::InFlight { .. }) => {}
+            Some(SendEntry::Shared { expected, claimed, writing, failed, .. }) => {
+                *writing = writing.saturating_sub(1);
+                if let (0, Some((cause, until))) = (*writing, *failed) {
+                    // The last writer of a request P gave up on: later
+                    // claimants hear why until the failed entry ends.
+                    self.entries.insert(req.clone(), SendEntry::Failed { cause, until });
+                    self.finished.insert(req.clone());
+                    return;
+                }
+                if *writing > 0 || (claimed.len() as u64) < u64::from(*expected) {
+                    return;
+                }
+            }
+            _ => return,
         }
+        self.entries.remove(req);
+        self.finished.insert(req.clone());
     }
 
     /// The pull that asked for `req` gave up before it was ready (its
@@ -194,13 +332,28 @@ impl SenderCore {
         }
     }
 
-    /// P cannot send `req` (it could not be staged): the engine has freed
-    /// it, so it is not reported finished again; a pull that asks for it
-    /// within the lease fails with `cause`, and it is forgotten after that.
-    /// A request already being written is left to its transfer.
+    /// P cannot send `req` (it could not be staged, or not whole): a pull
+    /// that asks for it within the lease fails with `cause`, and it is
+    /// forgotten after that. A request not ready yet is not reported
+    /// finished (its owner freed it); a ready one is, at once (its owner
+    /// takes its blocks back); one being written fails with `cause` once its
+    /// transfer wrote what was staged, and is reported when it ends. One
+    /// several decode ranks pull is reported once none of them writes it
+    /// (at once if none does), and no rank claims it after.
     pub fn fail(&mut self, req: &ReqId, cause: FailureCause, now: Instant) {
-        if matches!(self.entries.get(req), Some(SendEntry::InFlight { .. })) {
-            return;
+        match self.entries.get_mut(req) {
+            Some(SendEntry::InFlight { failed, .. }) => {
+                *failed = Some(cause);
+                return;
+            }
+            Some(SendEntry::Shared { failed, writing, .. }) if *writing > 0 => {
+                *failed = Some((cause, now + self.lease));
+                return;
+            }
+            Some(SendEntry::Ready { .. } | SendEntry::Shared { .. }) => {
+                self.finished.insert(req.clone());
+            }
+            _ => {}
         }
         self.entries.insert(req.clone(), SendEntry::Failed { cause, until: now + self.lease });
     }
@@ -336,8 +489,10 @@ impl SenderCore {
     /// their blocks.
     pub fn held(&self) -> (usize, usize) {
         self.entries.values().fold((0, 0), |(reqs, blocks), e| match e {
-            SendEntry::Ready { block_ids, .. } => (reqs + 1, blocks + block_ids.len()),
-            SendEntry::InFlight { blocks: n } => (reqs + 1, blocks + n),
+            SendEntry::Ready { block_ids, .. } | SendEntry::Shared { block_ids, .. } => {
+                (reqs + 1, blocks + block_ids.len())
+            }
+            SendEntry::InFlight { blocks: n, .. } => (reqs + 1, blocks + n),
             _ => (reqs, blocks),
         })
     }

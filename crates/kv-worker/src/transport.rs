@@ -7,6 +7,11 @@
 //! `KVLINK_RDMA_GID_INDEX` (default: the port's IPv4-mapped GID of the data
 //! listen address). Its control listener binds `data_listen`, and
 //! `connect_timeout` and `data_io_timeout` bound its waits.
+//!
+//! Every transport takes from [`WorkerConfig`] the same fields: the listen
+//! address and the host it advertises, `connect_timeout`, `data_io_timeout`
+//! (its `io_timeout`), the shared secret and the listener's places
+//! (`data_limits`, its `limits`); the rest keep the transport's defaults.
 
 use std::sync::Arc;
 
@@ -25,6 +30,8 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 connect_timeout: config.connect_timeout,
                 io_timeout: config.data_io_timeout,
                 auth_secret: config.auth_secret.clone(),
+                authenticate_payloads: config.tcp_authenticate_payloads,
+                limits: config.data_limits,
                 ..transport_tcp::TcpConfig::default()
             };
             let writer: Arc<dyn BatchWriter> =
@@ -39,6 +46,7 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
                 connect_timeout: config.connect_timeout,
                 io_timeout: config.data_io_timeout,
                 auth_secret: config.auth_secret.clone(),
+                limits: config.data_limits,
                 ..transport_quic::QuicConfig::default()
             };
             let writer: Arc<dyn BatchWriter> =
@@ -47,12 +55,19 @@ pub async fn open(config: &WorkerConfig) -> Result<Arc<dyn BatchWriter>, WorkerE
         }
         #[cfg(feature = "rdma")]
         Protocol::Rdma => {
+            if config.tcp_authenticate_payloads {
+                tracing::warn!(
+                    "tcp_authenticate_payloads is set and the data plane is RDMA: RDMA payloads are not tagged \
+                     (they land through the windows bound for each grant)"
+                );
+            }
             let rdma = transport_rdma::RdmaConfig {
                 listen_addr: config.data_listen,
                 advertise_host: config.data_advertise_host.clone(),
                 connect_timeout: config.connect_timeout,
                 io_timeout: config.data_io_timeout,
                 auth_secret: config.auth_secret.clone(),
+                limits: config.data_limits,
                 ..transport_rdma::RdmaConfig::default()
             }
             .with_env(|name| std::env::var(name).ok())

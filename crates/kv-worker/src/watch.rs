@@ -1,7 +1,7 @@
 //! D's watch list (sans-IO): the requests the engine has seen and will pull,
-//! grouped by the prefill side channel they come from, whose hold on P the
-//! worker renews until their pull goes out or they finish. Watched by D's
-//! id, renewed by P's.
+//! grouped by the prefill workers they will be pulled from, whose hold on
+//! P the worker renews until their pull goes out or they finish. Watched by
+//! D's id, renewed by P's.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -10,50 +10,53 @@ use kv_proto::{RemotePrefill, ReqId};
 use crate::receiver::SideChannelAddr;
 
 /// Watched requests by prefill worker.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct WatchList {
-    tp_rank: u16,
     /// P's ids of the watched requests, by prefill worker, each with the
     /// number of D's requests naming it (a proxy may send one twice).
     by_peer: BTreeMap<SideChannelAddr, BTreeMap<ReqId, usize>>,
-    /// D's id to the prefill worker and P's id.
-    peer_of: HashMap<ReqId, (SideChannelAddr, ReqId)>,
+    /// D's id to the prefill workers and P's id.
+    peer_of: HashMap<ReqId, (Vec<SideChannelAddr>, ReqId)>,
 }
 
 impl WatchList {
-    /// The watch list of tensor-parallel rank `tp_rank` (it renews on the
-    /// prefill worker of the same rank: base port plus rank).
-    pub fn new(tp_rank: u16) -> Self {
-        Self { tp_rank, by_peer: BTreeMap::new(), peer_of: HashMap::new() }
+    /// An empty watch list.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    /// Starts renewing `req` on `remote`. A port past 65535 cannot be
-    /// reached (the pull will fail the same way); it is not watched.
-    pub fn watch(&mut self, req: &ReqId, remote: &RemotePrefill) {
-        let Some(port) = remote.remote_port.checked_add(self.tp_rank) else {
+    /// Starts renewing `req` of `remote` on `peers`, the prefill workers it
+    /// will be pulled from (see [`crate::ReceiverCore::renewal_peers`]).
+    /// With no peer (a port past 65535: the pull will fail the same way) it
+    /// is not watched.
+    pub fn watch(&mut self, req: &ReqId, remote: &RemotePrefill, peers: Vec<SideChannelAddr>) {
+        if peers.is_empty() {
             tracing::warn!(req_id = %req, remote_port = remote.remote_port, "prefill port out of range; not watched");
             return;
-        };
+        }
         self.unwatch(req);
-        let peer = SideChannelAddr { host: remote.remote_host.clone(), port };
-        *self.by_peer.entry(peer.clone()).or_default().entry(remote.remote_request_id.clone()).or_default() += 1;
-        self.peer_of.insert(req.clone(), (peer, remote.remote_request_id.clone()));
+        for peer in &peers {
+            *self.by_peer.entry(peer.clone()).or_default().entry(remote.remote_request_id.clone()).or_default() += 1;
+        }
+        self.peer_of.insert(req.clone(), (peers, remote.remote_request_id.clone()));
     }
 
     /// Stops renewing `req` (unknown ids are ignored).
     pub fn unwatch(&mut self, req: &ReqId) {
-        let Some((peer, remote)) = self.peer_of.remove(req) else {
+        let Some((peers, remote)) = self.peer_of.remove(req) else {
             return;
         };
-        if let Some(reqs) = self.by_peer.get_mut(&peer) {
-            if let Some(count) = reqs.get_mut(&remote) {
-                *count -= 1;
-                if *count == 0 {
-                    reqs.remove(&remote);
+        for peer in peers {
+            if let Some(reqs) = self.by_peer.get_mut(&peer) {
+                if let Some(count) = reqs.get_mut(&remote) {
+                    *count -= 1;
+                    if *count == 0 {
+                        reqs.remove(&remote);
+                    }
                 }
-            }
-            if reqs.is_empty() {
-                self.by_peer.remove(&peer);
+                if reqs.is_empty() {
+                    self.by_peer.remove(&peer);
+                }
             }
         }
     }
@@ -93,9 +96,14 @@ mod tests {
         }
     }
 
+    /// Watches on the worker of rank 2 of that instance.
     fn watch(list: &mut WatchList, req: &str, host: &str, port: u16) {
         let remote = RemotePrefill { remote_request_id: ReqId::new(format!("p-{req}")), ..remote(host, port) };
-        list.watch(&ReqId::new(req), &remote);
+        list.watch(&ReqId::new(req), &remote, vec![at(host, port + 2)]);
+    }
+
+    fn at(host: &str, port: u16) -> SideChannelAddr {
+        SideChannelAddr { host: host.to_owned(), port }
     }
 
     fn peers(list: &WatchList) -> Vec<(String, Vec<String>)> {
@@ -108,7 +116,7 @@ mod tests {
 
     #[test]
     fn groups_by_the_prefill_worker_of_this_rank() {
-        let mut list = WatchList::new(2);
+        let mut list = WatchList::new();
         watch(&mut list, "a", "p1", 8000);
         watch(&mut list, "b", "p1", 8000);
         watch(&mut list, "c", "p2", 8000);
@@ -123,10 +131,10 @@ mod tests {
 
     #[test]
     fn a_request_watched_again_moves_to_its_new_prefill() {
-        let mut list = WatchList::new(0);
+        let mut list = WatchList::new();
         watch(&mut list, "a", "p1", 8000);
         watch(&mut list, "a", "p2", 9000);
-        assert_eq!(peers(&list), [named("p2:9000", &["p-a"])]);
+        assert_eq!(peers(&list), [named("p2:9002", &["p-a"])]);
         list.unwatch(&ReqId::new("a"));
         assert!(list.is_empty());
         assert_eq!(list.by_peer().count(), 0);
@@ -134,10 +142,10 @@ mod tests {
 
     #[test]
     fn a_prefill_request_two_of_ds_requests_name_is_renewed_until_both_end() {
-        let mut list = WatchList::new(0);
+        let mut list = WatchList::new();
         let remote = remote("p1", 8000);
-        list.watch(&ReqId::new("a"), &remote);
-        list.watch(&ReqId::new("b"), &remote);
+        list.watch(&ReqId::new("a"), &remote, vec![at("p1", 8000)]);
+        list.watch(&ReqId::new("b"), &remote, vec![at("p1", 8000)]);
         assert_eq!(peers(&list), [named("p1:8000", &["p-?"])]);
         list.unwatch(&ReqId::new("a"));
         assert_eq!(peers(&list), [named("p1:8000", &["p-?"])]);
@@ -147,8 +155,17 @@ mod tests {
 
     #[test]
     fn an_unreachable_port_is_not_watched() {
-        let mut list = WatchList::new(1);
-        list.watch(&ReqId::new("a"), &remote("p1", u16::MAX));
+        let mut list = WatchList::new();
+        list.watch(&ReqId::new("a"), &remote("p1", u16::MAX), Vec::new());
         assert!(list.is_empty());
+    }
+
+    #[test]
+    fn a_request_pulled_from_several_prefill_workers_is_renewed_on_each() {
+        let mut list = WatchList::new();
+        list.watch(&ReqId::new("a"), &remote("p1", 8000), vec![at("p1", 8000), at("p1", 8001)]);
+        assert_eq!(peers(&list), [named("p1:8000", &["p-?"]), named("p1:8001", &["p-?"])]);
+        list.unwatch(&ReqId::new("a"));
+        assert!(list.is_empty() && peers(&list).is_empty());
     }
 }

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kv_proto::{
-    BatchWriter, BlockId, ConnectorMetadata, Endpoint, FailureCause, Grant, GrantId, Hello, RegionAccess, ReqId,
-    XferRequest,
+    BatchWriter, BlockId, ConnectorMetadata, Endpoint, FailureCause, Grant, GrantId, Hello, LayoutKind, RankTopology,
+    RegionAccess, ReqId, XferProgress, XferRequest,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
@@ -20,10 +20,10 @@ use crate::config::WorkerConfig;
 use crate::layout::RegisteredCache;
 use crate::metrics::{FailureLog, Gauges, Metrics, MetricsSnapshot};
 use crate::plan::grant_ranges;
-use crate::receiver::{PullBatch, ReceiverCore, SideChannelAddr};
+use crate::receiver::{PullBatch, PullProgress, ReceiverCore, SideChannelAddr};
 use crate::sender::SenderCore;
-use crate::side_channel::client::PullError;
 use crate::side_channel::client::{ClientSettings, SideChannelClient};
+use crate::side_channel::client::{ProgressSink, PullError};
 use crate::side_channel::{self, server};
 use crate::watch::WatchList;
 use crate::WorkerError;
@@ -51,6 +51,8 @@ impl Finished {
 /// State shared by the worker's tasks.
 pub(crate) struct Shared {
     pub(crate) config: WorkerConfig,
+    /// This worker's place in its instance and the heads its cache holds.
+    pub(crate) topology: RankTopology,
     pub(crate) cache: RegisteredCache,
     pub(crate) writer: Arc<dyn BatchWriter>,
     pub(crate) sender: Mutex<SenderCore>,
@@ -67,15 +69,20 @@ pub(crate) struct Shared {
     pub(crate) watches: Mutex<WatchList>,
     /// Signalled when a request starts being watched.
     pub(crate) watches_changed: Notify,
-    /// P: log lines about pulls meant for another prefill engine (any D can
-    /// send them as fast as it likes).
-    pub(crate) misdirected_log: Mutex<kv_proto::LogThrottle>,
+    /// P: log lines about transfer requests it refuses (meant for another
+    /// prefill engine, another pipeline stage, or an endpoint it will not
+    /// write to; any D can send them as fast as it likes).
+    pub(crate) refusal_log: Mutex<kv_proto::LogThrottle>,
     /// What the worker counts.
     pub(crate) metrics: Metrics,
     /// D: failed pulls, logged by cause at a bounded rate.
     pub(crate) failure_log: FailureLog,
     /// Side-channel connections and failed authentications, both roles.
     pub(crate) side_channel_counts: Arc<side_channel::Counts>,
+    /// D, staged: pulls that landed, counted received only once the engine
+    /// holds them ([`Worker::settle_landed`]): bytes and start, by request.
+    /// `None`: counted when they land.
+    pub(crate) landed: Mutex<Option<HashMap<ReqId, (u64, Instant)>>>,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     /// Keeps library-allocated memory alive as long as any task may touch it.
@@ -90,6 +97,13 @@ impl Shared {
 
     pub(crate) fn lock_receiver(&self) -> MutexGuard<'_, ReceiverCore> {
         self.receiver.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Counts what `receiver` ended, while the caller still holds its lock:
+    /// an outcome is counted before any `get_finished` can hand it to the
+    /// engine (one on another thread used to, ahead of the count).
+    pub(crate) fn record_reports(&self, receiver: &mut ReceiverCore) {
+        self.record_pulls(receiver.take_reports());
     }
 
     pub(crate) fn lock_watches(&self) -> MutexGuard<'_, WatchList> {
@@ -114,6 +128,7 @@ impl Shared {
                         protocol: self.writer.protocol(),
                         layout: self.cache.layout(),
                         identity: self.config.identity.clone(),
+                        topology: self.topology,
                     },
                     connect_timeout: self.config.connect_timeout,
                     max_frame_len: self.config.max_frame_len,
@@ -127,17 +142,34 @@ impl Shared {
 }
 
 impl Shared {
+    /// Blocks of one piece ([`WorkerConfig::piece_bytes`] over the bytes of
+    /// a block in every region), or `None`: whole requests.
+    pub(crate) fn piece_blocks(&self) -> Option<u32> {
+        let per_block = self.cache.block_len().saturating_mul(self.cache.regions().len() as u64);
+        if self.config.piece_bytes == 0 || per_block == 0 {
+            return None;
+        }
+        Some(u32::try_from((self.config.piece_bytes / per_block).max(1)).unwrap_or(u32::MAX))
+    }
+
     /// Counts and logs how each request of the pulls that just ended ended
     /// (taken from the receiver core, which decided it).
     pub(crate) fn record_pulls(&self, reports: crate::receiver::PullReports) {
         let now = Instant::now();
         let bytes_per_block = self.cache.block_len() * self.cache.regions().len() as u64;
+        self.metrics.pulls_started(reports.started);
         self.metrics.pulls_cancelled(reports.cancelled);
         for report in reports.ended {
             match &report.failure {
                 None => {
-                    let took = now.saturating_duration_since(report.started);
-                    self.metrics.pull_received(report.blocks as u64 * bytes_per_block, took);
+                    let bytes = report.blocks as u64 * bytes_per_block;
+                    let mut landed = self.landed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match landed.as_mut() {
+                        Some(landed) => {
+                            landed.insert(report.req.clone(), (bytes, report.started));
+                        }
+                        None => self.metrics.pull_received(bytes, now.saturating_duration_since(report.started)),
+                    }
                 }
                 Some((cause, reason)) => {
                     self.metrics.pull_failed(*cause);
@@ -150,6 +182,18 @@ impl Shared {
             }
         }
     }
+}
+
+/// How a pull that landed ends for the engine (a staged decode copies it
+/// into the engine's blocks first): see [`Worker::settle_landed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// Copied: the engine holds every byte.
+    Copied,
+    /// A copy of it failed: the engine recomputes it.
+    CopyFailed,
+    /// The engine cancelled it first.
+    Cancelled,
 }
 
 /// Issues the grant of a pull: exactly the blocks of its requests, valid
@@ -179,13 +223,161 @@ async fn fence(shared: &Shared, xfer_id: u64, grant: Option<GrantId>) {
     if let Some(grant) = grant {
         shared.writer.revoke(&grant).await;
     }
-    let reports = {
+    {
         let mut receiver = shared.lock_receiver();
         receiver.handle_fenced(xfer_id);
-        receiver.take_reports()
-    };
-    shared.record_pulls(reports);
+        shared.record_reports(&mut receiver);
+    }
     shared.finished_changed.notify_waiters();
+}
+
+/// Runs one pull on the worker's runtime (the caller has entered it):
+/// grants it, sends it, fences it.
+fn spawn_pull(shared: &Arc<Shared>, batch: PullBatch) {
+    let tracker = shared.tracker.clone();
+    let shared = shared.clone();
+    // Pieces only for a worker that copies them on as they land (every
+    // part of a request asks for the same pieces of D's blocks).
+    let piece_blocks = if shared.lock_receiver().keeps_progress() { shared.piece_blocks().unwrap_or(0) } else { 0 };
+    {
+        // One span per transfer request: its id, the peer and (once issued)
+        // the grant; each request's two ids are logged inside it.
+        let span = tracing::info_span!(
+            "pull",
+            xfer_id = batch.xfer_id,
+            peer = %batch.peer,
+            requests = batch.requests.len(),
+            grant = tracing::field::Empty,
+        );
+        let pull = async move {
+            let PullBatch { xfer_id, peer, requests, deadline, heads } = batch;
+            for r in &requests {
+                let req_id = r.decode_req_id.as_ref().unwrap_or(&r.req_id);
+                tracing::debug!(%req_id, remote_req_id = %r.req_id, blocks = r.block_ids.len(), "pulling");
+            }
+            let failed = |error: PullError| {
+                shared.lock_receiver().handle_batch_failed(xfer_id, error.cause, &error.reason);
+            };
+            let grant = match grant_pull(&shared, &requests, deadline).await {
+                Ok(grant) => grant,
+                Err(error) => {
+                    failed(error);
+                    fence(&shared, xfer_id, None).await;
+                    return;
+                }
+            };
+            tracing::Span::current().record("grant", tracing::field::display(&grant.id));
+            if !shared.lock_receiver().handle_granted(xfer_id, grant.id) {
+                failed(PullError::new(FailureCause::Other, "the engine cancelled part of the pull"));
+                fence(&shared, xfer_id, Some(grant.id)).await;
+                return;
+            }
+            let request = XferRequest {
+                xfer_id,
+                endpoint: shared.writer.endpoint(),
+                grant: grant.clone(),
+                wait_budget: deadline.saturating_duration_since(Instant::now()),
+                region_base_addrs: shared.cache.base_addrs(),
+                requests,
+                heads,
+                piece_blocks,
+            };
+            // P's progress goes straight to the receiver core.
+            let progress = (piece_blocks > 0).then(|| {
+                let weak = Arc::downgrade(&shared);
+                Arc::new(move |p: XferProgress| {
+                    if let Some(shared) = weak.upgrade() {
+                        if shared.lock_receiver().handle_progress(p) {
+                            shared.finished_changed.notify_waiters();
+                        }
+                    }
+                }) as ProgressSink
+            });
+            let client = shared.client(&peer);
+            let timeout = shared.config.transfer_timeout;
+            let result = tokio::select! {
+                () = shared.cancel.cancelled() => Err(PullError::new(FailureCause::Shutdown, "decode worker shutting down")),
+                r = tokio::time::timeout_at(deadline.into(), client.request(request, progress)) => match r {
+                    Ok(r) => r,
+                    Err(_) => Err(PullError::new(FailureCause::Timeout, format!("no reply from {peer} within {timeout:?}"))),
+                },
+            };
+            match result {
+                Ok(reply) => shared.lock_receiver().handle_reply(reply),
+                Err(error) => failed(error),
+            }
+            fence(&shared, xfer_id, Some(grant.id)).await;
+        };
+        tracker.spawn(tracing::Instrument::instrument(pull, span));
+    }
+}
+
+/// Learns a prefill instance from its first worker's hello (on the
+/// worker's runtime, which the caller has entered), then starts the pulls
+/// that waited for it, or fails them.
+fn spawn_discovery(shared: &Arc<Shared>, instance: SideChannelAddr) {
+    let tracker = shared.tracker.clone();
+    let shared = shared.clone();
+    let span = tracing::debug_span!("discover", prefill = %instance);
+    let discover = async move {
+        let client = shared.client(&instance);
+        let learned = tokio::select! {
+            () = shared.cancel.cancelled() => Err(PullError::new(FailureCause::Shutdown, "decode worker shutting down")),
+            info = client.peer_info(Instant::now()) => info,
+        };
+        let batches = {
+            let mut receiver = shared.lock_receiver();
+            let batches =
+                receiver.handle_discovered(&instance, learned.map_err(|e| (e.cause, e.reason)), Instant::now());
+            shared.record_reports(&mut receiver);
+            batches
+        };
+        shared.finished_changed.notify_waiters();
+        for batch in batches {
+            spawn_pull(&shared, batch);
+        }
+    };
+    tracker.spawn(tracing::Instrument::instrument(discover, span));
+}
+
+/// The worker's place in its instance, checked against its cache and the
+/// identity it declares.
+fn worker_topology(config: &WorkerConfig, cache: &RegisteredCache) -> Result<RankTopology, WorkerError> {
+    let layout = cache.layout();
+    let declared_heads = config.identity.num_kv_heads;
+    let num_kv_heads = if layout.kind == LayoutKind::Mla {
+        1
+    } else if declared_heads != 0 {
+        declared_heads
+    } else {
+        // Undeclared: what the cache holds over every rank (no replication).
+        layout.block_heads.saturating_mul(u32::from(config.tp_size))
+    };
+    let topology = RankTopology::new(
+        u32::from(config.tp_size),
+        u32::from(config.tp_rank),
+        u32::from(config.pp_size),
+        u32::from(config.pp_rank),
+        num_kv_heads,
+    )
+    .map_err(|e| WorkerError::Topology(e.to_string()))?;
+    if layout.block_heads != 0 && num_kv_heads != 0 && topology.heads.count != layout.block_heads {
+        return Err(WorkerError::Topology(format!(
+            "the cache holds {} heads per block, but tensor-parallel rank {} of {} holds {} of the model's {num_kv_heads}",
+            layout.block_heads, config.tp_rank, config.tp_size, topology.heads.count
+        )));
+    }
+    for (what, declared, configured) in [
+        ("tensor-parallel size", config.identity.tp_size, config.tp_size),
+        ("pipeline-parallel size", config.identity.pp_size, config.pp_size),
+    ] {
+        if declared != 0 && declared != u32::from(configured) {
+            return Err(WorkerError::Topology(format!(
+                "the identity declares {what} {declared}, the worker is configured with {configured}"
+            )));
+        }
+    }
+    Ok(topology)
 }
 
 /// A connector worker: serves pulls of this instance's KV (P) and pulls KV
@@ -245,6 +437,7 @@ impl Worker {
         if writer.protocol() != config.protocol {
             return Err(WorkerError::ProtocolMismatch { configured: config.protocol, writer: writer.protocol() });
         }
+        let topology = worker_topology(&config, &cache)?;
         // Least privilege: a worker that only sends registers no destination
         // (no peer can ever write into it); one that only receives, no source.
         if config.role.sends() {
@@ -260,36 +453,42 @@ impl Worker {
         let endpoint = writer.endpoint();
         let runtime = tokio::runtime::Handle::current();
         let listener = if config.role.sends() {
-            let port = config.side_channel_base_port.checked_add(config.tp_rank).ok_or(WorkerError::PortOverflow {
-                bootstrap_port: config.side_channel_base_port,
+            let place = crate::config::Placement {
                 dp_rank: 0,
-                tp_size: 0,
+                tp_size: config.tp_size,
                 tp_rank: config.tp_rank,
-            })?;
+                pp_size: config.pp_size,
+                pp_rank: config.pp_rank,
+            };
+            let port = kv_proto::topology::side_channel_port(config.side_channel_base_port, topology.global_rank())
+                .ok_or(WorkerError::PortOverflow { bootstrap_port: config.side_channel_base_port, place })?;
             let addr = SocketAddr::new(config.side_channel_bind, port);
             Some(TcpListener::bind(addr).await.map_err(|cause| WorkerError::Bind { addr, cause })?)
         } else {
             None
         };
         let side_channel = listener.as_ref().map(TcpListener::local_addr).transpose().map_err(WorkerError::Io)?;
+        let receiver = ReceiverCore::discovering(topology, cache.layout(), config.transfer_timeout);
         let shared = Arc::new(Shared {
             sender: Mutex::new(SenderCore::new(config.abort_request_timeout, config.lease_renewal)),
             sender_changed: Notify::new(),
             finished_changed: Notify::new(),
-            receiver: Mutex::new(ReceiverCore::new(config.tp_rank, config.transfer_timeout)),
+            receiver: Mutex::new(receiver),
             admission: Arc::new(Semaphore::new(config.queue_depth.max(1))),
-            established: Arc::new(Semaphore::new(config.side_channel_max_conns.max(1))),
+            established: config.side_channel_limits.established_places(),
             transfer_slots: Semaphore::new(config.num_workers.max(1)),
             clients: Mutex::new(HashMap::new()),
-            watches: Mutex::new(WatchList::new(config.tp_rank)),
+            watches: Mutex::new(WatchList::new()),
             watches_changed: Notify::new(),
-            misdirected_log: Mutex::new(kv_proto::LogThrottle::new(std::time::Duration::from_secs(1))),
+            refusal_log: Mutex::new(kv_proto::LogThrottle::new(std::time::Duration::from_secs(1))),
             metrics: Metrics::default(),
             failure_log: FailureLog::default(),
             side_channel_counts: Arc::default(),
+            landed: Mutex::new(None),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,
+            topology,
             cache,
             writer,
             _owned_cache: owned_cache,
@@ -307,6 +506,9 @@ impl Worker {
             data_endpoint = %endpoint,
             regions = shared.cache.regions().len(),
             block_len = shared.cache.block_len(),
+            tp = %format_args!("{}/{}", shared.topology.tp_rank, shared.topology.tp_size),
+            pp = %format_args!("{}/{}", shared.topology.pp_rank, shared.topology.pp_size),
+            heads = %shared.topology.heads,
             "kvlink worker started"
         );
         Ok(Self { shared, side_channel, endpoint, runtime, shutdown_on_drop: true })
@@ -325,6 +527,12 @@ impl Worker {
     /// The registered cache.
     pub fn cache(&self) -> &RegisteredCache {
         &self.shared.cache
+    }
+
+    /// Where this worker sits in its instance and the model's heads its
+    /// cache holds (sent in its hellos).
+    pub fn topology(&self) -> RankTopology {
+        self.shared.topology
     }
 
     /// Transfer requests P has admitted and not yet answered (waiting for
@@ -357,6 +565,7 @@ impl Worker {
             lease_expiries,
             renewals_received,
             side_channel_auth_failures: shared.side_channel_counts.auth_failures(),
+            side_channel_tag_failures: shared.side_channel_counts.tag_failures(),
             transport: shared.writer.stats(),
             pulls_in_flight: shared.lock_receiver().in_flight() as u64,
             watched_requests: self.watched_requests() as u64,
@@ -368,9 +577,81 @@ impl Worker {
         shared.metrics.snapshot(gauges)
     }
 
+    /// Staging's figures now, for [`Worker::metrics`] (a staged worker
+    /// publishes them after each call).
+    pub fn publish_staging(&self, figures: crate::metrics::StagingFigures) {
+        self.shared.metrics.set_staging(figures);
+    }
+
+    /// Blocks of one piece ([`WorkerConfig::piece_bytes`] over the bytes of
+    /// a block in every region), or `None`: whole requests.
+    pub fn piece_blocks(&self) -> Option<u32> {
+        self.shared.piece_blocks()
+    }
+
+    /// D: P's progress on pulls since the last call (only kept for a
+    /// staged worker, [`Worker::stage_pulls`]).
+    pub fn take_progress(&self) -> Vec<PullProgress> {
+        self.shared.lock_receiver().take_progress()
+    }
+
+    /// D, for a staged worker: a pull reported received is counted
+    /// received only once the engine holds it ([`Worker::settle_landed`]),
+    /// so its duration covers the copy to the engine and a failed copy
+    /// counts as a failed pull; and with [`WorkerConfig::piece_bytes`] set,
+    /// P is asked for pieces and its progress kept for
+    /// [`Worker::take_progress`].
+    pub fn stage_pulls(&self) {
+        self.shared.landed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert_with(HashMap::new);
+        if self.piece_blocks().is_some() {
+            self.shared.lock_receiver().keep_progress();
+        }
+    }
+
+    /// D: how a pull this worker reported received ended for the engine
+    /// (see [`Worker::stage_pulls`]): counted received,
+    /// failed (`copy_failed`, logged) or cancelled. Unknown ids are ignored.
+    pub fn settle_landed(&self, req: &ReqId, how: Settled) {
+        let landed = self
+            .shared
+            .landed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_mut()
+            .and_then(|l| l.remove(req));
+        let Some((bytes, started)) = landed else { return };
+        let now = Instant::now();
+        match how {
+            Settled::Copied => self.shared.metrics.pull_received(bytes, now.saturating_duration_since(started)),
+            Settled::CopyFailed => {
+                self.shared.metrics.pull_failed(FailureCause::CopyFailed);
+                let reason = "the copy from staging into the engine's blocks failed";
+                let _ = self.shared.failure_log.failed(FailureCause::CopyFailed, req, req, &"-", reason, now);
+            }
+            Settled::Cancelled => self.shared.metrics.pulls_cancelled(1),
+        }
+    }
+
+    /// P: `req`'s KV is in the first `staged` of `block_ids` (more follow
+    /// until all are): a pull may claim it and write what is staged
+    /// ([`SenderCore::handle_staged`]).
+    pub fn stage_sends(&self, staged: &[(ReqId, Vec<BlockId>, usize)]) {
+        if staged.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut sender = self.shared.lock_sender();
+        for (req, blocks, n) in staged {
+            sender.handle_staged(req, blocks, *n, now);
+        }
+        drop(sender);
+        self.shared.sender_changed.notify_waiters();
+    }
+
     /// P: the engine could not make `reqs` ready to send (their KV found no
-    /// staging room within its bound) and freed their blocks: a pull for
-    /// one fails with `cause`, one that waits for it now included.
+    /// staging room within its bound, or a copy of it failed): a pull for
+    /// one fails with `cause`, one that waits for it now included; one being
+    /// written fails once what was staged is (see [`SenderCore::fail`]).
     pub fn fail_sends<'a>(&self, reqs: impl IntoIterator<Item = &'a ReqId>, cause: FailureCause) {
         let now = Instant::now();
         let mut sender = self.shared.lock_sender();
@@ -394,6 +675,28 @@ impl Worker {
         }
     }
 
+    /// D: tells the prefill workers holding `reqs` to let go of them at once
+    /// (this worker failed them before pulling): a pull of no blocks to
+    /// each prefill worker a pull would go to (learning a prefill instance
+    /// first if need be), never reported nor counted.
+    pub fn release_on_prefill(&self, reqs: &BTreeMap<ReqId, kv_proto::RemotePrefill>) {
+        if reqs.is_empty() || !self.shared.config.role.receives() {
+            return;
+        }
+        let (batches, discoveries) = {
+            let mut receiver = self.shared.lock_receiver();
+            let batches = receiver.release(reqs, Instant::now());
+            (batches, receiver.take_discoveries())
+        };
+        let _guard = self.runtime.enter();
+        for instance in discoveries {
+            spawn_discovery(&self.shared, instance);
+        }
+        for batch in batches {
+            spawn_pull(&self.shared, batch);
+        }
+    }
+
     /// Applies one step's metadata: records send entries (P) and starts
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
@@ -407,26 +710,36 @@ impl Worker {
             self.shared.sender_changed.notify_waiters();
         }
         if self.shared.config.role.receives() && !meta.reqs_to_cancel.is_empty() {
-            let (grants, reports) = {
+            let grants = {
                 let mut receiver = self.shared.lock_receiver();
                 let grants = receiver.cancel(&meta.reqs_to_cancel);
-                (grants, receiver.take_reports())
+                self.shared.record_reports(&mut receiver);
+                grants
             };
-            self.shared.record_pulls(reports);
             self.fence_now(&grants);
             self.shared.finished_changed.notify_waiters();
         }
         if self.shared.config.role.receives()
             && !(meta.reqs_to_watch.is_empty() && meta.reqs_to_unwatch.is_empty() && meta.reqs_to_recv.is_empty())
         {
+            let peers: Vec<Vec<SideChannelAddr>> = {
+                let receiver = self.shared.lock_receiver();
+                meta.reqs_to_watch
+                    .values()
+                    .map(|remote| {
+                        let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
+                        receiver.renewal_peers(&instance)
+                    })
+                    .collect()
+            };
             let mut watches = self.shared.lock_watches();
             // A pull holds its requests on P from when P reads it.
             for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
                 watches.unwatch(req);
             }
-            for (req, remote) in &meta.reqs_to_watch {
+            for ((req, remote), peers) in meta.reqs_to_watch.iter().zip(peers) {
                 if !meta.reqs_to_recv.contains_key(req) {
-                    watches.watch(req, remote);
+                    watches.watch(req, remote, peers);
                 }
             }
             drop(watches);
@@ -435,16 +748,18 @@ impl Worker {
             }
         }
         if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
-            let (batches, reports) = {
+            let (batches, discoveries) = {
                 let mut receiver = self.shared.lock_receiver();
                 let batches = receiver.start(&meta.reqs_to_recv, now);
-                (batches, receiver.take_reports())
+                self.shared.record_reports(&mut receiver);
+                (batches, receiver.take_discoveries())
             };
-            let pulled: usize = batches.iter().map(|b| b.requests.len()).sum();
-            self.shared.metrics.pulls_started((pulled + reports.ended.len()) as u64);
-            self.shared.record_pulls(reports);
+            let _guard = self.runtime.enter();
+            for instance in discoveries {
+                spawn_discovery(&self.shared, instance);
+            }
             for batch in batches {
-                self.spawn_pull(batch);
+                spawn_pull(&self.shared, batch);
             }
         }
     }
@@ -478,67 +793,6 @@ impl Worker {
         }
     }
 
-    fn spawn_pull(&self, batch: PullBatch) {
-        let shared = self.shared.clone();
-        let _guard = self.runtime.enter();
-        // One span per transfer request: its id, the peer and (once issued)
-        // the grant; each request's two ids are logged inside it.
-        let span = tracing::info_span!(
-            "pull",
-            xfer_id = batch.xfer_id,
-            peer = %batch.peer,
-            requests = batch.requests.len(),
-            grant = tracing::field::Empty,
-        );
-        let pull = async move {
-            let PullBatch { xfer_id, peer, requests, deadline } = batch;
-            for r in &requests {
-                let req_id = r.decode_req_id.as_ref().unwrap_or(&r.req_id);
-                tracing::debug!(%req_id, remote_req_id = %r.req_id, blocks = r.block_ids.len(), "pulling");
-            }
-            let failed = |error: PullError| {
-                shared.lock_receiver().handle_batch_failed(xfer_id, error.cause, &error.reason);
-            };
-            let grant = match grant_pull(&shared, &requests, deadline).await {
-                Ok(grant) => grant,
-                Err(error) => {
-                    failed(error);
-                    fence(&shared, xfer_id, None).await;
-                    return;
-                }
-            };
-            tracing::Span::current().record("grant", tracing::field::display(&grant.id));
-            if !shared.lock_receiver().handle_granted(xfer_id, grant.id) {
-                failed(PullError::new(FailureCause::Other, "the engine cancelled part of the pull"));
-                fence(&shared, xfer_id, Some(grant.id)).await;
-                return;
-            }
-            let request = XferRequest {
-                xfer_id,
-                endpoint: shared.writer.endpoint(),
-                grant: grant.clone(),
-                wait_budget: deadline.saturating_duration_since(Instant::now()),
-                region_base_addrs: shared.cache.base_addrs(),
-                requests,
-            };
-            let client = shared.client(&peer);
-            let timeout = shared.config.transfer_timeout;
-            let result = tokio::select! {
-                () = shared.cancel.cancelled() => Err(PullError::new(FailureCause::Shutdown, "decode worker shutting down")),
-                r = tokio::time::timeout_at(deadline.into(), client.request(request)) => match r {
-                    Ok(r) => r,
-                    Err(_) => Err(PullError::new(FailureCause::Timeout, format!("no reply from {peer} within {timeout:?}"))),
-                },
-            };
-            match result {
-                Ok(reply) => shared.lock_receiver().handle_reply(reply),
-                Err(error) => failed(error),
-            }
-            fence(&shared, xfer_id, Some(grant.id)).await;
-        };
-        self.shared.tracker.spawn(tracing::Instrument::instrument(pull, span));
-    }
-
     /// Requests finished since the last call (the reference's `get_finished`,
     /// plus the failed pulls it never reported). Also frees P's entries whose
     /// lease ended.
@@ -553,6 +807,7 @@ impl Worker {
         if self.shared.config.role.receives() {
             let mut receiver = self.shared.lock_receiver();
             let expired = receiver.handle_timeout(now);
+            self.shared.record_reports(&mut receiver);
             let done = receiver.poll_finished();
             drop(receiver);
             // A pull past its deadline is normally ended by its own task; if

@@ -46,6 +46,7 @@ async fn pull(p_secret: Option<&str>, d_secret: Option<&str>) -> Finished {
             r,
             RecvReqMeta {
                 local_block_ids: vec![5, 6],
+                first_token: None,
                 remote: RemotePrefill {
                     remote_host: side_channel.ip().to_string(),
                     remote_port: side_channel.port(),

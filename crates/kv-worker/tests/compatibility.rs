@@ -1,5 +1,6 @@
 //! What must agree between P and D for KV to mean the same on both is
-//! checked at connect: each field of the identity mismatched in turn is
+//! checked at connect: each field of the identity, and each part of the
+//! topology and cache layout that cannot be mapped, mismatched in turn is
 //! refused at the hello with both values named, and a decode instance then
 //! fails its pulls at once with that reason (never per request).
 #![cfg(feature = "tcp")]
@@ -10,7 +11,10 @@ mod common;
 use common::*;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth;
-use kv_proto::{EngineId, FailureCause, FrameCodec, Hello, HelloReply, KvRole, ModelIdentity, Protocol, SideMessage};
+use kv_proto::{
+    CacheLayout, EngineId, FailureCause, FrameCodec, Hello, HelloReply, KvRole, LayoutKind, ModelIdentity, Protocol,
+    RankTopology, SideMessage, TokenLayout,
+};
 use kv_worker::{OwnedKvCache, SideChannelCodec};
 use rstest::rstest;
 use tokio::net::TcpStream;
@@ -23,7 +27,8 @@ fn llama() -> ModelIdentity {
         kv_dtype: "bfloat16".into(),
         cache_dtype: "auto".into(),
         num_layers: 32,
-        num_kv_heads: 8,
+        // What the tests' cache holds.
+        num_kv_heads: 2,
         head_size: 128,
         attention_layout: "NHD".into(),
         tp_size: 1,
@@ -41,11 +46,9 @@ fn llama() -> ModelIdentity {
 #[case::kv_dtype(ModelIdentity { kv_dtype: "float16".into(), ..llama() }, "KV dtype: decode d has float16, prefill p has bfloat16")]
 #[case::cache_dtype(ModelIdentity { cache_dtype: "fp8_e4m3".into(), ..llama() }, "cache dtype: decode d has fp8_e4m3, prefill p has auto")]
 #[case::layers(ModelIdentity { num_layers: 40, ..llama() }, "layers: decode d has 40, prefill p has 32")]
-#[case::kv_heads(ModelIdentity { num_kv_heads: 4, ..llama() }, "KV heads: decode d has 4, prefill p has 8")]
+#[case::kv_heads(ModelIdentity { num_kv_heads: 4, ..llama() }, "KV heads: decode d has 4, prefill p has 2")]
 #[case::head_size(ModelIdentity { head_size: 64, ..llama() }, "head size: decode d has 64, prefill p has 128")]
 #[case::attention_layout(ModelIdentity { attention_layout: "HND".into(), ..llama() }, "attention layout: decode d has HND, prefill p has NHD")]
-#[case::tp_size(ModelIdentity { tp_size: 2, ..llama() }, "tensor-parallel size: decode d has 2, prefill p has 1")]
-#[case::pp_size(ModelIdentity { pp_size: 2, ..llama() }, "pipeline-parallel size: decode d has 2, prefill p has 1")]
 #[case::engine_version(ModelIdentity { engine_version: "0.32.0".into(), ..llama() }, "engine version: decode d has 0.32.0, prefill p has 0.14.0")]
 #[case::kvlink_version(ModelIdentity { kvlink_version: "0.2.0".into(), ..llama() }, "kvlink version: decode d has 0.2.0, prefill p has 0.1.0")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,6 +56,20 @@ async fn each_field_that_differs_is_refused_at_the_hello_with_both_values(
     #[case] decode: ModelIdentity,
     #[case] expected: &str,
 ) {
+    let reason = refusal(decode, layout(), RankTopology::single()).await;
+    assert!(reason.contains(expected), "{reason}");
+    assert_eq!(reason.matches(" has ").count(), 2, "only that field differs: {reason}");
+}
+
+/// The tests' cache layout (2 heads of 16 elements of 2 bytes, NHD,
+/// 16-token blocks, 2 layers, split K/V).
+fn layout() -> CacheLayout {
+    OwnedKvCache::allocate(shape()).unwrap().registered().layout()
+}
+
+/// Sends D's hello to a prefill worker with identity [`llama`] and the
+/// tests' cache; returns P's refusal.
+async fn refusal(identity: ModelIdentity, layout: CacheLayout, topology: RankTopology) -> String {
     let net = Net::new(Backend::Tcp).unwrap();
     let mut config = net.config(KvRole::Producer, "p");
     config.identity = llama();
@@ -63,18 +80,48 @@ async fn each_field_that_differs_is_refused_at_the_hello_with_both_values(
         client_nonce: auth::fresh_nonce().unwrap(),
         engine_id: EngineId::new("d"),
         protocol: Protocol::Tcp,
-        layout: OwnedKvCache::allocate(shape()).unwrap().registered().layout(),
-        identity: decode,
+        layout,
+        identity,
+        topology,
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
         Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { reason }))) => {
             assert!(reason.starts_with("incompatible peers ("), "{reason}");
-            assert!(reason.contains(expected), "{reason}");
-            assert_eq!(reason.matches(" has ").count(), 2, "only that field differs: {reason}");
+            reason
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
+}
+
+fn rank(tp: u32, r: u32, pp: u32, stage: u32) -> RankTopology {
+    RankTopology::new(tp, r, pp, stage, 2).unwrap()
+}
+
+fn undeclared() -> CacheLayout {
+    CacheLayout { token_layout: TokenLayout::Undeclared, block_heads: 0, ..layout() }
+}
+
+/// What the hello's topology and layout carry, mismatched in a way that
+/// cannot be mapped, is refused naming both values (P is rank 0 of 1, with
+/// the tests' cache). Layouts that can be mapped (another tensor-parallel
+/// size, block size, NHD or HND, split or fused K/V) are not refused: see
+/// the topology end-to-end tests.
+#[rstest]
+#[case::pp_size(layout(), rank(1, 0, 2, 0), "pipeline-parallel size: decode d has 2, prefill p has 1")]
+#[case::tp_size_without_heads(undeclared(), rank(2, 1, 1, 0), "tensor-parallel size: decode d has 2, prefill p has 1")]
+#[case::block_size_without_heads(CacheLayout { block_tokens: 32, block_len: 2048, ..undeclared() }, RankTopology::single(), "tokens per block: decode d has 32, prefill p has 16")]
+#[case::mla(CacheLayout { kind: LayoutKind::Mla, region_count: 2, block_len: 16 * 64, block_heads: 1, ..layout() }, rank(2, 0, 1, 0), "attention kind: decode d has MLA, prefill p has K and V")]
+#[case::head_bytes(CacheLayout { block_len: 16 * 2 * 64, ..layout() }, rank(2, 0, 1, 0), "bytes per head and token: decode d has 64, prefill p has 32")]
+#[case::layers(CacheLayout { region_count: 6, ..layout() }, rank(2, 0, 1, 0), "layers: decode d has 3, prefill p has 2")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmappable_topology_or_layout_is_refused_at_the_hello_with_both_values(
+    #[case] layout: CacheLayout,
+    #[case] topology: RankTopology,
+    #[case] expected: &str,
+) {
+    let reason = refusal(llama(), layout, topology).await;
+    assert!(reason.contains(expected), "{reason}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use kv_proto::{
     EngineId, FailureCause, GrantId, Outcome, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, RequestOutcome,
-    SendUpdate, XferReply,
+    SendUpdate, XferProgress, XferReply,
 };
-use kv_worker::{Claim, ReceiverCore, SenderCore, SideChannelAddr};
+use kv_worker::{Claim, Puller, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
 
 const LEASE: Duration = Duration::from_secs(480);
@@ -65,6 +65,55 @@ fn sender_failures(#[case] updates: &[SendUpdate], #[case] after: Duration, #[ca
     }
 }
 
+/// A request made ready in pieces (`handle_staged`): a pull claims it once
+/// its first piece is staged and may write what is staged; later pieces
+/// let it write more; a failure mid-way stops it; a request P no longer
+/// holds is never made ready again.
+#[rstest]
+#[case::claimed_then_staged_whole(&[2, 4], None, &[Some(Ok(2)), Some(Ok(4))])]
+#[case::a_count_going_back_is_ignored(&[3, 1], None, &[Some(Ok(3)), Some(Ok(3))])]
+#[case::failed_mid_way(&[2], Some(FailureCause::CopyFailed), &[Some(Ok(2)), Some(Err(FailureCause::CopyFailed))])]
+fn a_request_staged_in_pieces_is_written_as_it_is_staged(
+    #[case] staged: &[usize],
+    #[case] fails: Option<FailureCause>,
+    #[case] writable: &[Option<Result<usize, FailureCause>>],
+) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    core.handle_update(&r("a"), &SendUpdate::Expect, t0);
+    core.handle_staged(&r("a"), &[5, 6, 7, 8], staged[0], t0);
+    assert_eq!(core.claim(&r("a"), t0), Claim::Ready(vec![5, 6, 7, 8]), "claimed with its first piece staged");
+    let mut got = vec![core.writable(&r("a"))];
+    for &n in &staged[1..] {
+        core.handle_staged(&r("a"), &[5, 6, 7, 8], n, t0);
+        got.push(core.writable(&r("a")));
+    }
+    if let Some(cause) = fails {
+        core.fail(&r("a"), cause, t0);
+        got.push(core.writable(&r("a")));
+    }
+    assert_eq!(got, writable);
+    assert!(core.poll_finished().is_empty(), "reported when its transfer ends");
+    core.complete(&r("a"));
+    assert_eq!(core.poll_finished().len(), 1);
+    core.handle_staged(&r("a"), &[5, 6, 7, 8], 4, t0);
+    assert_eq!(core.claim(&r("a"), t0), Claim::Unknown, "not made ready again once gone");
+}
+
+/// A ready request P then fails (a copy of its later pieces failed): its
+/// owner hears it finished at once (it takes the blocks back), and a pull
+/// gets the cause.
+#[test]
+fn a_ready_request_that_fails_is_reported_at_once_and_its_pull_gets_the_cause() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    core.handle_update(&r("a"), &SendUpdate::Expect, t0);
+    core.handle_staged(&r("a"), &[5, 6], 1, t0);
+    core.fail(&r("a"), FailureCause::CopyFailed, t0);
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), [r("a")]);
+    assert_eq!(core.claim(&r("a"), t0), Claim::Failed(FailureCause::CopyFailed));
+}
+
 #[test]
 fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
     let t0 = Instant::now();
@@ -79,6 +128,49 @@ fn a_claimed_request_is_in_flight_until_completed_then_freed_once() {
     assert!(core.poll_finished().is_empty(), "reported once");
     assert_eq!(core.claim(&r("a"), t0), Claim::Unknown, "sent requests are gone");
     assert!(core.is_empty());
+}
+
+/// Several decode ranks pull one request from this prefill worker (each
+/// its own heads): each claims it once, at once or one after another, and
+/// it is freed once, when the last of them completed.
+#[rstest]
+#[case::one_after_another(false)]
+#[case::at_once(true)]
+fn a_request_several_decode_ranks_pull_is_freed_after_the_last(#[case] at_once: bool) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    core.handle_update(&r("a"), &ready(&[1, 2]), t0);
+    let (first, second) = (Puller { rank: 0, of: 2 }, Puller { rank: 1, of: 2 });
+    assert_eq!(core.claim_by(&r("a"), first, t0), Claim::Ready(vec![1, 2]));
+    assert_eq!(core.claim_by(&r("a"), first, t0), Claim::InFlight, "one rank pulls it once");
+    if !at_once {
+        core.complete(&r("a"));
+        assert!(core.poll_finished().is_empty(), "the second rank has not pulled it");
+    }
+    assert_eq!(core.claim_by(&r("a"), second, t0), Claim::Ready(vec![1, 2]));
+    assert_eq!(core.held(), (1, 2));
+    if at_once {
+        core.complete(&r("a"));
+        assert!(core.poll_finished().is_empty(), "one pull still writes from its blocks");
+    }
+    core.complete(&r("a"));
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), vec![r("a")]);
+    assert_eq!(core.claim_by(&r("a"), Puller { rank: 2, of: 2 }, t0), Claim::Unknown);
+}
+
+/// A request some decode ranks never pull is freed at its lease, but
+/// never while one of them is writing from it.
+#[test]
+fn a_shared_request_keeps_its_lease_but_not_under_a_writer() {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    core.handle_update(&r("a"), &ready(&[1]), t0);
+    assert_eq!(core.claim_by(&r("a"), Puller { rank: 0, of: 3 }, t0), Claim::Ready(vec![1]));
+    assert!(core.handle_timeout(t0 + 2 * LEASE).is_empty(), "a pull is writing from it");
+    core.complete(&r("a"));
+    assert_eq!(core.claim_by(&r("a"), Puller { rank: 1, of: 3 }, t0 + LEASE), Claim::Expired);
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), vec![r("a")], "freed once, at its lease");
+    assert_eq!(core.lease_expiries(), 1);
 }
 
 #[test]
@@ -216,7 +308,7 @@ fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
         remote_request_id: p("?"),
         remote_engine_id: None,
     };
-    RecvReqMeta { local_block_ids: blocks.to_vec(), remote }
+    RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote }
 }
 
 /// D's requests `id`, each named to P as [`p`]`(id)`.
@@ -242,12 +334,19 @@ fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
     assert_eq!(
         batches[0].requests,
         vec![
-            RequestBlocks { req_id: p("a"), decode_req_id: Some(r("a")), prefill_engine_id: None, block_ids: vec![1] },
+            RequestBlocks {
+                req_id: p("a"),
+                decode_req_id: Some(r("a")),
+                prefill_engine_id: None,
+                block_ids: vec![1],
+                first_token: None
+            },
             RequestBlocks {
                 req_id: p("c"),
                 decode_req_id: Some(r("c")),
                 prefill_engine_id: None,
-                block_ids: vec![3, 4]
+                block_ids: vec![3, 4],
+                first_token: None
             }
         ]
     );
@@ -302,6 +401,71 @@ fn receiver_outcomes(
     assert!(core.poll_finished().received.is_empty(), "reported once");
 }
 
+fn progress(xfer_id: u64, id: &str, landed: u32, outcome: Option<Outcome>) -> XferProgress {
+    XferProgress { xfer_id, req_id: p(id), landed, outcome }
+}
+
+/// P's progress on a pull of a (blocks 1, 2, 3): what is kept for the
+/// driver (landed counts that grow, outcomes once; anything past the
+/// request's blocks, about another request or pull, or after its outcome,
+/// ignored), and how the pull ends: the first outcome P said wins over the
+/// reply and over a failure of the pull.
+#[rstest]
+#[case::pieces_then_done(&[(1, None), (3, Some(Outcome::Done))], None, &[(1, None), (3, Some(true))], true)]
+#[case::hostile_counts_ignored(&[(2, None), (1, None), (9, None), (2, None)], Some(Outcome::Done), &[(2, None)], true)]
+#[case::early_done_wins_over_a_lost_connection(&[(0, Some(Outcome::Done))], None, &[(3, Some(true))], true)]
+#[case::early_failure_wins_over_the_reply(&[(1, Some(failed("x"))), (3, Some(Outcome::Done))], Some(Outcome::Done), &[(1, Some(false))], false)]
+#[case::no_progress_the_reply_decides(&[], Some(Outcome::Done), &[], true)]
+fn receiver_progress(
+    #[case] said: &[(u32, Option<Outcome>)],
+    #[case] reply_outcome: Option<Outcome>,
+    #[case] kept: &[(u32, Option<bool>)],
+    #[case] received: bool,
+) {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    core.keep_progress();
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2, 3]))]), t0);
+    let xfer_id = batches[0].xfer_id;
+    core.handle_granted(xfer_id, GrantId::from_bytes([1; 16]));
+    assert!(!core.handle_progress(progress(xfer_id + 1, "a", 1, None)), "another pull");
+    assert!(!core.handle_progress(progress(xfer_id, "zzz", 1, None)), "another request");
+    for (landed, outcome) in said {
+        core.handle_progress(progress(xfer_id, "a", *landed, outcome.clone()));
+    }
+    let got: Vec<(u32, Option<bool>)> =
+        core.take_progress().into_iter().map(|p| (p.landed, p.ended.map(|e| e.is_ok()))).collect();
+    assert_eq!(got, kept);
+    assert!(core.poll_finished().received.is_empty(), "nothing reported before the fence");
+    match reply_outcome {
+        Some(outcome) => core.handle_reply(reply(xfer_id, &[("a", outcome)])),
+        None => core.handle_batch_failed(xfer_id, FailureCause::ConnectionLost, "gone"),
+    }
+    core.handle_fenced(xfer_id);
+    let done = core.poll_finished();
+    assert_eq!(done.received.contains(&r("a")), received);
+    assert_eq!(done.failed.contains_key(&r("a")), !received);
+}
+
+#[test]
+fn progress_is_not_kept_unless_asked_and_releases_are_never_reported() {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let batches = core.start(&reqs(&[("a", recv("p", 1, &[1, 2]))]), t0);
+    assert!(core.handle_progress(progress(batches[0].xfer_id, "a", 1, None)), "applied");
+    assert!(core.take_progress().is_empty(), "but not kept for a driver that did not ask");
+    let remote = RemotePrefill { remote_request_id: p("b"), ..recv("p", 1, &[]).remote };
+    let released = core.release(&BTreeMap::from([(r("b"), remote)]), t0);
+    assert_eq!(released[0].requests[0].block_ids, Vec::<u32>::new(), "a pull of no blocks");
+    assert_eq!(released[0].requests[0].req_id, p("b"), "named by P's id");
+    core.handle_reply(reply(released[0].xfer_id, &[("b", Outcome::Done)]));
+    core.handle_fenced(released[0].xfer_id);
+    let done = core.poll_finished();
+    assert!(done.received.is_empty() && done.failed.is_empty(), "never reported");
+    assert!(core.take_reports().ended.is_empty(), "nor counted");
+    assert_eq!(core.in_flight(), 1, "only a is in flight");
+}
+
 #[test]
 fn a_pull_names_ps_request_and_engine_and_its_outcome_is_reported_under_ds_id() {
     let t0 = Instant::now();
@@ -317,6 +481,7 @@ fn a_pull_names_ps_request_and_engine_and_its_outcome_is_reported_under_ds_id() 
             decode_req_id: Some(r("cmpl-1-0-9760c8b8")),
             prefill_engine_id: Some(EngineId::new("prefill-0")),
             block_ids: vec![4, 5],
+            first_token: None,
         }]
     );
     let xfer_id = batches[0].xfer_id;
@@ -516,4 +681,481 @@ fn a_pull_cancelled_after_it_ended_but_before_it_was_polled_is_never_reported() 
     assert!(core.cancel(&BTreeSet::from([r("a")])).is_empty(), "fenced already: nothing to revoke");
     let done = core.poll_finished();
     assert_eq!(done.received, BTreeSet::from([r("b")]), "a is never reported once cancelled");
+}
+
+// ---------------------------------------------------------------------------
+// A receiver that learns each prefill instance's topology first
+// ---------------------------------------------------------------------------
+
+/// A split-K/V NHD layout of 2 layers holding `heads` heads of 32 bytes
+/// per token, 16 tokens per block.
+fn layout(heads: u32) -> kv_proto::CacheLayout {
+    kv_proto::CacheLayout {
+        kind: kv_proto::LayoutKind::SplitKv,
+        region_count: 4,
+        block_len: u64::from(heads) * 16 * 32,
+        block_tokens: 16,
+        dtype_bytes: 2,
+        token_layout: kv_proto::TokenLayout::Nhd,
+        block_heads: heads,
+    }
+}
+
+/// A decode receiver at rank `rank` of `tp` of a model of 2 KV heads.
+fn discovering(tp: u32, rank: u32) -> ReceiverCore {
+    let topology = kv_proto::RankTopology::new(tp, rank, 1, 0, 2).unwrap();
+    ReceiverCore::discovering(topology, layout(topology.heads.count), Duration::from_secs(5))
+}
+
+/// What prefill rank 0 of `tp` of engine `prefill` says in its hello.
+fn prefill_info(tp: u32) -> kv_worker::PeerInfo {
+    let topology = kv_proto::RankTopology::new(tp, 0, 1, 0, 2).unwrap();
+    kv_worker::PeerInfo { engine_id: EngineId::new("prefill"), topology, layout: layout(topology.heads.count) }
+}
+
+/// [`recv`] from engine `engine` at `p:9000`.
+fn recv_from(engine: &str, blocks: &[u32]) -> RecvReqMeta {
+    let mut meta = recv("p", 9000, blocks);
+    meta.remote.remote_engine_id = Some(EngineId::new(engine));
+    meta
+}
+
+/// A request naming another prefill engine than the one learned at its
+/// instance (P restarted on the same ports, here at another TP size) has
+/// the instance learned again before it is planned; one naming the learned
+/// engine, or none, goes out at once.
+#[test]
+fn a_prefill_instance_restarted_as_another_engine_is_learned_again() {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.start(&reqs(&[("a", recv_from("prefill", &[1]))]), t0);
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+    assert_eq!(core.handle_discovered(&instance(9000), Ok(prefill_info(1)), t0).len(), 1);
+    assert_eq!(core.start(&reqs(&[("b", recv_from("prefill", &[2]))]), t0).len(), 1, "the learned engine");
+    assert_eq!(core.start(&reqs(&[("c", recv("p", 9000, &[3]))]), t0).len(), 1, "no engine named");
+    assert!(core.start(&reqs(&[("d", recv_from("restarted", &[4]))]), t0).is_empty(), "learned again first");
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+    let restarted = kv_worker::PeerInfo { engine_id: EngineId::new("restarted"), ..prefill_info(2) };
+    let batches = core.handle_discovered(&instance(9000), Ok(restarted), t0);
+    let parts: Vec<u16> = batches.iter().map(|b| b.peer.port).collect();
+    assert_eq!(parts, [9000, 9001], "the new P's two workers, a head each");
+    assert_eq!(core.start(&reqs(&[("e", recv_from("restarted", &[5]))]), t0).len(), 2, "known again");
+}
+
+fn instance(port: u16) -> SideChannelAddr {
+    SideChannelAddr { host: "p".into(), port }
+}
+
+#[test]
+fn requests_wait_for_their_instance_to_be_learned_once() {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    assert!(core.start(&reqs(&[("a", recv("p", 9000, &[1, 2]))]), t0).is_empty());
+    assert!(core.start(&reqs(&[("b", recv("p", 9000, &[3]))]), t0).is_empty());
+    assert_eq!(core.take_discoveries(), [instance(9000)], "asked once");
+    assert!(core.take_discoveries().is_empty());
+    assert_eq!(core.in_flight(), 2);
+    // Same layout and size: whole blocks from the worker of the same rank.
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(1)), t0);
+    assert_eq!(batches.len(), 1);
+    assert_eq!((batches[0].peer.port, batches[0].heads, batches[0].requests.len()), (9000, None, 2));
+    // Known now: the next request goes out at once.
+    let next = core.start(&reqs(&[("c", recv("p", 9000, &[4]))]), t0);
+    assert_eq!(next.len(), 1);
+    assert!(core.take_discoveries().is_empty());
+}
+
+/// D at one rank, P at two: one part per prefill worker, each its head;
+/// the request is reported once both parts are fenced, failed if either
+/// failed.
+#[rstest]
+#[case::both_done(Outcome::Done, Outcome::Done, true)]
+#[case::second_failed(Outcome::Done, failed("gone"), false)]
+#[case::first_failed(failed("gone"), Outcome::Done, false)]
+fn a_request_of_parts_ends_with_its_last_part(#[case] first: Outcome, #[case] second: Outcome, #[case] ok: bool) {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.start(&reqs(&[("a", recv("p", 9000, &[1, 2]))]), t0);
+    core.take_discoveries();
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(2)), t0);
+    let parts: Vec<(u16, Option<kv_proto::HeadRange>)> = batches.iter().map(|b| (b.peer.port, b.heads)).collect();
+    assert_eq!(parts, [(9000, Some(kv_proto::HeadRange::new(0, 1))), (9001, Some(kv_proto::HeadRange::new(1, 1)))]);
+    assert!(batches.iter().all(|b| b.requests[0].block_ids == [1, 2]));
+    core.handle_reply(reply(batches[0].xfer_id, &[("a", first)]));
+    core.handle_fenced(batches[0].xfer_id);
+    assert_eq!(core.poll_finished(), kv_worker::RecvFinished::default(), "one part is still out");
+    core.handle_reply(reply(batches[1].xfer_id, &[("a", second)]));
+    core.handle_fenced(batches[1].xfer_id);
+    let done = core.poll_finished();
+    assert_eq!(done.received.contains(&r("a")), ok);
+    assert_eq!(done.failed.contains_key(&r("a")), !ok);
+    let reports = core.take_reports();
+    assert_eq!((reports.ended.len(), reports.started), (1, 1), "one request, reported once");
+    assert_eq!(core.in_flight(), 0);
+}
+
+/// P replicates each of its 2 heads on 2 of its 4 workers: D's one worker
+/// pulls each head from one of them and tells the two others, with parts of
+/// no heads and no blocks, so they free the request at once.
+#[test]
+fn prefill_workers_no_part_comes_from_are_told() {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.start(&reqs(&[("a", recv("p", 9000, &[1]))]), t0);
+    core.take_discoveries();
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(4)), t0);
+    let parts: Vec<(u16, Option<kv_proto::HeadRange>, usize)> =
+        batches.iter().map(|b| (b.peer.port, b.heads, b.requests[0].block_ids.len())).collect();
+    let (one, none) = (Some(kv_proto::HeadRange::new(0, 1)), Some(kv_proto::HeadRange::default()));
+    assert_eq!(
+        parts,
+        [(9000, one, 1), (9001, none, 0), (9002, Some(kv_proto::HeadRange::new(1, 1)), 1), (9003, none, 0)]
+    );
+}
+
+#[rstest]
+#[case::unreachable(Err((FailureCause::ConnectionLost, "refused".to_owned())), FailureCause::ConnectionLost)]
+#[case::pipeline_on_one_side(Ok(kv_worker::PeerInfo { topology: kv_proto::RankTopology::new(1, 0, 2, 0, 2).unwrap(), ..prefill_info(1) }), FailureCause::IncompatiblePeer)]
+fn an_instance_that_cannot_be_learned_fails_its_requests_at_once(
+    #[case] info: Result<kv_worker::PeerInfo, (FailureCause, String)>,
+    #[case] cause: FailureCause,
+) {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.start(&reqs(&[("a", recv("p", 9000, &[1]))]), t0);
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+    assert!(core.handle_discovered(&instance(9000), info, t0).is_empty());
+    assert_eq!(core.poll_finished().failed, BTreeMap::from([(r("a"), vec![1])]));
+    let reports = core.take_reports();
+    assert_eq!(reports.ended[0].failure.as_ref().map(|f| f.0), Some(cause));
+    // Not remembered: the next request asks again.
+    core.start(&reqs(&[("b", recv("p", 9000, &[2]))]), t0);
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+}
+
+#[test]
+fn a_request_waiting_for_its_instance_times_out_or_is_cancelled() {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.start(&reqs(&[("a", recv("p", 9000, &[1])), ("b", recv("p", 9000, &[2]))]), t0);
+    assert_eq!(core.next_deadline(), Some(t0 + Duration::from_secs(5)));
+    assert!(core.cancel([&r("b")]).is_empty(), "no grant to fence");
+    assert!(core.handle_timeout(t0 + Duration::from_secs(5)).is_empty());
+    let done = core.poll_finished();
+    assert_eq!(done.failed.keys().collect::<Vec<_>>(), [&r("a")], "the cancelled one is never reported");
+    // Learned late: nothing is left to start.
+    assert!(core.handle_discovered(&instance(9000), Ok(prefill_info(1)), t0).is_empty());
+    assert_eq!(core.in_flight(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Pieces of a request pulled in parts (several prefill workers)
+// ---------------------------------------------------------------------------
+
+/// What happens to one part of a request pulled in parts.
+#[derive(Clone, Debug)]
+enum PartEvent {
+    /// Its prefill worker says how far it got (and maybe how it ends).
+    Said(usize, u32, Option<Outcome>),
+    /// Its reply comes, and its grant is fenced.
+    Replied(usize, Outcome),
+    /// Its connection is lost, and its grant is fenced.
+    Lost(usize),
+}
+
+/// D at one rank pulls request a (blocks 1..=4) from P at `tp_p` ranks:
+/// each part's progress is its own, and what a staged worker is told is
+/// that of all parts together (a block lands once every part wrote it; a
+/// part of no blocks holds none back; the request ends early once every
+/// part said done, or one said it failed). The request is reported once,
+/// after its last part is fenced, failed if any part failed.
+#[rstest]
+#[case::the_slowest_part_decides(2, &[
+    PartEvent::Said(0, 2, None), PartEvent::Said(1, 1, None), PartEvent::Said(1, 3, None),
+    PartEvent::Said(0, 4, Some(Outcome::Done)), PartEvent::Said(1, 0, Some(Outcome::Done)),
+    PartEvent::Replied(0, Outcome::Done), PartEvent::Replied(1, Outcome::Done),
+], &[(1, None), (2, None), (3, None), (4, Some(true))], true)]
+#[case::one_part_fails_early(2, &[
+    PartEvent::Said(0, 4, Some(Outcome::Done)), PartEvent::Said(1, 2, None), PartEvent::Said(1, 2, Some(failed("copy"))),
+    PartEvent::Said(0, 4, None), PartEvent::Replied(0, Outcome::Done), PartEvent::Replied(1, Outcome::Done),
+], &[(2, None), (2, Some(false))], false)]
+#[case::a_part_lost_after_the_other_said_done(2, &[
+    PartEvent::Said(0, 4, Some(Outcome::Done)), PartEvent::Lost(1), PartEvent::Replied(0, Outcome::Done),
+], &[(0, Some(false))], false)]
+#[case::a_part_done_early_survives_its_lost_connection(2, &[
+    PartEvent::Said(0, 0, Some(Outcome::Done)), PartEvent::Lost(0), PartEvent::Said(1, 4, Some(Outcome::Done)),
+    PartEvent::Replied(1, Outcome::Done),
+], &[(4, Some(true))], true)]
+#[case::parts_of_no_blocks_hold_no_block_back_but_the_end(4, &[
+    PartEvent::Said(0, 4, Some(Outcome::Done)), PartEvent::Said(2, 3, None), PartEvent::Said(1, 0, Some(Outcome::Done)),
+    PartEvent::Said(2, 4, Some(Outcome::Done)), PartEvent::Said(3, 0, Some(Outcome::Done)),
+    PartEvent::Replied(0, Outcome::Done), PartEvent::Replied(1, Outcome::Done),
+    PartEvent::Replied(2, Outcome::Done), PartEvent::Replied(3, Outcome::Done),
+], &[(3, None), (4, None), (4, Some(true))], true)]
+#[case::a_part_fenced_whole_holds_no_block_back(2, &[
+    PartEvent::Replied(1, Outcome::Done), PartEvent::Said(0, 2, None), PartEvent::Replied(0, Outcome::Done),
+], &[(2, None)], true)]
+fn progress_of_a_request_pulled_in_parts(
+    #[case] tp_p: u32,
+    #[case] events: &[PartEvent],
+    #[case] kept: &[(u32, Option<bool>)],
+    #[case] received: bool,
+) {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    core.keep_progress();
+    core.start(&reqs(&[("a", recv("p", 9000, &[1, 2, 3, 4]))]), t0);
+    core.take_discoveries();
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(tp_p)), t0);
+    assert_eq!(batches.len(), tp_p as usize, "one part per prefill worker");
+    for (i, b) in batches.iter().enumerate() {
+        core.handle_granted(b.xfer_id, GrantId::from_bytes([i as u8 + 1; 16]));
+    }
+    for event in events {
+        assert!(core.poll_finished().received.is_empty(), "nothing reported before the last fence");
+        match event.clone() {
+            PartEvent::Said(part, landed, outcome) => {
+                core.handle_progress(progress(batches[part].xfer_id, "a", landed, outcome));
+            }
+            PartEvent::Replied(part, outcome) => {
+                core.handle_reply(reply(batches[part].xfer_id, &[("a", outcome)]));
+                core.handle_fenced(batches[part].xfer_id);
+            }
+            PartEvent::Lost(part) => {
+                core.handle_batch_failed(batches[part].xfer_id, FailureCause::ConnectionLost, "gone");
+                core.handle_fenced(batches[part].xfer_id);
+            }
+        }
+    }
+    let got: Vec<(u32, Option<bool>)> =
+        core.take_progress().into_iter().map(|p| (p.landed, p.ended.map(|e| e.is_ok()))).collect();
+    assert_eq!(got, kept);
+    let done = core.poll_finished();
+    assert_eq!(done.received.contains(&r("a")), received);
+    assert_eq!(done.failed.contains_key(&r("a")), !received);
+    assert_eq!(core.take_reports().ended.len(), 1, "reported once");
+    assert_eq!(core.in_flight(), 0);
+}
+
+/// D releases a request it could not stage: every prefill worker a pull
+/// of it would go to is told (a part of no blocks each), once the instance
+/// is learned; none of it is ever reported.
+#[test]
+fn a_release_goes_to_every_prefill_worker_of_the_request() {
+    let t0 = Instant::now();
+    let mut core = discovering(1, 0);
+    let remote = |id: &str| RemotePrefill { remote_request_id: p(id), ..recv("p", 9000, &[]).remote };
+    // Not learned yet: the release waits for the instance.
+    assert!(core.release(&BTreeMap::from([(r("a"), remote("a"))]), t0).is_empty());
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(2)), t0);
+    let told: Vec<(u16, usize)> = batches.iter().map(|b| (b.peer.port, b.requests[0].block_ids.len())).collect();
+    assert_eq!(told, [(9000, 0), (9001, 0)]);
+    // Learned: the next release goes out at once, to both.
+    let next = core.release(&BTreeMap::from([(r("b"), remote("b"))]), t0);
+    assert_eq!(next.iter().map(|b| b.peer.port).collect::<Vec<_>>(), [9000, 9001]);
+    for b in batches.iter().chain(&next) {
+        core.handle_reply(reply(b.xfer_id, &[(b.requests[0].req_id.as_str(), Outcome::Done)]));
+        core.handle_fenced(b.xfer_id);
+    }
+    assert_eq!(core.poll_finished(), kv_worker::RecvFinished::default(), "never reported");
+    let reports = core.take_reports();
+    assert!(reports.ended.is_empty() && reports.started == 0, "nor counted");
+    assert_eq!(core.in_flight(), 0);
+    // An instance that cannot be learned drops the release (P's lease frees it).
+    let remote_c = RemotePrefill { remote_port: 9100, ..remote("c") };
+    assert!(core.release(&BTreeMap::from([(r("c"), remote_c)]), t0).is_empty());
+    assert_eq!(core.take_discoveries(), [instance(9100)]);
+    let lost = Err((FailureCause::ConnectionLost, "refused".to_owned()));
+    assert!(core.handle_discovered(&instance(9100), lost, t0).is_empty());
+    assert_eq!(core.poll_finished(), kv_worker::RecvFinished::default());
+    assert!(core.take_reports().ended.is_empty());
+}
+
+/// A request several decode ranks pull, staged in pieces: every rank's
+/// transfer may write what is staged; once P gives up on it, the ranks
+/// writing it fail it, no rank claims it after, and it is freed once,
+/// when the last writer is done (at once when none writes).
+#[rstest]
+#[case::while_both_write(2)]
+#[case::while_one_writes(1)]
+#[case::while_none_writes(0)]
+fn a_shared_request_p_gives_up_on_is_freed_after_its_writers(#[case] writing: usize) {
+    let t0 = Instant::now();
+    let mut core = SenderCore::new(LEASE, RENEWAL);
+    core.handle_update(&r("a"), &SendUpdate::Expect, t0);
+    core.handle_staged(&r("a"), &[5, 6, 7, 8], 1, t0);
+    let rank = |rank| Puller { rank, of: 3 };
+    assert_eq!(core.claim_by(&r("a"), rank(0), t0), Claim::Ready(vec![5, 6, 7, 8]));
+    assert_eq!(core.claim_by(&r("a"), rank(1), t0), Claim::Ready(vec![5, 6, 7, 8]));
+    core.handle_staged(&r("a"), &[5, 6, 7, 8], 3, t0);
+    assert_eq!(core.writable(&r("a")), Some(Ok(3)), "every rank writes what is staged");
+    for _ in writing..2 {
+        core.complete(&r("a"));
+    }
+    core.fail(&r("a"), FailureCause::CopyFailed, t0);
+    if writing > 0 {
+        assert_eq!(core.writable(&r("a")), Some(Err(FailureCause::CopyFailed)));
+        assert!(core.poll_finished().is_empty(), "a transfer still writes from its blocks");
+        for _ in 0..writing {
+            core.complete(&r("a"));
+        }
+    }
+    assert_eq!(core.poll_finished().into_iter().collect::<Vec<_>>(), [r("a")], "freed once");
+    assert_eq!(core.claim_by(&r("a"), rank(2), t0), Claim::Failed(FailureCause::CopyFailed));
+    assert_eq!(core.held(), (0, 0));
+}
+
+/// One step of a decode worker's pulls in parts, for the property below.
+#[derive(Clone, Debug)]
+enum PartsOp {
+    /// A prefill worker says how far one request of its part got.
+    Said { batch: usize, req: usize, landed: u32, outcome: Option<bool> },
+    /// A part's reply, each request done or failed.
+    Replied { batch: usize, done: Vec<bool> },
+    /// A part's connection is lost.
+    Lost { batch: usize },
+    /// A part's grant is revoked.
+    Fenced { batch: usize },
+    /// The engine cancels a request.
+    Cancel { req: usize },
+}
+
+fn parts_op() -> impl proptest::strategy::Strategy<Value = PartsOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0usize..4, 0usize..3, 0u32..8, proptest::option::of(proptest::bool::weighted(0.8)))
+            .prop_map(|(batch, req, landed, outcome)| PartsOp::Said { batch, req, landed, outcome }),
+        2 => (0usize..4, proptest::collection::vec(proptest::bool::weighted(0.8), 3))
+            .prop_map(|(batch, done)| PartsOp::Replied { batch, done }),
+        1 => (0usize..4).prop_map(|batch| PartsOp::Lost { batch }),
+        2 => (0usize..4).prop_map(|batch| PartsOp::Fenced { batch }),
+        1 => (0usize..3).prop_map(|req| PartsOp::Cancel { req }),
+    ]
+}
+
+proptest::proptest! {
+    /// Whatever P says and in whatever order parts end, a request pulled in
+    /// parts is told as landed only as far as every part of it said (or
+    /// ended whole), ends early at most once, is reported exactly once
+    /// (never if cancelled) after its last part is fenced, received only if
+    /// it ended early as received or not at all, and failed if it ended
+    /// early as failed.
+    #[test]
+    fn progress_in_parts_never_runs_ahead_of_a_part(
+        tp_p in proptest::sample::select(vec![1u32, 2, 4]),
+        sizes in proptest::collection::vec(1usize..6, 3),
+        ops in proptest::collection::vec(parts_op(), 0..60),
+    ) {
+        let t0 = Instant::now();
+        let mut core = discovering(1, 0);
+        core.keep_progress();
+        let names = ["a", "b", "c"];
+        let metas: Vec<(&str, RecvReqMeta)> = names
+            .iter()
+            .zip(&sizes)
+            .enumerate()
+            .map(|(i, (name, &n))| {
+                let blocks: Vec<u32> = (0..n as u32).map(|b| 10 * i as u32 + b).collect();
+                (*name, recv("p", 9000, &blocks))
+            })
+            .collect();
+        core.start(&reqs(&metas), t0);
+        core.take_discoveries();
+        let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(tp_p)), t0);
+        for (i, b) in batches.iter().enumerate() {
+            core.handle_granted(b.xfer_id, GrantId::from_bytes([i as u8 + 1; 16]));
+        }
+        // The most each part of each request can have landed, as P said.
+        let mut credit: BTreeMap<(usize, usize), u32> = BTreeMap::new();
+        for (b, batch) in batches.iter().enumerate() {
+            for (q, n) in sizes.iter().enumerate() {
+                let none = batch.requests.iter().find(|r| r.req_id == p(names[q])).is_some_and(|r| r.block_ids.is_empty());
+                credit.insert((b, q), if none { *n as u32 } else { 0 });
+            }
+        }
+        let mut cancelled = BTreeSet::new();
+        let mut told = BTreeMap::new();
+        let mut reported: BTreeMap<ReqId, bool> = BTreeMap::new();
+        type Told = BTreeMap<ReqId, (u32, Option<bool>)>;
+        let check = |core: &mut ReceiverCore, credit: &BTreeMap<(usize, usize), u32>, told: &mut Told, reported: &mut BTreeMap<ReqId, bool>| {
+            for progress in core.take_progress() {
+                let q = names.iter().position(|n| r(n) == progress.req).unwrap();
+                let bound = (0..batches.len()).map(|b| credit[&(b, q)]).min().unwrap();
+                assert!(progress.landed <= bound, "{} told {} landed, parts said {bound}", progress.req, progress.landed);
+                let before = told.entry(progress.req.clone()).or_insert((0, None));
+                assert!(before.1.is_none(), "{} told after its end", progress.req);
+                assert!(progress.landed >= before.0, "{} went back", progress.req);
+                *before = (progress.landed, progress.ended.map(|e| e.is_ok()));
+            }
+            let done = core.poll_finished();
+            for req in done.received {
+                assert!(reported.insert(req, true).is_none(), "reported twice");
+            }
+            for (req, _) in done.failed {
+                assert!(reported.insert(req, false).is_none(), "reported twice");
+            }
+        };
+        let whole = |credit: &mut BTreeMap<(usize, usize), u32>, b: usize| {
+            for (q, &size) in sizes.iter().enumerate().take(names.len()) {
+                credit.insert((b, q), size as u32);
+            }
+        };
+        for op in ops {
+            match op {
+                PartsOp::Said { batch, req, landed, outcome } => {
+                    let Some(x) = batches.get(batch) else { continue };
+                    let outcome = outcome.map(|ok| if ok { Outcome::Done } else { failed("p") });
+                    let n = sizes[req] as u32;
+                    let c = credit.get_mut(&(batch, req)).unwrap();
+                    *c = (*c).max(if outcome == Some(Outcome::Done) { n } else { landed.min(n) });
+                    core.handle_progress(progress(x.xfer_id, names[req], landed, outcome));
+                }
+                PartsOp::Replied { batch, done } => {
+                    let Some(x) = batches.get(batch) else { continue };
+                    let outcomes: Vec<(&str, Outcome)> = names
+                        .iter()
+                        .zip(&done)
+                        .map(|(n, ok)| (*n, if *ok { Outcome::Done } else { failed("p") }))
+                        .collect();
+                    whole(&mut credit, batch);
+                    core.handle_reply(reply(x.xfer_id, &outcomes));
+                }
+                PartsOp::Lost { batch } => {
+                    let Some(x) = batches.get(batch) else { continue };
+                    core.handle_batch_failed(x.xfer_id, FailureCause::ConnectionLost, "gone");
+                }
+                PartsOp::Fenced { batch } => {
+                    let Some(x) = batches.get(batch) else { continue };
+                    core.handle_fenced(x.xfer_id);
+                }
+                PartsOp::Cancel { req } => {
+                    if !reported.contains_key(&r(names[req])) {
+                        cancelled.insert(r(names[req]));
+                    }
+                    core.cancel([&r(names[req])]);
+                }
+            }
+            check(&mut core, &credit, &mut told, &mut reported);
+        }
+        for x in &batches {
+            core.handle_batch_failed(x.xfer_id, FailureCause::Shutdown, "end");
+            core.handle_fenced(x.xfer_id);
+        }
+        check(&mut core, &credit, &mut told, &mut reported);
+        for name in names {
+            let req = r(name);
+            let got = reported.get(&req);
+            if cancelled.contains(&req) {
+                assert!(got.is_none(), "{name} reported after it was cancelled");
+                continue;
+            }
+            let ok = got.copied();
+            assert!(ok.is_some(), "{name} never reported");
+            if let Some((_, Some(ended))) = told.get(&req) {
+                assert_eq!(ok, Some(*ended), "{name}: its report says what its early end said");
+            }
+        }
+        assert_eq!(core.in_flight(), 0);
+    }
 }

@@ -12,6 +12,7 @@ use common::*;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::{FailureCause, FrameCodec, HelloReply, KvRole, SideMessage};
 use kv_worker::SideChannelCodec;
+use test_support::Logs;
 use tokio::net::TcpListener;
 use tokio_util::codec::Framed;
 

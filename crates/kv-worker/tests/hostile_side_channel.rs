@@ -89,7 +89,7 @@ impl Pair {
             remote_request_id: on_p,
             remote_engine_id: None,
         };
-        let meta = RecvReqMeta { local_block_ids: vec![2, 3], remote };
+        let meta = RecvReqMeta { local_block_ids: vec![2, 3], first_token: None, remote };
         let recv = ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() };
         self.d.start_load_kv(&recv);
         let finished = self.d.next_finished(BOUND).await;
@@ -142,6 +142,7 @@ async fn hello_with(to: SocketAddr, codec_limit: usize, layout: kv_proto::CacheL
         protocol: Protocol::Tcp,
         layout,
         identity: kv_proto::ModelIdentity::this_kvlink(),
+        topology: kv_proto::RankTopology::single(),
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     let reply = match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
@@ -165,8 +166,11 @@ fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> Xfer
                 decode_req_id: None,
                 prefill_engine_id: None,
                 block_ids: vec![],
+                first_token: None,
             })
             .collect(),
+        heads: None,
+        piece_blocks: 0,
     }
 }
 
@@ -176,8 +180,8 @@ fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> Xfer
 async fn silent_connections_from_one_host_do_not_lock_out_another() {
     let baseline = open_fds();
     let mut pair = pair(|c| {
-        c.side_channel_max_handshakes = 8;
-        c.side_channel_max_handshakes_per_host = 4;
+        c.side_channel_limits.max_handshakes = 8;
+        c.side_channel_limits.max_handshakes_per_host = 4;
         c.connect_timeout = Duration::from_millis(500);
     })
     .await;
@@ -206,7 +210,7 @@ async fn silent_connections_from_one_host_do_not_lock_out_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_established_connections_are_capped_and_closed() {
     let mut pair = pair(|c| {
-        c.side_channel_max_conns = 4;
+        c.side_channel_limits.max_connections = 4;
         c.side_channel_idle_timeout = Duration::from_millis(300);
     })
     .await;
@@ -238,7 +242,14 @@ async fn idle_established_connections_are_capped_and_closed() {
 async fn an_incompatible_decode_instance_is_rejected_at_hello() {
     let mut pair = pair(|_| {}).await;
     let ours = OwnedKvCache::allocate(shape()).unwrap().registered().layout();
-    let theirs = kv_proto::CacheLayout { block_tokens: 32, dtype_bytes: 1, ..ours };
+    // Heads undeclared: blocks could only be copied whole, so they must agree.
+    let theirs = kv_proto::CacheLayout {
+        block_tokens: 32,
+        dtype_bytes: 1,
+        token_layout: kv_proto::TokenLayout::Undeclared,
+        block_heads: 0,
+        ..ours
+    };
     let (_, reply) = hello_with(pair.side_channel(), 1 << 20, theirs).await;
     match reply {
         HelloReply::Rejected { reason } => {
@@ -329,6 +340,7 @@ async fn side_channel_proofs_cannot_be_reflected_or_replayed(#[case] answer: Ans
         protocol: Protocol::Tcp,
         layout: cache.registered().layout(),
         identity: kv_proto::ModelIdentity::this_kvlink(),
+        topology: kv_proto::RankTopology::single(),
     };
     let context = hello.auth_context();
     let client_nonce = hello.client_nonce;
@@ -411,6 +423,7 @@ async fn replies_a_client_never_reads_are_bounded() {
         protocol: Protocol::Tcp,
         layout: cache.registered().layout(),
         identity: kv_proto::ModelIdentity::this_kvlink(),
+        topology: kv_proto::RankTopology::single(),
     };
     raw.send(SideMessage::Hello(hello)).await.unwrap();
     assert!(matches!(raw.next().await, Some(Ok(SideMessage::HelloReply(HelloReply::Accepted { .. })))));

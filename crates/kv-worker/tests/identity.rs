@@ -18,7 +18,7 @@ fn pull_named(d: &Instance, host: &str, port: u16, req: &str, on_p: &str, engine
     let mut remote = remote(host, port, req);
     remote.remote_request_id = ReqId::new(on_p);
     remote.remote_engine_id = engine.map(EngineId::new);
-    let meta = RecvReqMeta { local_block_ids: blocks.to_vec(), remote };
+    let meta = RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote };
     let reqs_to_recv = BTreeMap::from([(ReqId::new(req), meta)]);
     d.worker.start_load_kv(&ConnectorMetadata { reqs_to_recv, ..ConnectorMetadata::default() });
 }

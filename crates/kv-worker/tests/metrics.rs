@@ -5,33 +5,16 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
 use common::*;
 use kv_proto::{BlockId, FailureCause, KvRole};
-use kv_worker::metrics::{MetricKind, MetricsSnapshot, Sample};
-use kv_worker::{AuthSecret, Worker};
+use kv_worker::metrics::{MetricKind, Sample};
+use kv_worker::AuthSecret;
 use rstest::rstest;
 
 /// Bytes of `blocks` blocks in every region of the test cache.
 fn bytes_of(blocks: usize) -> u64 {
     let shape = shape();
     blocks as u64 * shape.block_len() * u64::from(shape.region_count())
-}
-
-/// Polls `worker`'s metrics until `done` holds (a counter a server task
-/// bumps after the client saw the outcome), within [`BOUND`].
-async fn metrics_until(worker: &Worker, done: impl Fn(&MetricsSnapshot) -> bool) -> MetricsSnapshot {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let metrics = worker.metrics();
-        if done(&metrics) {
-            return metrics;
-        }
-        assert!(Instant::now() < deadline, "metrics never got there: {metrics:#?}");
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 fn only(map: &std::collections::BTreeMap<FailureCause, u64>) -> Vec<(FailureCause, u64)> {

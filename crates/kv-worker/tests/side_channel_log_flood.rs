@@ -8,19 +8,14 @@ use std::time::Instant;
 
 use common::*;
 use kv_proto::KvRole;
+use test_support::Logs;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_connections_log_a_bounded_number_of_lines() {
     const CONNECTIONS: usize = 300;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(move || writer.clone())
-        .init();
+    let logs = Logs::install(tracing::Level::WARN);
     let net = Net::new(Backend::InMemory).unwrap();
     let p = start(net.config(KvRole::Producer, "p"), net.writer(KvRole::Producer, "p").await).await;
     let d = start(net.config(KvRole::Consumer, "d"), net.writer(KvRole::Consumer, "d").await).await;

@@ -11,7 +11,7 @@ mod common;
 
 use std::net::SocketAddr;
 
-use common::{all_zero, fill, holds, pull, ready, shape, start_owned, until, Instance, BOUND};
+use common::{all_zero, fill, holds, metrics_until, pull, ready, shape, start_owned, until, Instance, BOUND};
 use kv_proto::{KvRole, Protocol, FRAME_HEADER_LEN};
 use kv_worker::{AuthSecret, WorkerConfig};
 use rstest::rstest;
@@ -163,20 +163,43 @@ async fn a_frame_altered_after_the_handshake_ends_the_connection(#[case] tamper:
         {
             assert!(all_zero(&d.cache, &[5, 6]), "bytes landed in D's blocks after {tamper:?}");
         }
-        // The tampered connection is closed: both directions of the relay end.
-        let ends = tokio::time::timeout(BOUND, async {
+        // The tampered connection is closed: both directions of the relay
+        // end (D's second connection, if it made one, ends its own way).
+        let both = |ends: &[Seen]| {
+            ends.iter().any(|s| s.way == Way::DecodeToPrefill) && ends.iter().any(|s| s.way == Way::PrefillToDecode)
+        };
+        tokio::time::timeout(BOUND, async {
             let mut ends = Vec::new();
-            while ends.len() < 2 {
+            while !both(&ends) {
                 ends.push(seen.recv().await.unwrap());
             }
-            ends
         })
         .await
         .expect("the tampered connection stayed open");
-        assert!(
-            ends.iter().any(|s| s.way == Way::DecodeToPrefill) && ends.iter().any(|s| s.way == Way::PrefillToDecode)
-        );
     }
+    // The side that read the tampered frame counts a tag failure for each
+    // connection it was altered on (a frame altered on the path, not a peer
+    // that failed authentication). D's connection was opened before the
+    // pull, to learn P's topology, so D sends a pull whose connection was
+    // lost once more on a new one, which the relay alters alike.
+    let reader = match tamper {
+        Tamper::Nothing => None,
+        Tamper::FlipBody { way, .. } | Tamper::FlipTag { way, .. } | Tamper::SendTwice { way, .. } => Some(way),
+    };
+    let (on_p, on_d) = match reader {
+        Some(Way::DecodeToPrefill) => {
+            (metrics_until(&p.worker, |m| m.tag_failures.side_channel >= 1).await, d.worker.metrics())
+        }
+        Some(Way::PrefillToDecode) => {
+            (p.worker.metrics(), metrics_until(&d.worker, |m| m.tag_failures.side_channel >= 1).await)
+        }
+        None => (p.worker.metrics(), d.worker.metrics()),
+    };
+    let counted = |way| if reader == Some(way) { 1..=2 } else { 0..=0 };
+    assert!(counted(Way::DecodeToPrefill).contains(&on_p.tag_failures.side_channel), "{tamper:?}: {on_p:?}");
+    assert!(counted(Way::PrefillToDecode).contains(&on_d.tag_failures.side_channel), "{tamper:?}: {on_d:?}");
+    assert_eq!((on_p.auth_failures, on_d.auth_failures), (0, 0), "{tamper:?}");
+    assert_eq!((on_p.tag_failures.data_plane, on_d.tag_failures.data_plane), (0, 0), "{tamper:?}");
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }

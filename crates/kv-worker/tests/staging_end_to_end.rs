@@ -44,9 +44,18 @@ struct Side {
 }
 
 async fn side(net: &Net, role: KvRole, name: &str, slots: u64) -> Side {
+    side_with(net, role, name, slots, 0).await
+}
+
+/// Bytes of one slot: a block of each of the 4 regions of [`shape_with`].
+const SLOT_BYTES: u64 = 4 * 16 * 2 * 16 * 2;
+
+/// A side whose requests move in pieces of `piece_blocks` blocks (0: whole).
+async fn side_with(net: &Net, role: KvRole, name: &str, slots: u64, piece_blocks: u64) -> Side {
     let device = OwnedKvCache::allocate(shape_with(16)).unwrap();
     let staging = Arc::new(OwnedKvCache::allocate(shape_with(slots)).unwrap());
-    let worker = kv_worker::Worker::start(net.config(role, name), staging.clone()).await.unwrap();
+    let config = kv_worker::WorkerConfig { piece_bytes: piece_blocks * SLOT_BYTES, ..net.config(role, name) };
+    let worker = kv_worker::Worker::start(config, staging.clone()).await.unwrap();
     Side { device, staging, staged: StagedWorker::new(worker, WAIT), copies: Vec::new(), heard: Finished::default() }
 }
 
@@ -73,6 +82,22 @@ impl Side {
         self.heard.sending.extend(finished.sending);
         self.heard.receiving.extend(finished.receiving);
         self.heard.failed_receiving.extend(finished.failed_receiving);
+    }
+
+    /// Runs the first ordered copy only (in order), reporting it done.
+    fn run_one(&mut self) -> CopyOrder {
+        let copy = self.copies.remove(0);
+        copy_blocks(&self.device, &self.staging, &copy);
+        let work = self.staged.copies_done([copy.id]);
+        self.take(work);
+        copy
+    }
+
+    /// Fails every ordered copy (the engine's copy engine broke).
+    fn fail_copies(&mut self) {
+        let copies = std::mem::take(&mut self.copies);
+        let work = self.staged.copies_failed(copies.iter().map(|c| c.id));
+        self.take(work);
     }
 
     fn start(&mut self, meta: &ConnectorMetadata) -> Vec<u64> {
@@ -118,7 +143,10 @@ fn recv_meta(p: &Side, reqs: &[(&str, Vec<BlockId>)]) -> ConnectorMetadata {
     let mut meta = ConnectorMetadata::default();
     for (req, blocks) in reqs {
         let remote = remote(&addr.ip().to_string(), addr.port(), req);
-        meta.reqs_to_recv.insert(ReqId::new(*req), kv_proto::RecvReqMeta { local_block_ids: blocks.clone(), remote });
+        meta.reqs_to_recv.insert(
+            ReqId::new(*req),
+            kv_proto::RecvReqMeta { local_block_ids: blocks.clone(), first_token: None, remote },
+        );
     }
     meta
 }
@@ -292,4 +320,136 @@ async fn a_decode_gone_mid_copy_leaves_p_with_every_slot_free() {
         p.poll();
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+/// Polls both sides (running no copy) until `done`, within [`BOUND`].
+async fn poll_until(p: &mut Side, d: &mut Side, what: &str, done: impl Fn(&Side, &Side) -> bool) {
+    let deadline = Instant::now() + BOUND;
+    while !done(p, d) {
+        assert!(Instant::now() < deadline, "{what} not within {BOUND:?}: P heard {:?}, D heard {:?}", p.heard, d.heard);
+        p.poll();
+        d.poll();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Pieces of two blocks on both sides, a request of six: P copies its
+/// first piece only, and D already copies that piece into its blocks while
+/// P's other pieces are not even in P's slots (the wire and both copy
+/// engines run within one request); then the rest, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_moves_in_pieces_each_copied_on_as_it_lands() {
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
+    let mut d = side_with(&net, KvRole::Consumer, "d", 8, 2).await;
+    let p_blocks: Vec<BlockId> = vec![3, 1, 4, 0, 5, 9];
+    let d_blocks: Vec<BlockId> = vec![15, 2, 7, 11, 6, 8];
+    filled(&p, 7, &p_blocks);
+    let mut expect = ConnectorMetadata::default();
+    expect.reqs_to_send.insert(p_id("a"), kv_proto::SendUpdate::Expect);
+    p.start(&expect);
+    p.start(&ready_meta(&[("a", p_blocks.clone())]));
+    assert_eq!(p.copies.len(), 3, "P copies into its slots in three pieces");
+    let meta = recv_meta(&p, &[("a", d_blocks.clone())]);
+    d.start(&meta);
+    let first = p.run_one();
+    assert_eq!(first.pairs.len(), 2);
+    poll_until(&mut p, &mut d, "D copying P's first piece", |_, d| !d.copies.is_empty()).await;
+    assert_eq!(p.copies.len(), 2, "P's other pieces are not copied yet");
+    let piece = d.run_one();
+    assert_eq!((piece.direction, piece.pairs), (CopyDirection::ToDevice, vec![(15, 0), (2, 1)]));
+    assert!(d.heard.receiving.is_empty(), "not before every piece is in D's blocks");
+    drive(&mut p, &mut d, |_, d| !d.heard.receiving.is_empty()).await;
+    assert!(device_holds(&d, 7, &d_blocks), "every byte, in D's blocks");
+    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, 8)).await;
+    assert_eq!(d.staged.staging_state(), (0, 8));
+    let on_d = d.staged.worker().metrics();
+    assert_eq!((on_d.pulls_received, on_d.pulls_failed_total()), (1, 0));
+}
+
+/// A copy that fails fails its request cleanly on either side
+/// (`copy_failed`, counted once), and every slot comes back.
+#[rstest::rstest]
+#[case::p_copy_into_staging("p")]
+#[case::d_copy_into_the_device("d")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_copy_fails_the_request_cleanly(#[case] failing: &str) {
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side_with(&net, KvRole::Producer, "p", 4, 2).await;
+    let mut d = side_with(&net, KvRole::Consumer, "d", 4, 2).await;
+    filled(&p, 5, &[0, 1, 2, 3]);
+    p.start(&ready_meta(&[("a", vec![0, 1, 2, 3])]));
+    let meta = recv_meta(&p, &[("a", vec![8, 9, 10, 11])]);
+    d.start(&meta);
+    if failing == "p" {
+        p.fail_copies();
+    } else {
+        p.run_copies();
+        poll_until(&mut p, &mut d, "D's copy ordered", |_, d| !d.copies.is_empty()).await;
+        d.fail_copies();
+    }
+    drive(&mut p, &mut d, |_, d| !d.heard.failed_receiving.is_empty()).await;
+    assert_eq!(d.heard.failed_receiving, BTreeMap::from([(ReqId::new("a"), vec![8, 9, 10, 11])]));
+    assert!(d.heard.receiving.is_empty());
+    let on_d = d.staged.worker().metrics();
+    assert_eq!(on_d.pulls_failed[&FailureCause::CopyFailed], 1);
+    assert_eq!((on_d.pulls_received, on_d.pulls_failed_total()), (0, 1), "counted once");
+    let direction = if failing == "p" { on_d.staging.copies_failed_to_device } else { 1 };
+    assert_eq!(direction, u64::from(failing == "d"));
+    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 4) && d.staged.staging_state() == (0, 4)).await;
+    if failing == "p" {
+        let on_p = p.staged.worker().metrics();
+        assert_eq!(on_p.sends_failed[&FailureCause::CopyFailed], 1);
+        assert_eq!(on_p.staging.copies_failed_to_staging, 2, "both pieces' copies failed");
+        assert!(p.heard.sending.contains(&p_id("a")), "P's engine got its blocks back");
+    }
+}
+
+/// D fails a pull it has no room to stage: P, holding the request in its
+/// slots for the pull, hears at once and frees them (not at its lease's end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_frees_a_request_decode_could_not_stage() {
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side(&net, KvRole::Producer, "p", 4).await;
+    let mut d = side(&net, KvRole::Consumer, "d", 2).await;
+    filled(&p, 2, &[0, 1, 2]);
+    p.start(&ready_meta(&[("big", vec![0, 1, 2])]));
+    p.run_copies();
+    p.poll();
+    assert_eq!(p.staged.staging_state(), (1, 1), "P holds it in its slots for the pull");
+    let meta = recv_meta(&p, &[("big", vec![1, 2, 3])]);
+    d.start(&meta);
+    d.poll();
+    assert!(d.heard.failed_receiving.contains_key(&ReqId::new("big")));
+    // The lease is minutes: only D's word frees it within the bound.
+    poll_until(&mut p, &mut d, "P's slots free", |p, _| p.staged.staging_state() == (0, 4)).await;
+    assert_eq!(p.staged.worker().metrics().lease_expiries, 0);
+    let on_d = d.staged.worker().metrics();
+    assert_eq!((on_d.pulls_started, on_d.pulls_received, on_d.pulls_failed_total()), (1, 0, 1), "counted once");
+}
+
+/// Two requests in one pull, one of them not finished on P: with pieces, D
+/// hears the ready one received without waiting for the other, which then
+/// fails on its own (P could not stage it) and is told at once too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_of_a_pull_is_heard_as_soon_as_it_ends() {
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
+    let mut d = side_with(&net, KvRole::Consumer, "d", 8, 2).await;
+    let mut expect = ConnectorMetadata::default();
+    expect.reqs_to_send.insert(p_id("late"), kv_proto::SendUpdate::Expect);
+    p.start(&expect);
+    filled(&p, 1, &[0, 1]);
+    p.start(&ready_meta(&[("a", vec![0, 1])]));
+    let meta = recv_meta(&p, &[("a", vec![4, 5]), ("late", vec![6, 7])]);
+    d.start(&meta);
+    drive(&mut p, &mut d, |_, d| d.heard.receiving.contains(&ReqId::new("a"))).await;
+    assert!(device_holds(&d, 1, &[4, 5]));
+    assert!(d.heard.failed_receiving.is_empty(), "late is still waited for");
+    p.staged.worker().fail_sends([&p_id("late")], FailureCause::StagingExhausted);
+    drive(&mut p, &mut d, |_, d| !d.heard.failed_receiving.is_empty()).await;
+    assert_eq!(d.heard.failed_receiving, BTreeMap::from([(ReqId::new("late"), vec![6, 7])]));
+    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 8) && d.staged.staging_state() == (0, 8)).await;
+    let on_d = d.staged.worker().metrics();
+    assert_eq!((on_d.pulls_received, on_d.pulls_failed[&FailureCause::StagingExhausted]), (1, 1));
 }

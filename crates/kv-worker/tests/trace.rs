@@ -8,6 +8,7 @@ mod common;
 
 use common::*;
 use kv_proto::KvRole;
+use test_support::Logs;
 
 /// The `KVLINK_LOG` value README.md gives for following transfers.
 const FOLLOW_TRANSFERS: &str = "warn,kv_worker[pull]=debug,kv_worker[serve]=debug";

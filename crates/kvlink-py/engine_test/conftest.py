@@ -29,7 +29,7 @@ import prompts  # noqa: E402
 from report import FIGURES, TIMINGS, phase  # noqa: E402
 
 #: Prompt sets the baseline answers before P and D are tested.
-BASELINE_SETS = ("pd", "other-weights", "killed-router", "killed-held", "unreachable")
+BASELINE_SETS = ("pd", "other-weights", "killed-router", "killed-held", "unreachable", "tp2")
 
 _cluster: "Cluster | None" = None
 
@@ -93,14 +93,16 @@ class Cluster:
     def expected(self, prompt: list[int]) -> list[int]:
         return self.baseline[tuple(prompt)]
 
-    def ready(self, prefill_model: str = "a") -> None:
-        """Before a test: P serving ``prefill_model``, D and the router up;
-        whatever died in an earlier test (or serves the other model) is restarted."""
+    def ready(self, prefill_model: str = "a", prefill_tp: int = 1) -> None:
+        """Before a test: P serving ``prefill_model`` at TP ``prefill_tp``,
+        D and the router up; whatever died in an earlier test (or serves
+        another model or TP size) is restarted."""
         restarted = []
         want = self.models[prefill_model]
-        if self.p.model != want or not self.p.healthy():
+        if self.p.model != want or self.p.tp_size != prefill_tp or not self.p.healthy():
             self.p.stop()
             self.p.model = want
+            self.p.tp_size = prefill_tp
             self.p.start()
             restarted.append(self.p)
         if not self.d.healthy():

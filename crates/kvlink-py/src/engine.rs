@@ -5,24 +5,14 @@
 
 use std::time::Duration;
 
-use kv_proto::{ConnectorMetadata, LayoutKind};
+use kv_proto::{ConnectorMetadata, LayoutKind, TokenLayout};
 use kv_worker::staging::{CopyWork, StagedWorker};
+pub(crate) use kv_worker::Placement;
 use kv_worker::{Finished, LayerCache, LayerTensor, RegisteredCache, Worker, WorkerConfig};
 
 use crate::config::Settings;
 use crate::error::Result;
 use crate::runtime::ProcessRuntime;
-
-/// Where this worker sits in vLLM's parallel layout.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Placement {
-    /// Data-parallel rank.
-    pub(crate) dp_rank: u16,
-    /// Tensor-parallel size.
-    pub(crate) tp_size: u16,
-    /// Tensor-parallel rank of this worker.
-    pub(crate) tp_rank: u16,
-}
 
 /// One tensor of engine memory, described by plain integers from Python.
 #[derive(Clone, Copy, Debug)]
@@ -41,36 +31,31 @@ pub(crate) struct TensorDesc {
 /// settings, `default_host` is this host's address when none is configured.
 pub(crate) fn worker_config(settings: &Settings, placement: Placement, default_host: &str) -> Result<WorkerConfig> {
     let bind = settings.bind_addr(default_host);
-    let mut config = WorkerConfig::from_transfer_config(
-        &settings.transfer,
-        bind,
-        placement.dp_rank,
-        placement.tp_size,
-        placement.tp_rank,
-    )?;
-    if let Some(depth) = settings.queue_depth {
-        config.queue_depth = depth;
-    }
-    if let Some(timeout) = settings.transfer_timeout {
-        config.transfer_timeout = timeout;
-    }
-    if let Some(timeout) = settings.connect_timeout {
-        config.connect_timeout = timeout;
-    }
-    if let Some(renewal) = settings.lease_renewal {
-        config.lease_renewal = renewal;
-    }
+    let mut config = WorkerConfig::from_transfer_config(&settings.transfer, bind, placement)?;
     config.auth_secret = settings.auth_secret.clone();
     config.data_advertise_host = Some(settings.host(default_host).to_owned());
     Ok(config)
 }
 
+/// How heads and tokens lie in a block, as the engine's layout reader
+/// found them (undeclared: blocks are only copied whole).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockHeads {
+    /// KV heads in a block (MLA: 1); 0 when undeclared.
+    pub(crate) heads: u32,
+    /// Token order inside a block.
+    pub(crate) order: TokenLayout,
+    /// Bytes per element (0 when undeclared).
+    pub(crate) dtype_bytes: u32,
+}
+
 /// The registered cache of `layers` (validated: equal sizes, whole blocks,
-/// block size as the engine's).
+/// block size as the engine's, heads dividing a block).
 pub(crate) fn registered_cache(
     kind: LayoutKind,
     engine_block_size: u32,
     layers: &[(String, Vec<TensorDesc>)],
+    heads: BlockHeads,
 ) -> Result<RegisteredCache> {
     let layers: Vec<LayerCache> = layers
         .iter()
@@ -87,7 +72,10 @@ pub(crate) fn registered_cache(
                 .collect(),
         })
         .collect();
-    Ok(RegisteredCache::new(kind, engine_block_size, &layers).map_err(kv_worker::WorkerError::from)?)
+    let cache = RegisteredCache::new(kind, engine_block_size, &layers)
+        .and_then(|cache| cache.with_dtype_bytes(heads.dtype_bytes).with_heads(heads.heads, heads.order))
+        .map_err(kv_worker::WorkerError::from)?;
+    Ok(cache)
 }
 
 /// How a worker reaches the engine's KV.
@@ -162,6 +150,14 @@ impl Engine {
         match &self.inner {
             Inner::Direct(_) => CopyWork::default(),
             Inner::Staged(staged) => staged.copies_done(ids),
+        }
+    }
+
+    /// These copies failed; the copies that became due.
+    pub(crate) fn copies_failed(&self, ids: Vec<u64>) -> CopyWork {
+        match &self.inner {
+            Inner::Direct(_) => CopyWork::default(),
+            Inner::Staged(staged) => staged.copies_failed(ids),
         }
     }
 

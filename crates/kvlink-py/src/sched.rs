@@ -133,13 +133,13 @@ impl PyScheduler {
 impl PyScheduler {
     /// A scheduler for `settings`, whose side channel peers reach at
     /// `default_host` (unless `advertised_host` is set) and the base port of
-    /// data-parallel rank `dp_rank`.
+    /// data-parallel rank `dp_rank` (of `tp_size * pp_size` workers each).
     #[new]
-    #[pyo3(signature = (settings, default_host, dp_rank = 0, tp_size = 1))]
-    fn new(settings: &PySettings, default_host: &str, dp_rank: u16, tp_size: u16) -> Result<Self> {
+    #[pyo3(signature = (settings, default_host, dp_rank = 0, tp_size = 1, pp_size = 1))]
+    fn new(settings: &PySettings, default_host: &str, dp_rank: u16, tp_size: u16, pp_size: u16) -> Result<Self> {
         let s = settings.inner();
         let host = s.host(default_host).to_owned();
-        let port = s.side_channel_port(dp_rank, tp_size)?;
+        let port = s.side_channel_port(dp_rank, tp_size, pp_size)?;
         let engine_id: EngineId = s.transfer.engine_id.clone();
         Ok(Self {
             state: Mutex::new(State {

@@ -2,7 +2,9 @@
 
 use pyo3::prelude::*;
 
-use crate::config::{Settings, EXTRA_KEYS};
+use kv_proto::EXTRA_KEYS;
+
+use crate::config::Settings;
 use crate::error::Result;
 
 /// kvlink's settings of one engine instance, parsed and checked.
@@ -45,7 +47,7 @@ impl PySettings {
     /// and ignored: `(key, connector)` pairs.
     #[getter]
     fn ignored_keys(&self) -> Vec<(String, &'static str)> {
-        self.inner.ignored.clone()
+        self.inner.transfer.ignored.clone()
     }
 
     /// `mooncake_protocol`.
@@ -75,31 +77,60 @@ impl PySettings {
     /// `advertised_host`, if set.
     #[getter]
     fn advertised_host(&self) -> Option<&str> {
-        self.inner.advertised_host.as_deref()
+        self.inner.transfer.advertised_host.as_deref()
     }
 
     /// `auth_secret_file`, if set.
     #[getter]
     fn auth_secret_file(&self) -> Option<String> {
-        self.inner.auth_secret_file.as_ref().map(|p| p.display().to_string())
+        self.inner.transfer.auth_secret_file.as_ref().map(|p| p.display().to_string())
+    }
+
+    /// `tcp_authenticate_payloads` (false unless set).
+    #[getter]
+    fn tcp_authenticate_payloads(&self) -> bool {
+        self.inner.transfer.tcp_authenticate_payloads
     }
 
     /// `host_staging`: `"auto"`, `"always"` or `"never"`.
     #[getter]
     fn host_staging(&self) -> &'static str {
-        self.inner.host_staging.as_str()
+        self.inner.transfer.host_staging.as_str()
     }
 
     /// `staging_bytes`, the default applied.
     #[getter]
     fn staging_bytes(&self) -> u64 {
-        self.inner.staging_bytes
+        self.inner.transfer.staging_bytes
     }
 
     /// `staging_wait` in seconds, if set (else the worker's transfer timeout).
     #[getter]
     fn staging_wait(&self) -> Option<f64> {
-        self.inner.staging_wait.map(|d| d.as_secs_f64())
+        self.inner.transfer.staging_wait.map(|d| d.as_secs_f64())
+    }
+
+    /// The listener limits `kv_connector_extra_config` sets, by key
+    /// (`side_channel_max_handshakes`, ..., `data_max_connections`); `None`
+    /// where the worker's default holds.
+    #[getter]
+    fn listener_limits(&self) -> Vec<(&'static str, Option<usize>)> {
+        let t = &self.inner.transfer;
+        let (s, d) = (&t.side_channel_limits, &t.data_limits);
+        vec![
+            ("side_channel_max_handshakes", s.max_handshakes),
+            ("side_channel_max_handshakes_per_host", s.max_handshakes_per_host),
+            ("side_channel_max_connections", s.max_connections),
+            ("data_max_handshakes", d.max_handshakes),
+            ("data_max_handshakes_per_host", d.max_handshakes_per_host),
+            ("data_max_connections", d.max_connections),
+        ]
+    }
+
+    /// `staging_piece_bytes`, the default applied (0: whole requests).
+    #[getter]
+    fn staging_piece_bytes(&self) -> u64 {
+        self.inner.transfer.staging_piece_bytes
     }
 
     /// The keys `kv_connector_extra_config` accepts, with what each means.

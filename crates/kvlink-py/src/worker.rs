@@ -18,13 +18,13 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use kv_proto::{BlockId, LayoutKind, ReqId};
+use kv_proto::{BlockId, LayoutKind, ReqId, TokenLayout};
 use kv_worker::staging::{CopyDirection, CopyOrder, CopyWork};
 use kv_worker::Finished;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::engine::{self, Engine, Placement, TensorDesc};
+use crate::engine::{self, BlockHeads, Engine, Placement, TensorDesc};
 use crate::error::{Error, Result};
 use crate::metrics::{self, Intervals};
 use crate::runtime;
@@ -152,7 +152,13 @@ impl PyWorker {
     /// `identity`: JSON of what must agree with the peer instance (kv-proto's
     /// `ModelIdentity`: model, dtypes, shape, topology, versions), sent in
     /// D's hello and compared by P; fields left empty or 0 are not compared.
-    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false, staged = false, identity = None))]
+    ///
+    /// `pp_size`, `pp_rank`: the pipeline stage this worker holds the
+    /// layers of. `block_heads`, `token_layout` (`"NHD"` or `"HND"`) and
+    /// `dtype_bytes`: how a block holds its heads, so P and D of other
+    /// tensor-parallel or block sizes can map heads and tokens (0 or `""`:
+    /// undeclared, blocks only copy whole between equal layouts).
+    #[pyo3(signature = (settings, default_host, layout, block_size, layers, keepalive, dp_rank = 0, tp_size = 1, tp_rank = 0, report_abandoned_pulls = false, staged = false, identity = None, pp_size = 1, pp_rank = 0, block_heads = 0, token_layout = "", dtype_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -168,9 +174,20 @@ impl PyWorker {
         report_abandoned_pulls: bool,
         staged: bool,
         identity: Option<&str>,
+        pp_size: u16,
+        pp_rank: u16,
+        block_heads: u32,
+        token_layout: &str,
+        dtype_bytes: u32,
     ) -> Result<Self> {
         let rt = runtime::runtime()?;
         let kind = layout_kind(layout)?;
+        let order = match token_layout {
+            "NHD" => TokenLayout::Nhd,
+            "HND" => TokenLayout::Hnd,
+            "" => TokenLayout::Undeclared,
+            other => return Err(Error::Config(format!("token layout {other:?}: expected \"NHD\", \"HND\" or \"\""))),
+        };
         let layers: Vec<(String, Vec<TensorDesc>)> = layers
             .into_iter()
             .map(|(name, tensors)| {
@@ -181,16 +198,21 @@ impl PyWorker {
                 (name, tensors)
             })
             .collect();
-        let cache = engine::registered_cache(kind, block_size, &layers)?;
-        let mut config =
-            engine::worker_config(settings.inner(), Placement { dp_rank, tp_size, tp_rank }, default_host)?;
+        let heads = BlockHeads { heads: block_heads, order, dtype_bytes };
+        let cache = engine::registered_cache(kind, block_size, &layers, heads)?;
+        let place = Placement { dp_rank, tp_size, tp_rank, pp_size, pp_rank };
+        let mut config = engine::worker_config(settings.inner(), place, default_host)?;
         if let Some(identity) = identity {
             let declared: kv_proto::ModelIdentity = serde_json::from_str(identity)
                 .map_err(|e| Error::Config(format!("the engine's model identity does not parse: {e}")))?;
             // kvlink's own version is this build's, whatever the caller says.
             config.identity = kv_proto::ModelIdentity { kvlink_version: config.identity.kvlink_version, ..declared };
         }
-        let staging_wait = staged.then(|| settings.inner().staging_wait.unwrap_or(config.transfer_timeout));
+        let staging_wait = staged.then(|| settings.inner().transfer.staging_wait.unwrap_or(config.transfer_timeout));
+        if staged {
+            // Copies and the wire overlap within one request, in pieces.
+            config.piece_bytes = settings.inner().transfer.staging_piece_bytes;
+        }
         let engine = py.detach(|| {
             // SAFETY: the regions are the tensors owned by `keepalive` (this
             // type's documented contract with its caller); `keepalive` is
@@ -267,6 +289,22 @@ impl PyWorker {
             let mut guard = self.running()?;
             let running = guard.as_mut().ok_or(Error::ShutDown)?;
             let work = running.engine.copies_done(ids);
+            running.queue(work);
+            Ok(())
+        })
+    }
+
+    /// Staged: these copies failed (the caller could not run them, or they
+    /// ended in an error): their requests fail cleanly (`copy_failed`: P
+    /// answers its pull failed and frees its blocks, D reports it failed
+    /// once no other copy into its blocks runs); unknown ids are ignored.
+    /// The copies that became due are queued.
+    fn copies_failed(&self, py: Python<'_>, ids: Vec<u64>) -> Result<()> {
+        runtime::check_pid(self.pid)?;
+        py.detach(|| {
+            let mut guard = self.running()?;
+            let running = guard.as_mut().ok_or(Error::ShutDown)?;
+            let work = running.engine.copies_failed(ids);
             running.queue(work);
             Ok(())
         })

@@ -427,6 +427,11 @@ class Instance:
             "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
             "staging": self._stager().state() if self._stager() else None,
+            "identity": self.worker.connector_worker.identity,
+            "layout": {
+                "token_layout": self.worker.connector_worker.layout.token_layout,
+                "block_heads": self.worker.connector_worker.layout.block_heads,
+            },
         }
 
     # ------------------------------------------------------------------ host staging
@@ -438,6 +443,12 @@ class Instance:
         """Holds the staging copies un-run (or runs the held ones): a test
         can then end this process mid-copy, or cancel a pull mid-copy."""
         self._stager().hold_copies(held)
+        return self._stager().state()
+
+    def fail_copies(self, count: int) -> dict:
+        """The next ``count`` staging copies fail as they are launched (a
+        copy engine that raises): each fails its request, not the engine."""
+        self._stager().fail_copies(count)
         return self._stager().state()
 
     def metrics(self) -> list:

@@ -23,6 +23,13 @@ ALL_KEYS = {
     "host_staging": "always",
     "staging_bytes": 1 << 20,
     "staging_wait": 1.5,
+    "staging_piece_bytes": 1 << 16,
+    "side_channel_max_handshakes": 32,
+    "side_channel_max_handshakes_per_host": 32,
+    "side_channel_max_connections": 100,
+    "data_max_handshakes": 128,
+    "data_max_handshakes_per_host": 64,
+    "data_max_connections": 0,
 }
 
 
@@ -35,11 +42,16 @@ def settings(extra: dict, role: str = "kv_producer") -> _native.Settings:
 def test_every_documented_key_is_accepted(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
-    s = settings({**ALL_KEYS, "auth_secret_file": str(secret)})
+    s = settings({**ALL_KEYS, "auth_secret_file": str(secret), "tcp_authenticate_payloads": True})
     assert (s.protocol, s.num_workers, s.advertised_host) == ("tcp", 3, "p.example")
     assert (s.host_staging, s.staging_bytes, s.staging_wait) == ("always", 1 << 20, 1.5)
+    assert s.staging_piece_bytes == 1 << 16
     assert s.auth_secret_file == str(secret)
-    assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | {"auth_secret_file"}
+    assert s.tcp_authenticate_payloads and not settings({}).tcp_authenticate_payloads
+    assert dict(s.listener_limits) == {k: v for k, v in ALL_KEYS.items() if "max_" in k}
+    assert all(v is None for _, v in settings({}).listener_limits), "unset: the worker's defaults"
+    secret_keys = {"auth_secret_file", "tcp_authenticate_payloads"}
+    assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | secret_keys
 
 
 def test_other_vllm_connectors_keys_are_accepted_ignored_and_logged(caplog):
@@ -107,6 +119,14 @@ def test_unknown_key_is_an_error_naming_it():
         ({"staging_bytes": 1 << 51}, "staging_bytes"),
         ({"staging_wait": 0}, "staging_wait"),
         ({"staging_wait": "1s"}, "staging_wait"),
+        ({"staging_piece_bytes": -1}, "staging_piece_bytes"),
+        ({"staging_piece_bytes": "32M"}, "staging_piece_bytes"),
+        ({"staging_piece_bytes": 1 << 51}, "staging_piece_bytes"),
+        ({"side_channel_max_handshakes": 0}, r"side_channel_max_handshakes = 0 is invalid"),
+        ({"data_max_handshakes_per_host": "16"}, r'data_max_handshakes_per_host = "16" is invalid'),
+        ({"data_max_connections": -1}, r"data_max_connections = -1 is invalid"),
+        ({"tcp_authenticate_payloads": True}, r"tcp_authenticate_payloads = true needs .*auth_secret_file"),
+        ({"tcp_authenticate_payloads": "yes", "auth_secret_file": "/s"}, r'tcp_authenticate_payloads = "yes" is invalid'),
     ],
 )
 def test_bad_values_name_the_key(extra, named):
@@ -116,8 +136,11 @@ def test_bad_values_name_the_key(extra, named):
 
 def test_staging_defaults():
     s = settings({})
-    # Staging only for a cache outside host memory; 4 GiB; waits as long as a pull.
+    # Staging only for a cache outside host memory; 4 GiB; waits as long as
+    # a pull; requests copied and sent in pieces of 32 MiB.
     assert (s.host_staging, s.staging_bytes, s.staging_wait) == ("auto", 4 << 30, None)
+    assert s.staging_piece_bytes == 32 << 20
+    assert settings({"staging_piece_bytes": 0}).staging_piece_bytes == 0
 
 
 def test_reference_environment_variables_are_honoured(monkeypatch):
@@ -149,8 +172,10 @@ def test_auth_secret_mismatch_fails_the_pull_and_match_succeeds(instances, tmp_p
     good.write_text("the-shared-secret")
     bad.write_text("another-secret")
     port = free_port()
-    p = instances("P", "kv_producer", extra={"auth_secret_file": str(good)}, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)})
-    d_ok = instances("D1", "kv_consumer", extra={"auth_secret_file": str(good)})
+    # P and D1 tag payloads too (TCP): the pull still lands whole.
+    tagged = {"auth_secret_file": str(good), "tcp_authenticate_payloads": True}
+    p = instances("P", "kv_producer", extra=tagged, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)})
+    d_ok = instances("D1", "kv_consumer", extra=tagged)
     d_bad = instances("D2", "kv_consumer", extra={"auth_secret_file": str(bad)})
     for rid in ("a", "b"):
         p.call("add", request_id=rid, prompt_len=32, params={"do_remote_decode": True})

@@ -39,6 +39,8 @@ def check_cpu_mode(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["flash", "fused"])
-def test_gpu_check_cpu_mode(layout):
+@pytest.mark.parametrize("piece_mib", ["32", "0.0625", "0"], ids=["default_pieces", "small_pieces", "whole"])
+def test_gpu_check_cpu_mode(layout, piece_mib):
     pytest.importorskip("torch")
-    check_cpu_mode("--layout", layout)
+    report = check_cpu_mode("--layout", layout, "--piece-mib", piece_mib)
+    assert report["piece_bytes"] == int(float(piece_mib) * (1 << 20))

@@ -112,3 +112,30 @@ def test_a_cache_kvlink_cannot_handle_is_a_startup_error_naming_the_device(devic
     for word in named:
         assert word in text, (word, text)
     assert side._worker is None and side.stager is None
+
+
+@pytest.mark.parametrize(
+    "shape, device, strides, use_mla, block_size, expected",
+    [
+        # CPU backend (2, blocks, heads, block_size, head_size): head-major.
+        ((2, N, H, B, D), "cpu", None, False, B, ("HND", "HND", H)),
+        # FlashAttention (2, blocks, block_size, heads, head_size): token-major.
+        ((2, N, B, H, D), "cuda", None, False, B, ("NHD", "NHD", H)),
+        # The same logical shape laid out head-major by its strides.
+        ((2, N, B, H, D), "cuda", (N * H * B * D, H * B * D, D, B * D, 1), False, B, ("HND", "HND", H)),
+        # FlashInfer (blocks, 2, block_size, heads, head_size): K then V, token-major.
+        ((N, 2, B, H, D), "cuda", None, False, B, ("NHD", "NHD", H)),
+        # Later releases: K and V of a row side by side, head-major; only copied whole.
+        ((N, H, B, 2 * D), "cpu", None, False, B, ("HND", "", 0)),
+        # MLA: one latent per token.
+        ((N, B, 576), "cpu", None, True, B, ("NHD", "NHD", 1)),
+        # Two kernel blocks per engine block: rows stay token-major (NHD), a
+        # head's tokens are no longer one run (HND).
+        ((2, N, B, H, D), "cuda", None, False, 2 * B, ("NHD", "NHD", H)),
+        ((2, N, H, B, D), "cpu", None, False, 2 * B, ("HND", "", 0)),
+    ],
+)
+def test_token_order_and_heads_are_read_from_the_strides(shape, device, strides, use_mla, block_size, expected):
+    c = layout.describe({"l0": t(shape, device=device, strides=strides)}, block_size, use_mla=use_mla)
+    assert (c.attention_layout, c.token_layout, c.block_heads) == expected
+    assert c.dtype_bytes == E

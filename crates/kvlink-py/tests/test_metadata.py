@@ -63,6 +63,8 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
     assert body["meta"]["reqs_to_recv"] == {
         "cmpl-1-0-9760c8b8": {
             "local_block_ids": [3, 5],
+            # D's prefix cache held the first 16 tokens: its blocks start there.
+            "first_token": 16,
             "remote": {
                 "remote_host": "10.0.0.9",
                 "remote_port": 9000,

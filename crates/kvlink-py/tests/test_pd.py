@@ -43,6 +43,14 @@ def no_violations(*procs):
 
 def test_plain_prefill_to_decode(instances):
     p, d = start_pair(instances)
+    # The CPU backend's blocks are head-major: declared, so a peer of
+    # another tensor-parallel size, block size or token order maps them;
+    # the identity names an attention layout only where blocks are copied
+    # whole (then it must agree).
+    for side in (p, d):
+        state = side.call("state")
+        assert state["layout"] == {"token_layout": "HND", "block_heads": 2}
+        assert state["identity"]["attention_layout"] == ""
     params = prefill(p, "r1", prompt_len=3 * BLOCK + 5)  # 4 blocks
     d.call("add", request_id="r1", prompt_len=3 * BLOCK + 5, params=params, max_tokens=100)
     ev = step_until(

@@ -76,13 +76,24 @@ def failed_by_cause(proc, name: str) -> dict[str, int]:
     return {s["labels"]["cause"]: s["value"] for s in family["samples"] if s["value"]}
 
 
+def staging_figures(proc) -> dict[str, int]:
+    """The staging metrics of ``proc`` (failed copies summed over directions)."""
+    out: dict[str, int] = {}
+    for f in proc.call("metrics"):
+        if f["name"].startswith("staging_"):
+            out[f["name"]] = sum(s["value"] for s in f["samples"])
+    return out
+
+
 def no_violations(*procs):
     for p in procs:
         assert p.call("state")["violations"] == [], p.name
 
 
-def test_staged_transfers_land_byte_exact_from_staging(instances):
-    p, d = start_pair(instances)
+@pytest.mark.parametrize("piece_slots", [0, 2], ids=["whole", "pieces_of_two_blocks"])
+def test_staged_transfers_land_byte_exact_from_staging(instances, piece_slots):
+    pieces = {"staging_piece_bytes": piece_slots * SLOT_BYTES}
+    p, d = start_pair(instances, p_extra=pieces, d_extra=pieces)
     lengths = {"a": 3 * BLOCK + 5, "b": 5 * BLOCK, "c": 2 * BLOCK}
     params = {rid: prefill(p, rid, n) for rid, n in lengths.items()}
     # P reports each request sent once its KV is in the slots, before any
@@ -137,15 +148,9 @@ def test_no_room_within_the_bound_fails_cleanly_and_leaks_no_slot(instances, sho
     if short == "P":
         p, d = start_pair(instances, p_slots=4, d_slots=32, p_extra=short_extra)
     else:
-        # P's hold on the requests D never pulls ends soon after D gave up on them.
-        p, d = start_pair(
-            instances,
-            p_slots=32,
-            d_slots=4,
-            p_extra={"lease_renewal": 1},
-            d_extra=short_extra,
-            p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "4"},
-        )
+        # Renewals off and the default lease (480 s): only D's word that it
+        # gave up frees P's hold on the requests it could not stage.
+        p, d = start_pair(instances, p_slots=32, d_slots=4, p_extra={"lease_renewal": 0}, d_extra=short_extra)
     tight = p if short == "P" else d
     tight.call("hold_copies", held=True)
     rids = [f"r{i}" for i in range(6)]
@@ -180,7 +185,11 @@ def test_no_room_within_the_bound_fails_cleanly_and_leaks_no_slot(instances, sho
         assert d.call("verify", request_id=rid)["bad"] == [], rid
     # The failed ones are recomputed on D; nothing is reported twice.
     assert sorted(d.call("state")["recompute"]) == sorted(failed)
-    wait_state(p, all_slots_free, "P's slots free", step=True, timeout=15)
+    wait_state(p, all_slots_free, "P's slots free", step=True)
+    if short == "D":
+        lease = next(f for f in p.call("metrics") if f["name"] == "lease_expiries")
+        assert lease["samples"][0]["value"] == 0, "freed by D's word, not by a lease"
+        assert staging_figures(d)["staging_exhausted"] == 4
     wait_state(d, all_slots_free, "D's slots free", step=True)
     no_violations(p, d)
 
@@ -266,3 +275,34 @@ def test_copy_runs_coalesce_consecutive_slots_and_blocks():
     assert runs([(7, 0), (8, 2), (9, 3)]) == [(0, 1, True), (1, 2, True)]
     assert runs([(1, 5)]) == [(0, 1, True)]
     assert runs([]) == []
+
+
+@pytest.mark.parametrize("failing", ["P", "D"])
+def test_a_failed_copy_fails_its_request_not_the_engine(instances, failing):
+    """A copy that raises (P: into its slots; D: into its blocks) fails that
+    request cleanly: D reports it failed with its blocks and recomputes it
+    (counted once, ``copy_failed``), P's engine gets its blocks back, every
+    slot comes back, and both engines go on: the next request lands."""
+    p, d = start_pair(instances)
+    broken = p if failing == "P" else d
+    broken.call("fail_copies", count=1)
+    params = prefill(p, "f1", 3 * BLOCK)
+    d.call("add", request_id="f1", prompt_len=3 * BLOCK, params=params, max_tokens=100)
+    ev = step_until([p, d], lambda e: "f1" in collected(e["D"], "finished_recving"), what="the pull failed")
+    blocks = d.call("block_ids", request_id="f1")
+    assert len(blocks) == 3 and sorted(collected(ev["D"], "invalid_block_ids")) == sorted(blocks)
+    assert failed_by_cause(d, "pulls_failed") == {"copy_failed": 1}
+    if failing == "P":
+        assert failed_by_cause(p, "sends_failed") == {"copy_failed": 1}
+    failed_copies = staging_figures(broken)["staging_copies_failed"]
+    assert failed_copies == 1 and broken.call("state")["staging"]["copies_failed"] == 1
+    # The engines go on: the next request lands byte-exact.
+    params = prefill(p, "f2", 2 * BLOCK)
+    d.call("add", request_id="f2", prompt_len=2 * BLOCK, params=params, max_tokens=100)
+    step_until([p, d], lambda e: "f2" in collected(e["D"], "finished_recving"), what="the next request received")
+    assert d.call("verify", request_id="f2")["bad"] == []
+    assert d.call("state")["recompute"] == ["f1"], "the failed one is recomputed"
+    wait_state(p, all_slots_free, "P's slots free", step=True)
+    wait_state(d, all_slots_free, "D's slots free", step=True)
+    assert staging_figures(d)["staging_free_slots"] == staging_figures(d)["staging_slots"] == 16
+    no_violations(p, d)

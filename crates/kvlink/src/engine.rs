@@ -7,9 +7,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, KvRole, KvTransferParams, ReqId};
+use kv_proto::{BlockId, KvRole, KvTransferParams, LayoutKind, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
-use kv_worker::{AllocError, BlockError, CacheShape, OwnedKvCache, Worker, WorkerConfig, WorkerError};
+use kv_worker::pattern::RegionRows;
+use kv_worker::{AllocError, BlockError, CacheShape, OwnedKvCache, Placement, Worker, WorkerConfig, WorkerError};
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{BlockPattern, BlockPool};
@@ -58,6 +59,52 @@ pub enum EngineError {
     /// A pull names no prefill side channel (no remote host or port).
     #[error("request {0}: its transfer params name no prefill side channel to pull from")]
     NoRemote(ReqId),
+    /// The model cannot be split over the instance's workers.
+    #[error("{0}")]
+    Topology(String),
+}
+
+/// The cache of the worker at `place` of an instance of a model whose
+/// whole cache is `model`: its share of the KV heads (as vLLM splits them;
+/// MLA's latent on every worker) and its stage's share of the layers.
+///
+/// # Errors
+///
+/// [`EngineError::Topology`] when the heads or layers do not split evenly.
+pub fn rank_shape(model: CacheShape, place: Placement) -> Result<CacheShape, EngineError> {
+    let (tp, pp) = (u32::from(place.tp_size), u32::from(place.pp_size));
+    let layers = model.num_layers();
+    if pp == 0 || layers % pp != 0 {
+        return Err(EngineError::Topology(format!("{layers} layers cannot be split over {pp} pipeline stages")));
+    }
+    let heads = if model.kind() == LayoutKind::Mla {
+        model.num_kv_heads()
+    } else {
+        kv_proto::topology::rank_heads(model.num_kv_heads(), tp, u32::from(place.tp_rank))
+            .map_err(|e| EngineError::Topology(e.to_string()))?
+            .count
+    };
+    let dims = kv_worker::CacheDims { num_kv_heads: heads, num_layers: layers / pp, ..model.dims() };
+    let shape = CacheShape::try_new(dims).map_err(|e| EngineError::Topology(e.to_string()))?;
+    Ok(shape.with_token_layout(model.token_layout()))
+}
+
+/// `config` for the worker at `place` of an instance of `model`: its
+/// ranks, and the model's KV heads (what its heads are a share of).
+pub fn rank_config(mut config: WorkerConfig, model: &CacheShape, place: Placement) -> WorkerConfig {
+    config.tp_size = place.tp_size;
+    config.tp_rank = place.tp_rank;
+    config.pp_size = place.pp_size;
+    config.pp_rank = place.pp_rank;
+    config.identity.num_kv_heads = if model.kind() == LayoutKind::Mla { 1 } else { model.num_kv_heads() };
+    config
+}
+
+/// The head rows of each region of `worker`'s cache of `shape` (its
+/// heads, its stage's layers).
+fn rows_of(worker: &Worker, shape: &CacheShape) -> Vec<RegionRows> {
+    let topology = worker.topology();
+    RegionRows::of_shape(shape, topology.heads.first, topology.pp_rank * shape.num_layers())
 }
 
 /// A request to prefill on P.
@@ -143,6 +190,8 @@ pub struct PrefillInstance {
     worker: Arc<Worker>,
     cache: Arc<OwnedKvCache>,
     pool: BlockPool,
+    /// The head rows of each region (what prefill writes).
+    rows: Vec<RegionRows>,
     /// Held blocks, by the client's id.
     held: HashMap<ReqId, Vec<BlockId>>,
     /// The client's id of each request scheduled here, by internal id.
@@ -178,11 +227,13 @@ impl PrefillInstance {
         let host = host.unwrap_or(addr.ip());
         let shown = Shown::new(KvRole::Producer, engine_id.as_str());
         let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port());
+        let rows = rows_of(&worker, &shape);
         Ok(Self {
             shown,
             sched,
             worker,
             cache,
+            rows,
             pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             held: HashMap::new(),
             clients: HashMap::new(),
@@ -266,7 +317,7 @@ impl PrefillInstance {
         let mut out = Vec::with_capacity(running.len());
         for (spec, mut req, blocks) in running {
             if self.write_patterns {
-                fill::fill_request(&self.cache, spec.seed, &blocks)?;
+                fill::fill_request(&self.cache, &self.rows, spec.seed, &blocks)?;
             }
             req.status = RequestStatus::FinishedLengthCapped;
             let (delay_free, params) = self.sched.request_finished(&mut req, &blocks)?;
@@ -391,7 +442,10 @@ pub enum Completion {
 struct Pulling {
     seed: u64,
     blocks: Vec<BlockId>,
-    first_position: u32,
+    /// The prompt token the blocks start at (the prefix-cache hit).
+    first_token: u64,
+    /// The prompt's length: rows past it are not checked.
+    end_token: u64,
     started: Instant,
 }
 
@@ -403,6 +457,8 @@ pub struct DecodeInstance {
     sched: ConnectorScheduler,
     worker: Arc<Worker>,
     cache: Arc<OwnedKvCache>,
+    /// The head rows of each region (what decode checks).
+    rows: Vec<RegionRows>,
     pool: BlockPool,
     pulling: HashMap<ReqId, Pulling>,
     verify: bool,
@@ -419,11 +475,13 @@ impl DecodeInstance {
         let shown = Shown::new(KvRole::Consumer, config.engine_id.as_str());
         let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0);
         let (cache, worker) = start_worker(config, shape).await?;
+        let rows = rows_of(&worker, &shape);
         Ok(Self {
             shown,
             sched,
             worker,
             cache,
+            rows,
             pool: BlockPool::new(shape.num_blocks(), pattern, seed),
             pulling: HashMap::new(),
             verify: true,
@@ -489,10 +547,14 @@ impl DecodeInstance {
             let blocks =
                 self.pool.alloc(needed).ok_or(EngineError::OutOfBlocks { instance: "decode", needed, free })?;
             self.sched.update_state_after_alloc(&mut req, &blocks, external)?;
-            started.push((
-                p.id.clone(),
-                Pulling { seed: p.seed, blocks, first_position: cached_blocks as u32, started: Instant::now() },
-            ));
+            let pulling = Pulling {
+                seed: p.seed,
+                blocks,
+                first_token: (cached_blocks * block_size) as u64,
+                end_token: p.prompt_len as u64,
+                started: Instant::now(),
+            };
+            started.push((p.id.clone(), pulling));
         }
         self.pulling.extend(started);
         self.worker.start_load_kv(&self.sched.build_connector_meta());
@@ -505,10 +567,9 @@ impl DecodeInstance {
         for p in pulls {
             let mut req = engine_request(p, RequestStatus::FinishedAborted);
             self.sched.request_finished(&mut req, &[])?;
-            self.pulling.insert(
-                p.id.clone(),
-                Pulling { seed: p.seed, blocks: Vec::new(), first_position: 0, started: Instant::now() },
-            );
+            let pulling =
+                Pulling { seed: p.seed, blocks: Vec::new(), first_token: 0, end_token: 0, started: Instant::now() };
+            self.pulling.insert(p.id.clone(), pulling);
         }
         self.worker.start_load_kv(&self.sched.build_connector_meta());
         Ok(())
@@ -522,7 +583,7 @@ impl DecodeInstance {
             let Some(p) = self.pulling.remove(&id) else { continue };
             let latency = p.started.elapsed();
             let checked = if self.verify {
-                fill::verify_request(&self.cache, p.seed, &p.blocks, p.first_position)
+                fill::verify_request(&self.cache, &self.rows, p.seed, &p.blocks, p.first_token, p.end_token)
             } else {
                 Ok(())
             };

@@ -14,9 +14,12 @@ pub mod control;
 pub mod engine;
 mod fill;
 pub mod metrics;
+pub mod ranks;
 pub mod runner;
 pub mod serve;
 pub mod stats;
 
 pub use blocks::{BlockPattern, BlockPool};
-pub use engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};
+pub use engine::{
+    rank_config, rank_shape, Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec,
+};

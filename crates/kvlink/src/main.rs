@@ -11,9 +11,10 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_proto::{KvRole, LayoutKind, Protocol, DEFAULT_BOOTSTRAP_PORT};
-use kv_worker::{AuthSecret, CacheDims, CacheShape};
+use kv_worker::{AuthSecret, CacheDims, CacheShape, ListenerLimits};
 use kvlink::control::{check_shape, DEFAULT_CONTROL_PORT};
 use kvlink::metrics::{MetricsEndpoint, MetricsHub, RunningEndpoint};
+use kvlink::ranks::Split;
 use kvlink::runner::{run, RunOptions, RunReport};
 use kvlink::serve::{
     ServeOptions, Server, ShapePins, WorkerBounds, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
@@ -40,6 +41,8 @@ enum Command {
         /// Data-plane transport (`rdma` needs the `rdma` feature and a device).
         #[arg(long, value_enum, default_value = "tcp")]
         protocol: ProtocolArg,
+        #[command(flatten)]
+        topology: TopologyArgs,
     },
     /// Measure transfers between a prefill and a decode instance: both in
     /// this process, or with --connect one here and one on a `kvlink serve` host.
@@ -58,6 +61,78 @@ enum Layout {
     Fused,
     /// One region per layer (MLA latent).
     Mla,
+}
+
+/// How K, V and heads are ordered inside a block.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TokenOrder {
+    /// Token-major (vLLM's default).
+    Nhd,
+    /// Head-major.
+    Hnd,
+}
+
+impl From<TokenOrder> for kv_proto::TokenLayout {
+    fn from(order: TokenOrder) -> Self {
+        match order {
+            TokenOrder::Nhd => kv_proto::TokenLayout::Nhd,
+            TokenOrder::Hnd => kv_proto::TokenLayout::Hnd,
+        }
+    }
+}
+
+/// How each side is split over workers (all of them in this process).
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct TopologyArgs {
+    /// Tensor-parallel size of prefill: one worker per rank, each holding
+    /// its share of the KV heads (replicated past the head count).
+    #[arg(long, default_value_t = 1)]
+    tp_prefill: u16,
+    /// Tensor-parallel size of decode.
+    #[arg(long, default_value_t = 1)]
+    tp_decode: u16,
+    /// Pipeline stages of prefill (each its share of the layers).
+    #[arg(long, default_value_t = 1)]
+    pp_prefill: u16,
+    /// Pipeline stages of decode (must be prefill's).
+    #[arg(long, default_value_t = 1)]
+    pp_decode: u16,
+    /// Tokens per block of decode (default: prefill's).
+    #[arg(long)]
+    block_size_decode: Option<u32>,
+    /// Order of tokens and heads inside a block, on both sides.
+    #[arg(long, value_enum, default_value = "nhd")]
+    token_layout: TokenOrder,
+}
+
+impl TopologyArgs {
+    /// Refuses what cannot run, before any worker starts.
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.tp_prefill > 0 && self.tp_decode > 0 && self.pp_prefill > 0 && self.pp_decode > 0,
+            "parallel sizes start at 1"
+        );
+        anyhow::ensure!(self.block_size_decode != Some(0), "--block-size-decode starts at 1");
+        anyhow::ensure!(
+            self.pp_prefill == self.pp_decode,
+            "--pp-prefill {} and --pp-decode {}: pipeline parallelism must be the same on both sides \
+             (each decode stage pulls its layers from the same prefill stage)",
+            self.pp_prefill,
+            self.pp_decode
+        );
+        Ok(())
+    }
+
+    fn apply(&self, opts: &mut RunOptions) {
+        opts.prefill_split = Split { tp: self.tp_prefill, pp: self.pp_prefill };
+        opts.decode_split = Split { tp: self.tp_decode, pp: self.pp_decode };
+        opts.decode_block_size = self.block_size_decode;
+        opts.shape = opts.shape.with_token_layout(self.token_layout.into());
+    }
+
+    fn is_plain(&self) -> bool {
+        self.tp_prefill == 1 && self.tp_decode == 1 && self.pp_prefill == 1 && self.block_size_decode.is_none()
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -112,7 +187,8 @@ struct BenchArgs {
     /// Region layout.
     #[arg(long, value_enum, default_value = "split")]
     layout: Layout,
-    /// Tokens per block.
+    /// Tokens per block (of prefill, and of decode unless
+    /// --block-size-decode says otherwise).
     #[arg(long, default_value_t = 16)]
     block_size: u32,
     /// KV heads.
@@ -149,6 +225,11 @@ struct BenchArgs {
     /// channel and the data plane (the `serve` side must use the same).
     #[arg(long, value_name = "PATH")]
     auth_secret_file: Option<std::path::PathBuf>,
+    /// TCP with --auth-secret-file: tag every batch's payload too, and
+    /// require tagged payloads (this process's workers; a `serve` peer's
+    /// decode side must accept them, a producer there must tag them).
+    #[arg(long, requires = "auth_secret_file")]
+    tcp_payload_auth: bool,
     /// Serve this process's worker metrics (Prometheus text format) at
     /// `http://ADDR/metrics` (port 0: any free port; the address is printed
     /// on stderr once the workers are up).
@@ -158,6 +239,60 @@ struct BenchArgs {
     /// standard input closes (or Ctrl-C / SIGTERM).
     #[arg(long, requires = "metrics")]
     metrics_hold: bool,
+    #[command(flatten)]
+    topology: TopologyArgs,
+    #[command(flatten)]
+    listeners: ListenerArgs,
+}
+
+/// The listener limits of the workers a command runs (its side channel's
+/// and its data plane's).
+#[derive(clap::Args, Debug)]
+struct ListenerArgs {
+    /// Prefill's side channel: connections in their hello at once (more are
+    /// closed at accept).
+    #[arg(long, value_name = "N", default_value_t = kv_proto::DEFAULT_MAX_HANDSHAKES)]
+    side_channel_max_handshakes: usize,
+    /// Prefill's side channel: of those, from one source address (every
+    /// peer behind one NAT or pod address shares them).
+    #[arg(long, value_name = "N", default_value_t = kv_proto::DEFAULT_MAX_HANDSHAKES_PER_HOST)]
+    side_channel_max_handshakes_per_host: usize,
+    /// Prefill's side channel: established connections (0 refuses every one).
+    #[arg(long, value_name = "N", default_value_t = kv_worker::DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS)]
+    side_channel_max_connections: usize,
+    /// The data plane's listener (TCP, QUIC, RDMA control): connections in
+    /// their handshake at once.
+    #[arg(long, value_name = "N", default_value_t = kv_proto::DEFAULT_MAX_HANDSHAKES)]
+    data_max_handshakes: usize,
+    /// The data plane's listener: of those, from one source address.
+    #[arg(long, value_name = "N", default_value_t = kv_proto::DEFAULT_MAX_HANDSHAKES_PER_HOST)]
+    data_max_handshakes_per_host: usize,
+    /// The data plane's listener: established connections (0 refuses every one).
+    #[arg(long, value_name = "N", default_value_t = ListenerLimits::default().max_connections)]
+    data_max_connections: usize,
+}
+
+impl ListenerArgs {
+    /// The side channel's limits and the data plane's.
+    fn limits(&self) -> (ListenerLimits, ListenerLimits) {
+        let side_channel = ListenerLimits {
+            max_handshakes: self.side_channel_max_handshakes,
+            max_handshakes_per_host: self.side_channel_max_handshakes_per_host,
+            max_connections: self.side_channel_max_connections,
+        };
+        let data = ListenerLimits {
+            max_handshakes: self.data_max_handshakes,
+            max_handshakes_per_host: self.data_max_handshakes_per_host,
+            max_connections: self.data_max_connections,
+        };
+        (side_channel, data)
+    }
+
+    /// Default worker bounds with these limits.
+    fn worker_bounds(&self) -> WorkerBounds {
+        let (side_channel_limits, data_limits) = self.limits();
+        WorkerBounds { side_channel_limits, data_limits, ..WorkerBounds::default() }
+    }
 }
 
 /// A positive number of seconds on the command line (fractions allowed).
@@ -240,6 +375,11 @@ struct ServeArgs {
     /// channel and the data plane; clients must use the same.
     #[arg(long, value_name = "PATH")]
     auth_secret_file: Option<std::path::PathBuf>,
+    /// TCP with --auth-secret-file: the instances tag every batch's payload
+    /// too, and require tagged payloads (a bench client that prefills for a
+    /// consumer server must run with --tcp-payload-auth).
+    #[arg(long, requires = "auth_secret_file")]
+    tcp_payload_auth: bool,
     /// End a session with no call for this long, seconds (clients ping
     /// while they wait on their own side).
     #[arg(long, value_name = "SECS", default_value_t = Secs(DEFAULT_IDLE_TIMEOUT))]
@@ -258,17 +398,37 @@ struct ServeArgs {
     /// held this long past its last renewal (within --lease), seconds.
     #[arg(long, value_name = "SECS", default_value_t = Secs(WorkerBounds::default().lease_renewal))]
     lease_renewal: Secs,
-    /// Connections in their handshake at once; more are closed at once.
+    /// Control port: connections in their handshake at once; more are
+    /// closed at once.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES)]
     max_handshakes: usize,
-    /// Connections in their handshake at once from one host.
+    /// Control port: connections in their handshake at once from one host.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_HANDSHAKES_PER_HOST)]
     max_handshakes_per_host: usize,
+    #[command(flatten)]
+    listeners: ListenerArgs,
     /// Serve the sessions' worker metrics (Prometheus text format) at
     /// `http://ADDR/metrics` (port 0: any free port; printed on stderr).
     /// Counts add up over sessions.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
+    /// Tensor-parallel size of the instance this process is one worker of
+    /// (the client's shape is the whole model's; this worker holds its
+    /// share of the KV heads).
+    #[arg(long, default_value_t = 1)]
+    tp_size: u16,
+    /// This worker's tensor-parallel rank.
+    #[arg(long, default_value_t = 0)]
+    tp_rank: u16,
+    /// Pipeline stages of the instance (this worker holds its stage's layers).
+    #[arg(long, default_value_t = 1)]
+    pp_size: u16,
+    /// This worker's pipeline stage.
+    #[arg(long, default_value_t = 0)]
+    pp_rank: u16,
+    /// Order of tokens and heads inside this instance's blocks.
+    #[arg(long, value_enum, default_value = "nhd")]
+    token_layout: TokenOrder,
 }
 
 /// Reads a shared secret from a file (surrounding whitespace is not part of it).
@@ -383,29 +543,34 @@ fn print_report(title: &str, r: &RunReport) {
     );
 }
 
-async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
+async fn demo(requests: usize, protocol: Protocol, topology: TopologyArgs) -> anyhow::Result<bool> {
+    topology.check()?;
     // The runner sizes `num_blocks` for the requests in flight.
     let shape = CacheShape::llama3_8b(0)?;
-    let opts = RunOptions {
-        protocol,
-        shape,
-        blocks_per_request: 64,
+    let mut opts = RunOptions {
         requests,
-        warmup: 0,
-        in_flight: 4,
         pattern: BlockPattern::Random,
         prefix_hit_every: 5,
-        verify: true,
         stall_timeout: Duration::from_secs(30),
-        connect: Vec::new(),
-        auth_secret: None,
-        metrics: None,
+        ..RunOptions::new(protocol, shape)
     };
+    topology.apply(&mut opts);
     println!(
         "kvlink demo: prefill -> decode over loopback {protocol}, llama-3-8B-shaped cache \
          (32 layers, K/V split, 8 KV heads x 128 dims, bf16, 16-token blocks: {} KiB per block per region)",
         shape.block_len() / 1024
     );
+    if !topology.is_plain() {
+        println!(
+            "  prefill: {} tensor-parallel x {} pipeline workers; decode: {} x {}, {}-token blocks; {:?} blocks",
+            topology.tp_prefill,
+            topology.pp_prefill,
+            topology.tp_decode,
+            topology.pp_decode,
+            topology.block_size_decode.unwrap_or(shape.block_size()),
+            topology.token_layout
+        );
+    }
     println!(
         "  {requests} requests of 1,024 prompt tokens, 4 in flight, random block ids, every 5th with a partial prefix-cache hit on decode"
     );
@@ -419,6 +584,11 @@ async fn demo(requests: usize, protocol: Protocol) -> anyhow::Result<bool> {
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
+    args.topology.check()?;
+    anyhow::ensure!(
+        args.connect.is_empty() || args.topology.is_plain(),
+        "--tp-prefill, --tp-decode, --pp-* and --block-size-decode run both sides here: drop --connect"
+    );
     let protocol = Protocol::from(args.protocol);
     let dims = CacheDims {
         kind: args.layout.into(),
@@ -437,27 +607,28 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
         .and_then(|n| u64::try_from(n).ok()?.checked_add(1))
         .context("--blocks-per-request x --in-flight is too large")?;
     let shape = check_shape(CacheDims { num_blocks, ..dims }, u64::MAX)?;
-    let opts = RunOptions {
-        protocol,
-        shape,
+    let mut opts = RunOptions {
         blocks_per_request: args.blocks_per_request,
         requests: args.requests,
         warmup: args.warmup,
         in_flight: args.in_flight,
         pattern: args.pattern,
-        prefix_hit_every: 0,
         verify: !args.no_verify,
-        stall_timeout: Duration::from_secs(60),
         connect: args.connect.clone(),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,
+        tcp_authenticate_payloads: args.tcp_payload_auth,
         metrics: args.metrics.map(|_| MetricsHub::new()),
+        worker_bounds: args.listeners.worker_bounds(),
+        ..RunOptions::new(protocol, shape)
     };
+    args.topology.apply(&mut opts);
     // Bound before the run (a taken port fails it at once); announced once
     // the workers are on the hub, so a scrape after the line shows them.
     let metrics = match (args.metrics, &opts.metrics) {
         (Some(addr), Some(hub)) => {
             let endpoint = start_metrics(addr, hub).await?;
-            let workers = if args.connect.is_empty() { 2 } else { 1 };
+            let workers =
+                if args.connect.is_empty() { opts.prefill_split.workers() + opts.decode_split.workers() } else { 1 };
             let mut exposed = hub.exposed();
             let line = format!("metrics on http://{}/metrics", endpoint.local_addr());
             let announce = tokio::spawn(async move {
@@ -479,9 +650,22 @@ async fn bench(args: BenchArgs) -> anyhow::Result<bool> {
             Some(peer) => format!(" ({} here, the other side on {peer})", report.side),
             None => String::new(),
         };
+        let split = if args.topology.is_plain() {
+            String::new()
+        } else {
+            format!(
+                ", TP {}->{} PP {}, {}->{}-token blocks {:?}",
+                report.tp.0,
+                report.tp.1,
+                args.topology.pp_prefill,
+                report.block_sizes.0,
+                report.block_sizes.1,
+                args.topology.token_layout
+            )
+        };
         print_report(
             &format!(
-                "kvlink bench: {protocol}, {} regions x {} B blocks, {} blocks/request, {:?} ids, {} in flight{place}",
+                "kvlink bench: {protocol}, {} regions x {} B blocks, {} blocks/request, {:?} ids, {} in flight{split}{place}",
                 shape.region_count(),
                 shape.block_len(),
                 args.blocks_per_request,
@@ -529,6 +713,18 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
+    anyhow::ensure!(
+        args.tp_rank < args.tp_size && args.pp_rank < args.pp_size,
+        "--tp-rank {} of --tp-size {}, --pp-rank {} of --pp-size {}: a rank is below its size",
+        args.tp_rank,
+        args.tp_size,
+        args.pp_rank,
+        args.pp_size
+    );
+    anyhow::ensure!(
+        args.side_channel_port != 0 || (args.tp_size == 1 && args.pp_size == 1),
+        "a worker of several (--tp-size, --pp-size) needs the instance's --side-channel-port: its peers find it there"
+    );
     let opts = ServeOptions {
         role: match args.role {
             RoleArg::Producer => KvRole::Producer,
@@ -537,6 +733,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
         listen: args.listen,
         control_port: args.control_port,
         side_channel_port: args.side_channel_port,
+        place: kv_worker::Placement {
+            dp_rank: 0,
+            tp_size: args.tp_size,
+            tp_rank: args.tp_rank,
+            pp_size: args.pp_size,
+            pp_rank: args.pp_rank,
+        },
+        token_layout: args.token_layout.into(),
         sessions: args.sessions,
         max_sessions: args.max_sessions.max(1),
         max_cache_bytes: args.max_cache_gib.saturating_mul(1 << 30),
@@ -555,10 +759,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
             transfer_timeout: args.transfer_timeout.0,
             lease: args.lease.0,
             lease_renewal: args.lease_renewal.0,
+            ..args.listeners.worker_bounds()
         },
         max_handshakes: args.max_handshakes.max(1),
         max_handshakes_per_host: args.max_handshakes_per_host.max(1),
         auth_secret: read_secret(args.auth_secret_file.as_deref())?,
+        tcp_authenticate_payloads: args.tcp_payload_auth,
         metrics: args.metrics.map(|_| MetricsHub::new()),
     };
     let stop = shutdown_signal()?;
@@ -617,7 +823,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Demo { requests, protocol } => demo(requests, protocol.into()).await,
+            Command::Demo { requests, protocol, topology } => demo(requests, protocol.into(), topology).await,
             Command::Bench(args) => bench(args).await,
             Command::Serve(args) => serve(args).await,
         }
@@ -628,6 +834,41 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("kvlink: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+
+    use super::*;
+
+    #[test]
+    fn the_listener_flags_default_to_the_workers_defaults_and_set_them() {
+        let Command::Serve(serve) = Cli::try_parse_from(["kvlink", "serve"]).unwrap().command else {
+            panic!("not serve")
+        };
+        assert_eq!(serve.listeners.worker_bounds(), WorkerBounds::default());
+        let args = ["kvlink", "bench", "--data-max-handshakes-per-host", "48", "--side-channel-max-connections", "0"];
+        let Command::Bench(bench) = Cli::try_parse_from(args).unwrap().command else { panic!("not bench") };
+        let bounds = bench.listeners.worker_bounds();
+        let defaults = WorkerBounds::default();
+        assert_eq!(bounds.data_limits, ListenerLimits { max_handshakes_per_host: 48, ..defaults.data_limits });
+        assert_eq!(bounds.side_channel_limits, ListenerLimits { max_connections: 0, ..defaults.side_channel_limits });
+    }
+
+    #[test]
+    fn payload_tags_are_asked_for_with_a_secret_only() {
+        for command in ["serve", "bench"] {
+            assert!(Cli::try_parse_from(["kvlink", command, "--tcp-payload-auth"]).is_err(), "{command}: no secret");
+            let with_secret = ["kvlink", command, "--tcp-payload-auth", "--auth-secret-file", "/s"];
+            let asked = match Cli::try_parse_from(with_secret).unwrap().command {
+                Command::Serve(serve) => serve.tcp_payload_auth,
+                Command::Bench(bench) => bench.tcp_payload_auth,
+                _ => panic!("{command}"),
+            };
+            assert!(asked, "{command}");
         }
     }
 }

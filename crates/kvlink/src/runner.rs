@@ -22,9 +22,9 @@ use serde::Serialize;
 
 use crate::blocks::BlockPattern;
 use crate::control::{ControlClient, ControlError, PeerStats, RemoteDecode, RemotePrefill};
-use crate::engine::{Completion, DecodeInstance, EngineError, PrefillInstance, PromptSpec, PullSpec};
-use crate::metrics::agreement::{self, Tally};
+use crate::engine::{Completion, EngineError, PromptSpec, PullSpec};
 use crate::metrics::MetricsHub;
+use crate::ranks::{LocalDecode, LocalPrefill, Split};
 use crate::stats::{peak_rss_bytes, process_cpu_time, Latencies, ProcessFigures};
 
 /// Bound on waiting for the tasks of shut-down sides to be released before
@@ -63,8 +63,57 @@ pub struct RunOptions {
     pub connect: Vec<String>,
     /// Shared secret of the side channel and TCP data plane of both sides.
     pub auth_secret: Option<AuthSecret>,
+    /// The TCP data plane tags every payload too (needs the secret): see
+    /// `WorkerConfig::tcp_authenticate_payloads`. Applies to the workers
+    /// of this process.
+    pub tcp_authenticate_payloads: bool,
     /// Where this process's workers are shown (a metrics endpoint's hub).
     pub metrics: Option<MetricsHub>,
+    /// The bounds of the instances run here (their listeners' limits among
+    /// them).
+    pub worker_bounds: crate::serve::WorkerBounds,
+    /// How the prefill instance is split over workers (both sides here only).
+    pub prefill_split: Split,
+    /// How the decode instance is split over workers (both sides here only).
+    pub decode_split: Split,
+    /// Tokens per block of the decode instance (`None`: the shape's, as
+    /// prefill's).
+    pub decode_block_size: Option<u32>,
+}
+
+impl RunOptions {
+    /// Options for `protocol` and `shape` with everything else at the
+    /// demo's defaults: one worker per side, nothing remote.
+    pub fn new(protocol: Protocol, shape: CacheShape) -> Self {
+        Self {
+            protocol,
+            shape,
+            blocks_per_request: 64,
+            requests: 100,
+            warmup: 0,
+            in_flight: 4,
+            pattern: BlockPattern::Contiguous,
+            prefix_hit_every: 0,
+            verify: true,
+            stall_timeout: Duration::from_secs(60),
+            connect: Vec::new(),
+            auth_secret: None,
+            tcp_authenticate_payloads: false,
+            metrics: None,
+            worker_bounds: crate::serve::WorkerBounds::default(),
+            prefill_split: Split::ONE,
+            decode_split: Split::ONE,
+            decode_block_size: None,
+        }
+    }
+
+    /// Whether the two sides are laid out alike (one worker each, one
+    /// block size): what a run with a remote side needs.
+    fn plain(&self) -> bool {
+        self.prefill_split == Split::ONE
+            && self.decode_split == Split::ONE
+            && self.decode_block_size.is_none_or(|b| b == self.shape.block_size())
+    }
 }
 
 /// Why a run stopped.
@@ -88,6 +137,9 @@ pub enum RunError {
         /// The consumer server, as given.
         target: String,
     },
+    /// The sides cannot be split as asked.
+    #[error("{0}")]
+    Topology(String),
     /// Several servers reach this host at different addresses; decode here
     /// listens on one.
     #[error("the --connect servers reach this host at different addresses ({first} and {other}); connect them over one network")]
@@ -145,8 +197,13 @@ pub struct RunReport {
     pub latency_ms_p90: f64,
     /// 99th percentile.
     pub latency_ms_p99: f64,
-    /// Write ops per request's batch (mean).
+    /// Write ops per request's batch (mean): per request, over every
+    /// prefill worker.
     pub ops_per_batch: f64,
+    /// Tensor-parallel sizes of prefill and decode.
+    pub tp: (u16, u16),
+    /// Tokens per block of prefill and decode.
+    pub block_sizes: (u32, u32),
     /// CPU seconds (user + system) of this process per GB moved.
     pub cpu_seconds_per_gb: f64,
     /// Peak resident set of this process, bytes.
@@ -217,7 +274,7 @@ pub struct RunFigures {
 
 /// The prefill side of a run.
 enum PrefillSide {
-    Local(Box<PrefillInstance>),
+    Local(Box<LocalPrefill>),
     /// One or more producer servers; request `n` goes to server `n % len`.
     Remote(Vec<RemotePrefill>),
 }
@@ -231,16 +288,7 @@ impl PrefillSide {
         turn: usize,
     ) -> Result<Vec<(PromptSpec, KvTransferParams, Vec<BlockId>)>, RunError> {
         match self {
-            PrefillSide::Local(p) => {
-                let done = p.prefill(prompts)?;
-                Ok(done
-                    .into_iter()
-                    .map(|(spec, params)| {
-                        let blocks = p.blocks_of(&spec.id).map(<[_]>::to_vec).unwrap_or_default();
-                        (spec, params, blocks)
-                    })
-                    .collect())
-            }
+            PrefillSide::Local(p) => Ok(p.prefill(prompts)?),
             PrefillSide::Remote(servers) => {
                 let n = servers.len().max(1);
                 match servers.get_mut(turn % n) {
@@ -261,10 +309,7 @@ impl PrefillSide {
     /// Waits (bounded) until every held request is freed; returns how many are still held.
     async fn drain(&mut self, timeout: Duration) -> Result<usize, RunError> {
         match self {
-            PrefillSide::Local(p) => {
-                while p.held() > 0 && !p.reap_wait(timeout).await.is_empty() {}
-                Ok(p.held())
-            }
+            PrefillSide::Local(p) => Ok(p.drain(timeout).await),
             PrefillSide::Remote(servers) => {
                 let mut held = 0;
                 for r in servers {
@@ -297,18 +342,15 @@ impl PrefillSide {
 
 /// The decode side of a run.
 enum DecodeSide {
-    Local(DecodeInstance),
-    Remote(RemoteDecode),
+    Local(LocalDecode),
+    Remote(Box<RemoteDecode>),
 }
 
 impl DecodeSide {
     /// One step starting `pulls`: D's blocks per pull.
     async fn schedule(&mut self, pulls: &[PullSpec]) -> Result<Vec<Vec<BlockId>>, RunError> {
         match self {
-            DecodeSide::Local(d) => {
-                d.schedule(pulls)?;
-                Ok(pulls.iter().map(|p| d.blocks_of(&p.id).map(<[_]>::to_vec).unwrap_or_default()).collect())
-            }
+            DecodeSide::Local(d) => Ok(d.schedule(pulls)?),
             DecodeSide::Remote(r) => Ok(r.schedule(pulls).await?),
         }
     }
@@ -337,7 +379,7 @@ impl DecodeSide {
     async fn shutdown(self) -> Result<(), RunError> {
         match self {
             DecodeSide::Local(d) => d.shutdown().await,
-            DecodeSide::Remote(r) => r.into_client().bye().await?,
+            DecodeSide::Remote(r) => (*r).into_client().bye().await?,
         }
         Ok(())
     }
@@ -427,19 +469,26 @@ impl Sides {
         }
     }
 
-    /// The failures by cause of the workers here, and where the decode
-    /// worker's counters disagree with `tally` (what the bench saw of it).
-    fn failures(&self, tally: &Tally, report: &mut RunReport) {
+    /// The failures by cause of the workers here, and where each decode
+    /// worker's counters disagree with what the bench saw of it.
+    fn failures(&self, report: &mut RunReport) {
         if let DecodeSide::Local(d) = &self.decode {
-            let counted = d.worker().metrics();
-            report.failures = agreement::nonzero(&counted.pulls_failed);
-            report.metrics_mismatch = agreement::disagreements(tally, &counted);
+            (report.failures, report.metrics_mismatch) = d.failures();
             for mismatch in &report.metrics_mismatch {
                 tracing::error!(%mismatch, "the bench and its decode worker disagree");
             }
         }
         if let PrefillSide::Local(p) = &self.prefill {
-            report.send_failures = agreement::nonzero(&p.worker().metrics().sends_failed);
+            report.send_failures = p.send_failures();
+        }
+    }
+
+    /// Write ops of every batch the prefill workers here wrote so far
+    /// (`None` when prefill runs remotely).
+    fn ops_written(&self) -> Option<f64> {
+        match &self.prefill {
+            PrefillSide::Local(p) => Some(p.ops_written()),
+            PrefillSide::Remote(_) => None,
         }
     }
 
@@ -458,6 +507,8 @@ fn worker_config(role: KvRole, engine_id: &str, opts: &RunOptions, bind: Option<
     let mut config = WorkerConfig::loopback(role, engine_id);
     config.protocol = opts.protocol;
     config.auth_secret = opts.auth_secret.clone();
+    config.tcp_authenticate_payloads = opts.tcp_authenticate_payloads;
+    opts.worker_bounds.apply_to(&mut config);
     if let Some(ip) = bind {
         config.side_channel_bind = ip;
         config.data_listen = SocketAddr::new(ip, 0);
@@ -468,12 +519,17 @@ fn worker_config(role: KvRole, engine_id: &str, opts: &RunOptions, bind: Option<
 /// Starts both sides: here, or one here and one on the `kvlink serve` at
 /// `opts.connect` (whose role decides which runs here), or decode here and
 /// prefill on every `kvlink serve` producer named.
-async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunReport) -> Result<Sides, RunError> {
+async fn start_sides(
+    opts: &RunOptions,
+    shape: CacheShape,
+    decode_shape: CacheShape,
+    report: &mut RunReport,
+) -> Result<Sides, RunError> {
     if opts.connect.is_empty() {
         let p_config = worker_config(KvRole::Producer, "kvlink-prefill", opts, None);
         let d_config = worker_config(KvRole::Consumer, "kvlink-decode", opts, None);
-        let mut prefill = PrefillInstance::start(p_config, shape, opts.pattern, 1).await?;
-        let mut decode = DecodeInstance::start(d_config, shape, opts.pattern, 2).await?;
+        let mut prefill = LocalPrefill::start(&p_config, shape, opts.prefill_split, opts.pattern, None).await?;
+        let mut decode = LocalDecode::start(&d_config, decode_shape, opts.decode_split, opts.pattern).await?;
         prefill.set_write_patterns(opts.verify);
         decode.set_verify(opts.verify);
         if let Some(hub) = &opts.metrics {
@@ -481,12 +537,17 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
             decode.expose(hub);
         }
         report.side = "both".to_owned();
-        report.cache_bytes = 2 * shape.total_bytes();
+        report.cache_bytes = prefill.cache_bytes() + decode.cache_bytes();
         return Ok(Sides {
             prefill: PrefillSide::Local(Box::new(prefill)),
             decode: DecodeSide::Local(decode),
             lost: None,
         });
+    }
+    if !opts.plain() {
+        return Err(RunError::Topology(
+            "--tp-prefill, --tp-decode, --pp-* and per-side block sizes run both sides here (no --connect)".to_owned(),
+        ));
     }
     let call_timeout = opts.stall_timeout + Duration::from_secs(10);
     let mut clients = Vec::with_capacity(opts.connect.len());
@@ -508,7 +569,7 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
     if clients.len() == 1 && clients[0].1 == KvRole::Consumer {
         let (client, _) = clients.remove(0);
         let config = worker_config(KvRole::Producer, "kvlink-bench-prefill", opts, Some(here));
-        let mut prefill = PrefillInstance::start(config, shape, opts.pattern, 1).await?;
+        let mut prefill = LocalPrefill::start(&config, shape, Split::ONE, opts.pattern, None).await?;
         prefill.set_write_patterns(opts.verify);
         if let Some(hub) = &opts.metrics {
             prefill.expose(hub);
@@ -516,12 +577,12 @@ async fn start_sides(opts: &RunOptions, shape: CacheShape, report: &mut RunRepor
         report.side = "prefill".to_owned();
         return Ok(Sides {
             prefill: PrefillSide::Local(Box::new(prefill)),
-            decode: DecodeSide::Remote(RemoteDecode::new(client)),
+            decode: DecodeSide::Remote(Box::new(RemoteDecode::new(client))),
             lost: None,
         });
     }
     let config = worker_config(KvRole::Consumer, "kvlink-bench-decode", opts, Some(here));
-    let mut decode = DecodeInstance::start(config, shape, opts.pattern, 2).await?;
+    let mut decode = LocalDecode::start(&config, shape, Split::ONE, opts.pattern).await?;
     decode.set_verify(opts.verify);
     if let Some(hub) = &opts.metrics {
         decode.expose(hub);
@@ -538,23 +599,42 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     // twice the blocks in flight, so a scattered request really is one op per
     // block rather than falling back to adjacent blocks.
     let slack = if opts.pattern == BlockPattern::Contiguous { 1 } else { 2 };
+    if opts.prefill_split.pp != opts.decode_split.pp {
+        return Err(RunError::Topology(format!(
+            "pipeline-parallel size {} on prefill and {} on decode: pipeline parallelism must be the same on both sides",
+            opts.prefill_split.pp, opts.decode_split.pp
+        )));
+    }
     let shape = opts.shape.with_num_blocks((opts.blocks_per_request * window * slack) as u64 + 1)?;
+    let block_size = shape.block_size() as usize;
+    let prompt_len = opts.blocks_per_request * block_size;
+    let decode_block = opts.decode_block_size.unwrap_or(shape.block_size()).max(1);
+    let decode_blocks = prompt_len.div_ceil(decode_block as usize);
+    let decode_shape = kv_worker::CacheShape::try_new(kv_worker::CacheDims {
+        block_size: decode_block,
+        num_blocks: (decode_blocks * window * slack) as u64 + 1,
+        ..shape.dims()
+    })?
+    .with_token_layout(shape.token_layout());
     let mut report = RunReport {
         protocol: opts.protocol.to_string(),
         requests: opts.requests,
         verified: opts.verify,
+        tp: (opts.prefill_split.tp, opts.decode_split.tp),
+        block_sizes: (shape.block_size(), decode_block),
         ..RunReport::default()
     };
     report.figures.baseline = ProcessFigures::sample();
-    let mut sides = start_sides(opts, shape, &mut report).await?;
+    let mut sides = start_sides(opts, shape, decode_shape, &mut report).await?;
 
-    let block_size = shape.block_size() as usize;
-    let bytes_per_block = shape.block_len() * u64::from(shape.region_count());
+    let bytes_per_block = match &sides.decode {
+        DecodeSide::Local(d) => d.bytes_per_block(),
+        DecodeSide::Remote(_) => decode_shape.block_len() * u64::from(decode_shape.region_count()),
+    };
     let total = opts.warmup + opts.requests;
     let mut latencies = Latencies::default();
-    // Every request's outcome, warm-up included: what the workers count.
-    let mut tally = Tally::default();
     let mut ops_total = 0u64;
+    let mut ops_at_start: Option<f64> = None;
     let (mut next, mut finished) = (0usize, 0usize);
     let mut measure_start: Option<(Instant, Duration)> = None;
     let mut peer_start = Vec::new();
@@ -584,15 +664,13 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
                     break;
                 }
                 report.figures.warm = ProcessFigures::sample();
+                ops_at_start = sides.ops_written();
                 measure_start = Some((Instant::now(), process_cpu_time()));
             }
-            let spec = PromptSpec {
-                id: ReqId::new(format!("req-{run_tag}-{next}")),
-                prompt_len: opts.blocks_per_request * block_size,
-                seed: next as u64,
-            };
+            let spec = PromptSpec { id: ReqId::new(format!("req-{run_tag}-{next}")), prompt_len, seed: next as u64 };
             let prefix_hit = opts.prefix_hit_every > 0 && next % opts.prefix_hit_every == opts.prefix_hit_every - 1;
-            let prefix_hit_tokens = if prefix_hit { (opts.blocks_per_request / 4) * block_size } else { 0 };
+            // Whole decode blocks: what a prefix cache holds.
+            let prefix_hit_tokens = if prefix_hit { (decode_blocks / 4) * decode_block as usize } else { 0 };
             let prefilled = match sides.prefill.prefill(std::slice::from_ref(&spec), next).await {
                 Ok(prefilled) => prefilled,
                 Err(e) => {
@@ -627,14 +705,6 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
             // the first `warmup` completions are exactly the warm-up's.
             let is_warmup = finished < opts.warmup;
             finished += 1;
-            match &c {
-                Completion::Received { blocks, .. } => {
-                    tally.received += 1;
-                    tally.bytes += *blocks as u64 * bytes_per_block;
-                }
-                Completion::Corrupt { .. } => tally.corrupt += 1,
-                Completion::Failed { .. } => tally.failed += 1,
-            }
             if !matches!(c, Completion::Received { .. }) {
                 failing = true;
             }
@@ -672,7 +742,8 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
         report.figures.warm = report.figures.end;
     }
     let peer_end = sides.peer_stats().await?;
-    sides.failures(&tally, &mut report);
+    let ops_measured = sides.ops_written().zip(ops_at_start.or(Some(0.0))).map(|(end, start)| end - start);
+    sides.failures(&mut report);
     report.error = sides.lost.clone();
     failing |= sides.lost.is_some();
     // Let P's last frees arrive, so nothing is left held. After failed
@@ -692,7 +763,7 @@ pub async fn run(opts: &RunOptions, progress: &ProgressBar) -> Result<RunReport,
     report.latency_ms_p50 = latencies.quantile(0.50).as_secs_f64() * 1e3;
     report.latency_ms_p90 = latencies.quantile(0.90).as_secs_f64() * 1e3;
     report.latency_ms_p99 = latencies.quantile(0.99).as_secs_f64() * 1e3;
-    report.ops_per_batch = ops_total as f64 / opts.requests.max(1) as f64;
+    report.ops_per_batch = ops_measured.unwrap_or(ops_total as f64) / opts.requests.max(1) as f64;
     report.cpu_seconds_per_gb = cpu.as_secs_f64() / gb.max(1e-9);
     report.peak_rss_bytes = peak_rss_bytes();
     // No measured part started (every request failed in the warm-up): the

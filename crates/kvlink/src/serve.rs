@@ -35,7 +35,7 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::{HandshakePlace, HandshakePlaces, KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
-use kv_worker::{AuthSecret, CacheDims, CacheShape, WorkerConfig};
+use kv_worker::{AuthSecret, CacheDims, CacheShape, ListenerLimits, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -68,8 +68,8 @@ const SETTLE_BOUND: Duration = Duration::from_secs(1);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default [`ServeOptions::handshake_timeout`].
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default [`ServeOptions::max_handshakes`].
-pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+/// Default [`ServeOptions::max_handshakes`] (every listener's).
+pub const DEFAULT_MAX_HANDSHAKES: usize = kv_proto::DEFAULT_MAX_HANDSHAKES;
 /// Default [`ServeOptions::max_handshakes_per_host`].
 pub const DEFAULT_MAX_HANDSHAKES_PER_HOST: usize = 8;
 
@@ -126,8 +126,18 @@ pub struct ServeOptions {
     pub listen: IpAddr,
     /// Control port (0: any).
     pub control_port: u16,
-    /// Side-channel port of the producer's worker (0: any, per session).
+    /// Side-channel base port of the producer's instance (0: any, per
+    /// session); its worker listens on it plus its place's
+    /// `pp_rank * tp_size + tp_rank`.
     pub side_channel_port: u16,
+    /// Where this process's worker sits in its instance: the client's
+    /// shape is the whole model's, this worker holds its share of the
+    /// heads and its stage's layers (one process per rank; the client
+    /// drives every rank's process alike).
+    pub place: kv_worker::Placement,
+    /// How this instance's blocks order tokens and heads (a property of
+    /// its engine, like its place): the client's shape is laid out so here.
+    pub token_layout: kv_proto::TokenLayout,
     /// Stop after this many sessions (`None`: until shut down).
     pub sessions: Option<usize>,
     /// Sessions served at once (at least 1). A producer's share one prefill
@@ -158,12 +168,16 @@ pub struct ServeOptions {
     /// the server does anything for them) and of the worker's side channel
     /// and data plane.
     pub auth_secret: Option<AuthSecret>,
+    /// The instances' TCP data plane tags every batch's payload too, and
+    /// requires tagged payloads ([`WorkerConfig::tcp_authenticate_payloads`];
+    /// only with `auth_secret`).
+    pub tcp_authenticate_payloads: bool,
     /// Where each session's instance shows its worker (a metrics endpoint's
     /// hub; the worker's counts stay there after the instance shuts down).
     pub metrics: Option<crate::metrics::MetricsHub>,
 }
 
-/// The worker bounds a server's instances run with.
+/// The worker bounds a server's instances (and a bench's own) run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerBounds {
     /// D's bound on one pull ([`WorkerConfig::transfer_timeout`]).
@@ -174,6 +188,21 @@ pub struct WorkerBounds {
     /// P's hold on a request past a decode instance's last renewal of it
     /// ([`WorkerConfig::lease_renewal`]).
     pub lease_renewal: Duration,
+    /// P's side-channel listener ([`WorkerConfig::side_channel_limits`]).
+    pub side_channel_limits: ListenerLimits,
+    /// The data-plane listener ([`WorkerConfig::data_limits`]).
+    pub data_limits: ListenerLimits,
+}
+
+impl WorkerBounds {
+    /// Sets these bounds in `config` (each role reads those it has use for).
+    pub fn apply_to(&self, config: &mut WorkerConfig) {
+        config.transfer_timeout = self.transfer_timeout;
+        config.abort_request_timeout = self.lease;
+        config.lease_renewal = self.lease_renewal;
+        config.side_channel_limits = self.side_channel_limits;
+        config.data_limits = self.data_limits;
+    }
 }
 
 impl Default for WorkerBounds {
@@ -183,6 +212,8 @@ impl Default for WorkerBounds {
             transfer_timeout: defaults.transfer_timeout,
             lease: defaults.abort_request_timeout,
             lease_renewal: defaults.lease_renewal,
+            side_channel_limits: defaults.side_channel_limits,
+            data_limits: defaults.data_limits,
         }
     }
 }
@@ -216,6 +247,14 @@ pub enum ServeError {
     /// A consumer serves one session at a time.
     #[error("a consumer serves one session at a time (--max-sessions {0}); only a producer shares its instance")]
     SharedConsumer(usize),
+    /// The base side-channel port plus this worker's rank is not a port.
+    #[error("--side-channel-port {base} plus this worker's rank ({rank}) is past port 65535")]
+    SideChannelPortOverflow {
+        /// The base port.
+        base: u16,
+        /// The worker's place among the instance's workers.
+        rank: u32,
+    },
 }
 
 fn bind_error(what: &'static str, addr: SocketAddr, source: std::io::Error) -> ServeError {
@@ -272,7 +311,11 @@ impl Server {
         let control = listener.local_addr().map_err(|error| ServeError::Bind { what: "control", addr, error })?;
         if opts.role == KvRole::Producer && opts.side_channel_port != 0 {
             // Each session's worker binds it; say now if that cannot work.
-            let addr = SocketAddr::new(opts.listen, opts.side_channel_port);
+            let port = own_side_channel_port(&opts).ok_or(ServeError::SideChannelPortOverflow {
+                base: opts.side_channel_port,
+                rank: opts.place.global_rank(),
+            })?;
+            let addr = SocketAddr::new(opts.listen, port);
             drop(std::net::TcpListener::bind(addr).map_err(|e| bind_error("side-channel", addr, e))?);
         }
         Ok(Self { listener, control, opts })
@@ -291,9 +334,13 @@ impl Server {
             let host = if ip.is_ipv6() { format!("[{ip}]") } else { ip.to_string() };
             let port = match self.opts.side_channel_port {
                 0 => "auto".to_owned(),
-                p => p.to_string(),
+                _ => own_side_channel_port(&self.opts).map_or_else(|| "none".to_owned(), |port| port.to_string()),
             };
             line.push_str(&format!(" side_channel={host}:{port}"));
+        }
+        let place = self.opts.place;
+        if place.tp_size > 1 || place.pp_size > 1 {
+            line.push_str(&format!(" tp={}/{} pp={}/{}", place.tp_rank, place.tp_size, place.pp_rank, place.pp_size));
         }
         let role = if self.opts.role == KvRole::Producer { "producer" } else { "consumer" };
         line.push_str(&format!(" role={role}"));
@@ -654,9 +701,19 @@ async fn authenticate(
     }
 }
 
-/// Starts an instance of the server's role with `shape`.
+/// The port this server's producer worker listens on: the base plus its
+/// place among the instance's workers (`None` past 65535: `bind` refuses it).
+fn own_side_channel_port(opts: &ServeOptions) -> Option<u16> {
+    kv_proto::topology::side_channel_port(opts.side_channel_port, opts.place.global_rank())
+}
+
+/// Starts an instance of the server's role with this worker's share of the
+/// model `shape`.
 async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: IpAddr) -> Result<Instance, String> {
     let Terms { pattern, protocol, verify, .. } = *terms;
+    let model = shape.with_token_layout(opts.token_layout);
+    let shape = crate::engine::rank_shape(model, opts.place).map_err(|e| e.to_string())?;
+    let ranked = |config| crate::engine::rank_config(config, &model, opts.place);
     Ok(match opts.role {
         KvRole::Producer => {
             let mut config = WorkerConfig::loopback(KvRole::Producer, "kvlink-serve-prefill");
@@ -664,10 +721,10 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.side_channel_bind = opts.listen;
             config.side_channel_base_port = opts.side_channel_port;
             config.auth_secret = opts.auth_secret.clone();
+            config.tcp_authenticate_payloads = opts.tcp_authenticate_payloads;
             config.data_listen = SocketAddr::new(opts.listen, 0);
-            config.abort_request_timeout = opts.worker_bounds.lease;
-            config.lease_renewal = opts.worker_bounds.lease_renewal;
-            let mut p = PrefillInstance::start_advertising(config, shape, pattern, 1, Some(local_ip))
+            opts.worker_bounds.apply_to(&mut config);
+            let mut p = PrefillInstance::start_advertising(ranked(config), shape, pattern, 1, Some(local_ip))
                 .await
                 .map_err(|e| format!("prefill: {e}"))?;
             p.set_write_patterns(verify);
@@ -682,8 +739,10 @@ async fn start(opts: &ServeOptions, terms: &Terms, shape: CacheShape, local_ip: 
             config.data_listen = SocketAddr::new(opts.listen, 0);
             config.data_advertise_host = Some(local_ip.to_string());
             config.auth_secret = opts.auth_secret.clone();
-            config.transfer_timeout = opts.worker_bounds.transfer_timeout;
-            let mut d = DecodeInstance::start(config, shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
+            config.tcp_authenticate_payloads = opts.tcp_authenticate_payloads;
+            opts.worker_bounds.apply_to(&mut config);
+            let mut d =
+                DecodeInstance::start(ranked(config), shape, pattern, 2).await.map_err(|e| format!("decode: {e}"))?;
             d.set_verify(verify);
             if let Some(hub) = &opts.metrics {
                 d.expose(hub);

@@ -303,6 +303,8 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
         block_len: shape().block_len(),
         block_tokens: shape().block_size(),
         dtype_bytes: shape().dtype_bytes(),
+        token_layout: kv_proto::TokenLayout::Undeclared,
+        block_heads: 0,
     };
     let hello = Hello {
         client_nonce: [7; 32],
@@ -310,6 +312,7 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
         protocol: Protocol::Tcp,
         layout,
         identity: kv_proto::ModelIdentity::this_kvlink(),
+        topology: kv_proto::RankTopology::single(),
     };
     match exchange(&mut s, &SideMessage::Hello(hello)) {
         SideMessage::HelloReply(HelloReply::Accepted { .. }) => {}
@@ -329,8 +332,11 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
                 decode_req_id: None,
                 prefill_engine_id: params.remote_engine_id.clone(),
                 block_ids: (0..BLOCKS_PER_REQUEST as u32).collect(),
+                first_token: None,
             })
             .collect(),
+        heads: None,
+        piece_blocks: 0,
     };
     let asked = Instant::now();
     let reply = match exchange(&mut s, &SideMessage::XferRequest(request)) {

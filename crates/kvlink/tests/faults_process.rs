@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use common::faults::{
@@ -45,18 +45,14 @@ fn transfer_timeout_arg() -> [String; 2] {
     ["--transfer-timeout".to_owned(), TRANSFER_TIMEOUT.as_secs_f64().to_string()]
 }
 
-/// A loopback port free right now (for a P restarted on the same port).
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port()
-}
-
 /// The new P listens on the dead one's side-channel port (a restart), or on
 /// another (the dead one is gone for good; D must not keep anything of it).
 #[rstest]
 #[case::restarted_on_the_same_port(true)]
 #[case::another_p_on_another_port(false)]
 fn p_killed_mid_batch_fails_its_pulls_and_the_same_d_pulls_from_a_new_p(#[case] same_port: bool) {
-    let port = free_port();
+    // Below the ephemeral range: nothing else takes it while P is dead.
+    let port = test_support::ports::restartable_loopback().port();
     let (mut p, p_control) = producer(port, &[]);
     let timeout = transfer_timeout_arg();
     let (d, d_control) = consumer(&[&timeout[0], &timeout[1]]);

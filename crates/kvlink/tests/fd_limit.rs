@@ -19,9 +19,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{
-    assert_all_verified, hello_json, open_fds, reply_within, send_frame, try_connect_from, Proc, BOUND, KVLINK,
-};
+use common::{assert_all_verified, hello_json, reply_within, send_frame, try_connect_from, Proc, BOUND, KVLINK};
+use test_support::process::{cpu_time, open_fds};
 
 /// The serve process's descriptor limit: room for its runtime, listeners and
 /// one bench session (about 30), far less than its handshake places (64 on
@@ -37,17 +36,6 @@ const MAX_ATTACK_CONNECTIONS: usize = 2000;
 const MAX_CORE_SHARE: f64 = 0.3;
 /// Log lines (stdout and stderr) the whole run may produce.
 const MAX_LOG_LINES: usize = 25;
-
-/// User plus system CPU time of process `pid`.
-fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the command name: state is the first, utime the 12th, stime the 13th.
-    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    // SAFETY: sysconf has no memory effects.
-    let per_sec = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap();
-    Duration::from_secs_f64(ticks as f64 / per_sec as f64)
-}
 
 /// Opens connections to `to` from 127.0.0.2..=127.0.0.17 in turn until
 /// `stop`, and keeps them; returns them.

@@ -77,6 +77,29 @@ fn second_serve_on_the_same_port_is_one_line() {
 }
 
 #[test]
+fn a_rank_whose_side_channel_port_is_past_65535_is_one_line() {
+    let out = Proc::spawn(
+        "kvlink serve of rank 1",
+        None,
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1",
+            "--control-port",
+            "0",
+            "--side-channel-port",
+            "65535",
+            "--tp-size",
+            "2",
+            "--tp-rank",
+            "1",
+        ],
+    )
+    .finish();
+    assert_one_line_error(&out, "--side-channel-port 65535 plus this worker's rank (1) is past port 65535");
+}
+
+#[test]
 fn layout_mismatch_is_one_line_and_serve_keeps_serving() {
     let (serve, control) =
         loopback_serve("producer", &["--layers", "4", "--head-dim", "64", "--layout", "split", "--sessions", "1"]);

@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 use crate::details::Fingerprint;
 use crate::hello;
 use crate::io::until_stalled;
-use crate::memory::Sources;
+use crate::memory::{self, Sources};
 use crate::tls;
 use crate::transport::Shared;
 use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, RESET_CANCELLED, SERVER_NAME};
@@ -319,8 +319,7 @@ async fn send_batch(
         write(shared, conn, send, label, Bytes::from(prefix)).await?;
         let mut cursor = Cursor::new(sources.total());
         while !cursor.is_done() {
-            let chunk = sources
-                .gather(&mut cursor, CHUNK)
+            let chunk = memory::gather(sources, &mut cursor, CHUNK)
                 .map_err(|_| WriteEnd::Failed(Failure::Batch(TransportError::Shutdown)))?;
             write(shared, conn, send, label, chunk).await?;
         }

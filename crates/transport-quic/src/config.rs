@@ -3,9 +3,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use kv_net::{
-    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
-};
+use kv_net::{ListenerLimits, OpListLimits};
 use kv_proto::auth::AuthSecret;
 
 /// Configuration of a [`crate::QuicTransport`]. Every wait the transport
@@ -40,39 +38,15 @@ pub struct QuicConfig {
     /// long is closed (default 120 s). No keep-alives are sent; a sender
     /// reconnects on its next batch.
     pub idle_timeout: Duration,
-    /// Bound on the ops of one incoming batch (peer input; default
-    /// [`DEFAULT_MAX_OPS_PER_BATCH`]). A larger batch gets a protocol error
-    /// on its stream. Advertised in the endpoint details, so a sender fails
-    /// such a batch before sending it. Outgoing batches have no cap of
-    /// their own. The bound in force is the smaller of this and what the
-    /// op-list budget holds ([`QuicConfig::op_list_budget`] / 16).
-    pub max_ops_per_batch: u64,
-    /// Bytes of op lists (16 per op) that all incoming streams together may
-    /// hold at once, when peers must prove the shared secret (default
-    /// [`DEFAULT_OP_LIST_BUDGET`]). A stream buffers its batch's op list as
-    /// it arrives, and only once the grant its header names is live; its
-    /// memory is charged to this budget as the list grows (never more than
-    /// the count announced) and given back when the batch is done. A batch
-    /// whose list does not fit waits for room (within
-    /// [`QuicConfig::op_list_timeout`]) or, if it holds an equal share of
-    /// the budget or more already, gives way at once; either way it is
-    /// refused with the reason. (The
-    /// bytes quinn itself buffers for a stream are bounded by the receive
-    /// windows below, not by this budget.)
-    pub op_list_budget: u64,
-    /// The same budget when peers need not prove a secret (no
-    /// [`QuicConfig::auth_secret`]): every connection then counts as
-    /// unauthenticated, and gets this smaller budget (default
-    /// [`DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET`]). With a secret, no stream
-    /// is served before its connection's hello proved it.
-    pub unauthenticated_op_list_budget: u64,
-    /// One bound on receiving a batch's op list, from its header, waits for
-    /// room in the budget included (default 10 s; keep it below the
-    /// senders' `io_timeout`). A list still waiting for room then is
-    /// refused; one its peer has not sent by then is a protocol error. So a
-    /// peer dribbling its list holds its share of the budget no longer than
-    /// this.
-    pub op_list_timeout: Duration,
+    /// The bounds on the op lists incoming streams buffer (default
+    /// [`OpListLimits::default`]): ops per batch (a larger batch gets a
+    /// protocol error on its stream; the bound in force is advertised in
+    /// the endpoint details), the budget all incoming streams share,
+    /// smaller when peers need not prove a secret (no
+    /// [`QuicConfig::auth_secret`]), and one deadline per list. (The bytes
+    /// quinn itself buffers for a stream are bounded by the receive windows
+    /// below, not by this budget.)
+    pub op_lists: OpListLimits,
     /// Batches one peer may have in flight on one connection (QUIC
     /// bidirectional stream limit; default 64). A sender past it waits for a
     /// stream to finish, within [`QuicConfig::io_timeout`].
@@ -110,22 +84,6 @@ pub struct QuicConfig {
     pub auth_secret: Option<AuthSecret>,
 }
 
-impl QuicConfig {
-    /// The op-list budget in force: [`QuicConfig::op_list_budget`] when
-    /// peers must prove a secret, else
-    /// [`QuicConfig::unauthenticated_op_list_budget`].
-    pub fn op_list_budget_in_force(&self) -> u64 {
-        kv_net::budget_in_force(self.auth_secret.is_some(), self.op_list_budget, self.unauthenticated_op_list_budget)
-    }
-
-    /// The op bound in force for one incoming batch (and advertised): the
-    /// smaller of [`QuicConfig::max_ops_per_batch`] and what the budget in
-    /// force holds.
-    pub fn max_ops_in_force(&self) -> u64 {
-        kv_net::max_ops_in_force(self.max_ops_per_batch, self.op_list_budget_in_force())
-    }
-}
-
 impl Default for QuicConfig {
     fn default() -> Self {
         Self {
@@ -134,10 +92,7 @@ impl Default for QuicConfig {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(120),
-            max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
-            op_list_budget: DEFAULT_OP_LIST_BUDGET,
-            unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
-            op_list_timeout: Duration::from_secs(10),
+            op_lists: OpListLimits::default(),
             max_concurrent_streams: 64,
             limits: ListenerLimits::default(),
             stream_receive_window: 16 << 20,

@@ -152,14 +152,14 @@
 //! as it arrives (so an announced count costs memory only once its bytes
 //! are sent, and only under a live grant), because every op must be checked
 //! before the first payload byte is written. All streams share one budget
-//! for those buffers ([`QuicConfig::op_list_budget`], smaller when peers
-//! need not prove a secret: [`QuicConfig::unauthenticated_op_list_budget`]):
+//! for those buffers ([`QuicConfig::op_lists`]: [`OpListLimits::budget`], smaller when
+//! peers need not prove a secret: [`OpListLimits::unauthenticated_budget`]):
 //! a list is charged as it grows; when the budget is full a batch waits for
 //! room, or gives way at once if it already holds an equal share of the
 //! budget or more (so batches waiting for each other cannot lock it up). A
 //! batch refused for want of room has its stream stopped and a `Refused`
 //! verdict naming the reason. The whole op list, waits included, must
-//! arrive within [`QuicConfig::op_list_timeout`] of its header. The
+//! arrive within [`OpListLimits::timeout`] of its header. The
 //! advertised `max_ops_per_batch` is the smaller of the configured bound and
 //! what the budget holds.
 //!
@@ -214,7 +214,8 @@ pub use config::QuicConfig;
 // has always exported.
 pub use details::{EndpointDetails, Fingerprint};
 pub use kv_net::{
-    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+    ListenerLimits, OpListLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_OP_LIST_TIMEOUT,
+    DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
 };
 pub use transport::QuicTransport;
 

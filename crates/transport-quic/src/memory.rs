@@ -30,85 +30,58 @@
 use std::ptr;
 
 use bytes::Bytes;
-use kv_proto::dataplane::{decode_op, Cursor, OpEntry};
-use kv_proto::{DestinationError, GrantAccess, GrantId, MemoryClosed, RegisteredMemory, Revoked, SourceError, WriteOp};
+use kv_proto::dataplane::Cursor;
+use kv_proto::receive::AdmittedBatch;
+use kv_proto::{MemoryClosed, RegisteredMemory, Revoked};
 
 /// The transport's registered memory: [`RegisteredMemory`]'s bookkeeping;
 /// the raw accesses are below.
 pub(crate) type LocalMemory = RegisteredMemory;
 
 /// Source ranges checked against the source regions: the payload of one
-/// outgoing batch.
-#[derive(Debug)]
-pub(crate) struct Sources<'m, 'o> {
-    mem: &'m LocalMemory,
-    ops: &'o [WriteOp],
-    total: u64,
+/// outgoing batch, which [`gather`] copies out.
+pub(crate) use kv_proto::CheckedSources as Sources;
+
+/// Copies the next `min(max, remaining)` payload bytes of `sources` from
+/// `cursor` on into a new chunk, advancing `cursor`.
+pub(crate) fn gather(sources: &Sources<'_, '_>, cursor: &mut Cursor, max: usize) -> Result<Bytes, MemoryClosed> {
+    let n = usize::try_from(cursor.remaining()).map_or(max, |r| r.min(max));
+    let mut out: Vec<u8> = Vec::with_capacity(n);
+    let filled = sources.memory().read_sources(|| {
+        let spare = out.spare_capacity_mut();
+        let mut filled = 0usize;
+        // `n` fits usize, so does every piece (at most `n` bytes).
+        cursor.walk(sources.ops(), n as u64, |addr, len| {
+            let (Ok(addr), Ok(len)) = (usize::try_from(addr), usize::try_from(len)) else { return };
+            let Some(slot) = spare.get_mut(filled..filled + len) else { return };
+            // SAFETY: `[addr, addr + len)` is part of a source range that
+            // `check_sources` found inside a region registered as a
+            // source, which stays valid for reads while `read_sources`
+            // runs this closure (the memory is open, and the caller of
+            // `register_regions` guarantees validity until it is
+            // closed). `slot` is `len` bytes of this fresh Vec's spare
+            // capacity (bounds-checked by `get_mut`), a different
+            // allocation, so the ranges cannot overlap. No reference to
+            // the source is formed.
+            unsafe {
+                ptr::copy_nonoverlapping(ptr::with_exposed_provenance::<u8>(addr), slot.as_mut_ptr().cast::<u8>(), len);
+            }
+            filled += len;
+        });
+        filled
+    })?;
+    // SAFETY: the first `filled` bytes of the spare capacity were
+    // initialized by the copies above, and `filled <= n <= capacity`.
+    unsafe { out.set_len(filled) };
+    Ok(Bytes::from(out))
 }
 
-impl<'m, 'o> Sources<'m, 'o> {
-    /// Checks every op's source range; the result can then move the payload.
-    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
-        let total = mem.check_sources(ops)?;
-        Ok(Self { mem, ops, total })
-    }
-
-    /// The ops.
-    pub(crate) fn ops(&self) -> &'o [WriteOp] {
-        self.ops
-    }
-
-    /// The payload's length.
-    pub(crate) fn total(&self) -> u64 {
-        self.total
-    }
-
-    /// Copies the next `min(max, remaining)` payload bytes from `cursor` on
-    /// into a new chunk, advancing `cursor`.
-    pub(crate) fn gather(&self, cursor: &mut Cursor, max: usize) -> Result<Bytes, MemoryClosed> {
-        let n = usize::try_from(cursor.remaining()).map_or(max, |r| r.min(max));
-        let mut out: Vec<u8> = Vec::with_capacity(n);
-        let filled = self.mem.read_sources(|| {
-            let spare = out.spare_capacity_mut();
-            let mut filled = 0usize;
-            // `n` fits usize, so does every piece (at most `n` bytes).
-            cursor.walk(self.ops, n as u64, |addr, len| {
-                let (Ok(addr), Ok(len)) = (usize::try_from(addr), usize::try_from(len)) else { return };
-                let Some(slot) = spare.get_mut(filled..filled + len) else { return };
-                // SAFETY: `[addr, addr + len)` is part of a source range that
-                // `check_sources` found inside a region registered as a
-                // source, which stays valid for reads while `read_sources`
-                // runs this closure (the memory is open, and the caller of
-                // `register_regions` guarantees validity until it is
-                // closed). `slot` is `len` bytes of this fresh Vec's spare
-                // capacity (bounds-checked by `get_mut`), a different
-                // allocation, so the ranges cannot overlap. No reference to
-                // the source is formed.
-                unsafe {
-                    ptr::copy_nonoverlapping(
-                        ptr::with_exposed_provenance::<u8>(addr),
-                        slot.as_mut_ptr().cast::<u8>(),
-                        len,
-                    );
-                }
-                filled += len;
-            });
-            filled
-        })?;
-        // SAFETY: the first `filled` bytes of the spare capacity were
-        // initialized by the copies above, and `filled <= n <= capacity`.
-        unsafe { out.set_len(filled) };
-        Ok(Bytes::from(out))
-    }
-}
-
-/// A peer's op list admitted against one live grant: where one incoming
-/// batch's payload lands, and the only way to write it.
+/// A peer's op list admitted against one live grant (the batch-receive
+/// machine's [`AdmittedBatch`]): where one incoming batch's payload lands,
+/// and the only way to write it.
 #[derive(Debug)]
-pub(crate) struct Destinations {
-    access: GrantAccess,
-    list: Vec<OpEntry>,
-    total: u64,
+pub(crate) struct Destinations<'b> {
+    batch: &'b AdmittedBatch,
 }
 
 /// How much of the data handed to [`Destinations::scatter`] had a place.
@@ -120,42 +93,27 @@ pub(crate) struct Scattered {
     pub(crate) extra: u64,
 }
 
-impl Destinations {
-    /// Admits a peer's op list under `grant` (see [`RegisteredMemory::admit`]:
-    /// lengths add up to `declared`, the grant is live at `now`, every op
-    /// lies inside it); on error the list is handed back with the reason.
-    pub(crate) fn admit(
-        mem: &LocalMemory,
-        grant: &GrantId,
-        list: Vec<OpEntry>,
-        declared: u64,
-        now: std::time::Instant,
-    ) -> Result<Self, (Vec<OpEntry>, DestinationError)> {
-        match mem.admit(grant, list.iter().map(decode_op), declared, now) {
-            Ok(access) => Ok(Self { access, list, total: declared }),
-            Err(e) => Err((list, e)),
-        }
-    }
-
-    /// The grant the batch writes under.
-    pub(crate) fn grant(&self) -> GrantId {
-        self.access.id()
+impl<'b> Destinations<'b> {
+    /// The destinations of an admitted batch.
+    pub(crate) fn new(batch: &'b AdmittedBatch) -> Self {
+        Self { batch }
     }
 
     /// The payload's length.
     pub(crate) fn total(&self) -> u64 {
-        self.total
+        self.batch.total()
     }
 
     /// Copies `chunks`, in order, into the destinations from `cursor` on,
     /// advancing `cursor`, while the grant is live; `Err(Revoked)` copies
     /// nothing (the grant was revoked, or the memory closed).
     pub(crate) fn scatter(&self, cursor: &mut Cursor, chunks: &[Bytes]) -> Result<Scattered, Revoked> {
-        self.access.with(|| {
+        let list = self.batch.entries();
+        self.batch.access().with(|| {
             let mut done = Scattered { copied: 0, extra: 0 };
             for data in chunks {
                 let mut taken = 0usize;
-                cursor.walk(self.list.as_slice(), data.len() as u64, |addr, len| {
+                cursor.walk(list, data.len() as u64, |addr, len| {
                     let (Ok(addr), Ok(len)) = (usize::try_from(addr), usize::try_from(len)) else { return };
                     let Some(src) = data.get(taken..taken + len) else { return };
                     // SAFETY: `[addr, addr + len)` is part of a destination
@@ -186,8 +144,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use kv_proto::dataplane::encode_op;
-    use kv_proto::{MemoryRegion, RegionAccess};
+    use kv_proto::dataplane::{encode_op, OpEntry};
+    use kv_proto::{DestinationError, GrantId, MemoryRegion, RegionAccess, WriteOp};
 
     fn addr_of(buf: &[u8]) -> u64 {
         buf.as_ptr().expose_provenance() as u64
@@ -199,23 +157,6 @@ mod tests {
 
     fn id(n: u8) -> GrantId {
         GrantId::from_bytes([n; 16])
-    }
-
-    #[test]
-    fn sources_are_checked_against_source_regions_only() {
-        let m = LocalMemory::new();
-        // SAFETY: fake addresses, never dereferenced.
-        unsafe {
-            m.register(&[MemoryRegion::new(0x1000, 0x100)], RegionAccess::Source).unwrap();
-            m.register(&[MemoryRegion::new(0x8000, 0x100)], RegionAccess::Destination).unwrap();
-        }
-        let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
-        assert_eq!(Sources::check(&m, &ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
-        assert_eq!(Sources::check(&m, &ops[..1]).unwrap().total(), 0x100);
-        let dst_as_src = [WriteOp { src: 0x8000, dst: 0, len: 1 }];
-        assert!(Sources::check(&m, &dst_as_src).is_err(), "a destination is not a source");
-        m.close();
-        assert_eq!(Sources::check(&m, &ops[..1]).unwrap_err(), SourceError::Closed);
     }
 
     #[test]
@@ -239,12 +180,13 @@ mod tests {
         m.issue_grant(id(1), &[MemoryRegion::new(d, 2000)], now, Duration::from_secs(60)).unwrap();
         let sources = Sources::check(&m, &ops).unwrap();
         let list: Vec<OpEntry> = ops.iter().map(|op| encode_op(op.dst, op.len)).collect();
-        let dests = Destinations::admit(&m, &id(1), list, sources.total(), now).unwrap();
-        assert_eq!(dests.grant(), id(1));
+        let batch = AdmittedBatch::admit(&m, &id(1), list, sources.total(), now).unwrap();
+        assert_eq!(batch.grant(), id(1));
+        let dests = Destinations::new(&batch);
         let (mut out, mut inn) = (Cursor::new(sources.total()), Cursor::new(dests.total()));
         let mut chunks = 0;
         while !out.is_done() {
-            let chunk = sources.gather(&mut out, 37).unwrap();
+            let chunk = gather(&sources, &mut out, 37).unwrap();
             assert!(chunk.len() <= 37 && !chunk.is_empty());
             // Scatter in two uneven pieces.
             let (a, b) = (chunk.slice(..chunk.len() / 3), chunk.slice(chunk.len() / 3..));
@@ -277,8 +219,9 @@ mod tests {
         }
         let now = Instant::now();
         m.issue_grant(id(1), &[MemoryRegion::new(d, 64)], now, Duration::from_secs(60)).unwrap();
-        let dests = Destinations::admit(&m, &id(1), vec![encode_op(d, 64)], 64, now).unwrap();
-        let (_, err) = Destinations::admit(&m, &id(2), vec![encode_op(d, 64)], 64, now).unwrap_err();
+        let batch = AdmittedBatch::admit(&m, &id(1), vec![encode_op(d, 64)], 64, now).unwrap();
+        let dests = Destinations::new(&batch);
+        let (_, err) = AdmittedBatch::admit(&m, &id(2), vec![encode_op(d, 64)], 64, now).unwrap_err();
         assert_eq!(err, DestinationError::UnknownGrant);
         m.revoke(&id(1));
         let mut cursor = Cursor::new(64);
@@ -288,7 +231,7 @@ mod tests {
         let ops = [WriteOp { src: s, dst: 0, len: 64 }];
         let sources = Sources::check(&m, &ops).unwrap();
         m.close();
-        assert_eq!(sources.gather(&mut cursor, 64).unwrap_err(), MemoryClosed);
+        assert_eq!(gather(&sources, &mut cursor, 64).unwrap_err(), MemoryClosed);
         assert_eq!(cursor.remaining(), 64);
         assert!(dst.iter().all(|&b| b == 0));
     }

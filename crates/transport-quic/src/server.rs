@@ -27,12 +27,13 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use kv_proto::dataplane::{put_verdict, Cursor, OpListBuffer, ReplyStatus};
-use kv_proto::{BatchRefusal, DestinationError, GrantId, HandshakePlace};
+use kv_proto::dataplane::{put_verdict, Cursor, ReplyStatus};
+use kv_proto::receive::{BatchReceiver, Fault, Framing, PayloadEnd, Refusal, Step};
+use kv_proto::{GrantId, HandshakePlace};
 use quinn::{ConnectionError, Incoming, RecvStream, SendStream, VarInt};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, trace, warn};
@@ -40,8 +41,8 @@ use tracing::{debug, trace, warn};
 use crate::hello;
 use crate::memory::Destinations;
 use crate::transport::Shared;
-use crate::wire::{BatchHeader, ALPN, BATCH_HEADER_LEN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
-use kv_net::{read_exact, write_all, NoRoom, WireError};
+use crate::wire::{BatchHeader, ALPN, CLOSE_BAD_ALPN, CLOSE_SHUTDOWN, STOP_PROTOCOL, STOP_REFUSED};
+use kv_net::{carry_out, write_all, Carried, PeerLog, WireError};
 
 /// Received chunks taken from quinn per read (and copied under one hold of
 /// the grant).
@@ -65,6 +66,9 @@ enum StreamError {
     /// writing another (see `is_peer_fault`).
     #[error(transparent)]
     Reply(WireError),
+    /// Any other fault of the batch-receive machine.
+    #[error(transparent)]
+    Fault(Fault),
     #[error("the transport is shut down")]
     Closed,
 }
@@ -80,6 +84,7 @@ impl StreamError {
                 | StreamError::LengthMismatch { .. }
                 | StreamError::OpListTimeout { .. }
                 | StreamError::ExtraPayload { .. }
+                | StreamError::Fault(_)
         )
     }
 }
@@ -101,7 +106,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
         // Once half the handshake places are taken, a source address must
         // prove it is real before it may take one (a QUIC retry costs it a
         // round trip): a flood from forged addresses cannot fill them.
-        let pressed = shared.handshakes.taken().saturating_mul(2) >= shared.handshakes.limit();
+        let pressed = shared.listener.handshakes.taken().saturating_mul(2) >= shared.listener.handshakes.limit();
         if pressed && !incoming.remote_address_validated() && incoming.may_retry() {
             shared.retried.fetch_add(1, Ordering::Relaxed);
             if let Err(error) = incoming.retry() {
@@ -109,10 +114,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>) {
             }
             continue;
         }
-        let place = match shared.handshakes.enter(peer.ip()) {
+        let place = match shared.listener.handshakes.enter(peer.ip()) {
             Ok(place) => place,
             Err(no_place) => {
-                let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+                let allowed = shared.listener.log_allowed(PeerLog::Busy);
                 if let Some(suppressed) = allowed {
                     warn!(%peer, reason = %no_place, suppressed, "handshake limit reached, refusing");
                 }
@@ -142,8 +147,8 @@ async fn establish(
 
 /// An established place, or why there is none (rate-limited log line).
 fn established_place(shared: &Shared, peer: SocketAddr) -> Result<OwnedSemaphorePermit, String> {
-    Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
-        let allowed = shared.over_limit.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+    Arc::clone(&shared.listener.established).try_acquire_owned().map_err(|_| {
+        let allowed = shared.listener.log_allowed(PeerLog::Busy);
         if let Some(suppressed) = allowed {
             warn!(%peer, limit = shared.config.limits.max_connections, suppressed,
                 "connection limit reached, refusing a peer that finished its hello");
@@ -174,13 +179,13 @@ async fn establish_within_deadline(
     };
     let conn = match handshake {
         Err(_) => {
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, ?after, suppressed, "data-plane handshake timed out");
             }
             return None;
         }
         Ok(Err(error)) => {
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, %error, suppressed, "data-plane handshake failed");
             }
             return None;
@@ -192,7 +197,7 @@ async fn establish_within_deadline(
         .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
         .and_then(|data| data.protocol);
     if alpn.as_deref() != Some(ALPN) {
-        if let Some(suppressed) = allowed(&shared.peer_faults) {
+        if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
             warn!(%peer, ?alpn, suppressed, "peer did not negotiate the data-plane ALPN, closing");
         }
         conn.close(VarInt::from_u32(CLOSE_BAD_ALPN), b"ALPN kvlink-data/2 required");
@@ -208,7 +213,7 @@ async fn establish_within_deadline(
     };
     match greeted {
         Err(_) => {
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, ?after, suppressed, "data-plane hello timed out, closing");
             }
             conn.close(VarInt::from_u32(crate::wire::CLOSE_AUTH), b"hello timed out");
@@ -222,7 +227,7 @@ async fn establish_within_deadline(
                 // `Connection`, `Refused`).
                 shared.memory.counters().auth_failed();
             }
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, %error, suppressed, "data-plane hello failed, closing");
             }
             if conn.close_reason().is_none() {
@@ -262,7 +267,7 @@ async fn serve_connection(shared: &Arc<Shared>, incoming: Incoming, peer: Socket
             }
             Err(ConnectionError::LocallyClosed) => break,
             Err(error) => {
-                if let Some(suppressed) = allowed(&shared.peer_faults) {
+                if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                     warn!(%peer, %error, suppressed, "data-plane connection lost");
                 }
                 break;
@@ -288,7 +293,7 @@ async fn serve_stream(shared: &Shared, peer: SocketAddr, send: SendStream, recv:
             debug!(%peer, %stream, "batch abandoned: shutting down");
         }
         Err(error) if error.is_peer_fault() => {
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, %stream, %error, suppressed, "protocol error on data-plane stream");
             }
             let _ = batch.recv.stop(VarInt::from_u32(STOP_PROTOCOL));
@@ -303,17 +308,11 @@ async fn serve_stream(shared: &Shared, peer: SocketAddr, send: SendStream, recv:
             }
         }
         Err(error) => {
-            if let Some(suppressed) = allowed(&shared.peer_faults) {
+            if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Fault) {
                 warn!(%peer, %stream, %error, suppressed, "data-plane batch failed");
             }
         }
     }
-}
-
-/// Whether a line `throttle` governs may be logged now (with the count of
-/// those left out since the last one).
-fn allowed(throttle: &std::sync::Mutex<kv_proto::LogThrottle>) -> Option<u64> {
-    throttle.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now())
 }
 
 /// One incoming batch on its stream.
@@ -324,121 +323,94 @@ struct Batch<'s> {
     recv: RecvStream,
 }
 
-/// How the payload of an admitted batch ended.
-enum Received {
-    /// Every byte landed.
-    Complete,
-    /// The grant was revoked (or expired and purged) mid-payload: nothing
-    /// more landed.
-    Revoked,
-}
-
 impl Batch<'_> {
     async fn serve(&mut self) -> Result<(), StreamError> {
-        let config = &self.shared.config;
-        let io_timeout = config.io_timeout;
-        let mut header = [0u8; BATCH_HEADER_LEN];
-        read_exact(&mut self.recv, &mut header, io_timeout, "batch header").await?;
-        let header = BatchHeader::decode(&header);
-        let max = config.max_ops_in_force();
-        let Some(mut buffer) = OpListBuffer::within(header.op_count, max) else {
-            return Err(StreamError::TooManyOps { count: header.op_count, max });
-        };
-
-        // A batch for a grant that is not live is refused before its op
-        // list is read (and buffered).
-        match self.shared.memory.check_grant(&header.grant, Instant::now()) {
-            Ok(()) => {}
-            Err(DestinationError::Closed) => return Err(StreamError::Closed),
-            Err(error) => return self.refuse(&header.grant, &error.to_string()).await,
-        }
-
-        // The op list, charged to the transport's budget as it grows, all
-        // of it within one deadline.
         let shared = self.shared;
-        let deadline = tokio::time::Instant::now() + config.op_list_timeout;
-        let mut share = shared.op_lists.share();
-        while !buffer.is_complete() {
-            let more = buffer.growth();
-            if more > 0 {
-                if let Err(no_room) = share.grow(more, deadline).await {
-                    drop(buffer);
-                    share.release();
-                    return self.refuse_for_room(&header, no_room).await;
+        let config = &shared.config;
+        let io_timeout = config.io_timeout;
+        let limits = config.op_lists.receive_limits(config.auth_secret.is_some());
+        let mut rx = BatchReceiver::new(&shared.memory, limits, Framing::StreamPerBatch, BatchHeader::decode);
+        // The batch's share of the op-list budget.
+        let mut share = shared.listener.op_lists.share();
+        loop {
+            let header = rx.header().copied();
+            let carried = carry_out(rx.next_step(), &mut self.recv, &mut share, io_timeout).await?;
+            let step = match carried {
+                Carried::Other(step) => step,
+                Carried::NoRoom(no_room) => {
+                    rx.no_room(no_room);
+                    continue;
                 }
-            }
-            let read = read_exact(&mut self.recv, buffer.next_chunk(), io_timeout, "op list");
-            match tokio::time::timeout_at(deadline, read).await {
-                Ok(read) => read?,
-                Err(_) => return Err(StreamError::OpListTimeout { after: config.op_list_timeout }),
-            }
-        }
-        let list = buffer.into_entries();
-
-        let destinations =
-            match Destinations::admit(&self.shared.memory, &header.grant, list, header.total_bytes, Instant::now()) {
-                Ok(destinations) => destinations,
-                Err((_, DestinationError::LengthMismatch { declared, sum })) => {
-                    return Err(StreamError::LengthMismatch { declared, sum })
+                Carried::Late => {
+                    rx.deadline_passed();
+                    continue;
                 }
-                Err((_, DestinationError::Closed)) => return Err(StreamError::Closed),
-                Err((list, error)) => {
-                    drop(list);
-                    share.release();
-                    return self.refuse(&header.grant, &error.to_string()).await;
+                Carried::Done => {
+                    rx.advance(Instant::now());
+                    continue;
                 }
             };
-        let received = self.receive_payload(&destinations).await?;
-        // The op list is done with: its memory goes back before the verdict.
-        let grant = destinations.grant();
-        drop(destinations);
-        share.release();
-        match received {
-            Received::Complete => self.reply(ReplyStatus::Ok, "").await,
-            // Admitted, then fenced mid-payload: `admit` counted nothing, so
-            // the refusal is counted here (an expiry purged mid-payload
-            // looks the same as a revocation).
-            Received::Revoked if self.shared.memory.is_closed() => {
-                self.shared.memory.counters().refused(BatchRefusal::Closed);
-                Err(StreamError::Closed)
+            match step {
+                // Carried out above; a stream carries one batch: nothing to
+                // wait for, or to drop.
+                Step::Read { .. } | Step::Charge { .. } | Step::AwaitBatch | Step::Discard { .. } => {}
+                Step::Refused { refusal, reason } => self.log_refusal(header.as_ref(), refusal, reason),
+                // The rest of a refused batch is never read.
+                Step::Stop => {
+                    let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
+                }
+                Step::Payload { batch, tag: _ } => {
+                    let end = self.receive_payload(&Destinations::new(batch)).await?;
+                    rx.payload_end(end);
+                    continue;
+                }
+                // The op list is done with: its memory goes back before the verdict.
+                Step::Release => share.release(),
+                Step::Reply { status, reason } => {
+                    let mut bytes = Vec::new();
+                    put_verdict(&mut bytes, status, reason);
+                    self.reply_bytes(&bytes).await?;
+                }
+                Step::Done => return Ok(()),
+                Step::Fail(fault) => {
+                    return Err(match fault {
+                        Fault::TooManyOps { count, max } => StreamError::TooManyOps { count, max },
+                        Fault::OpListTimeout { after } => StreamError::OpListTimeout { after },
+                        Fault::LengthMismatch { declared, sum } => StreamError::LengthMismatch { declared, sum },
+                        Fault::Closed => StreamError::Closed,
+                        other => StreamError::Fault(other),
+                    })
+                }
             }
-            Received::Revoked => {
-                self.shared.memory.counters().refused(BatchRefusal::UnknownGrant);
-                self.refuse(&grant, &format!("grant {grant} was revoked during the batch")).await
-            }
+            rx.advance(Instant::now());
         }
     }
 
-    /// Refuses a batch whose op list found no room in the budget (log line
-    /// rate-limited): its stream stopped, a `Refused` verdict with the
-    /// reason sent.
-    async fn refuse_for_room(&mut self, header: &BatchHeader, no_room: NoRoom) -> Result<(), StreamError> {
+    /// Logs a refused batch (at most one line a second per kind, for all
+    /// streams).
+    fn log_refusal(&self, header: Option<&BatchHeader>, refusal: &Refusal, reason: &str) {
         let shared = self.shared;
-        // The budget is this listener's, not the memory's: counted here.
-        shared.memory.counters().refused(BatchRefusal::OpBudget);
-        let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
-        let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
-        if let Some(suppressed) = allowed {
-            warn!(peer = %self.peer, grant = %header.grant, stream = %self.recv.id(), ops = header.op_count,
-                budget = shared.op_lists.limit(), ?no_room, suppressed, "refusing batch: no room for its op list");
+        let (peer, stream) = (self.peer, self.recv.id());
+        let (grant, ops) = header.map_or((GrantId::from_bytes([0; 16]), 0), |h| (h.grant, h.op_count));
+        match refusal {
+            Refusal::NoRoom(no_room) => {
+                let allowed = shared.listener.log_allowed(PeerLog::Budget);
+                if let Some(suppressed) = allowed {
+                    warn!(%peer, %grant, %stream, ops, budget = shared.listener.op_lists.limit(), ?no_room, suppressed,
+                        "refusing batch: no room for its op list");
+                }
+            }
+            Refusal::Grant(_) | Refusal::Revoked { .. } => {
+                if let Some(suppressed) = shared.listener.log_allowed(PeerLog::Batch) {
+                    warn!(%peer, %grant, %stream, %reason, suppressed, "refusing batch");
+                }
+            }
         }
-        let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
-        self.reply(ReplyStatus::Refused, &reason).await
-    }
-
-    /// Refuses the batch: logged, its stream stopped (the rest of its
-    /// payload is never read), a `Refused` verdict sent.
-    async fn refuse(&mut self, grant: &GrantId, reason: &str) -> Result<(), StreamError> {
-        if let Some(suppressed) = allowed(&self.shared.batch_refusals) {
-            warn!(peer = %self.peer, grant = %grant, stream = %self.recv.id(), %reason, suppressed, "refusing batch");
-        }
-        let _ = self.recv.stop(VarInt::from_u32(STOP_REFUSED));
-        self.reply(ReplyStatus::Refused, reason).await
     }
 
     /// Copies the payload, chunk by chunk as quinn hands it over, straight
     /// into the admitted destinations while the grant is live.
-    async fn receive_payload(&mut self, destinations: &Destinations) -> Result<Received, StreamError> {
+    async fn receive_payload(&mut self, destinations: &Destinations<'_>) -> Result<PayloadEnd, StreamError> {
         let io_timeout = self.shared.config.io_timeout;
         let total = destinations.total();
         let mut cursor = Cursor::new(total);
@@ -455,7 +427,7 @@ impl Batch<'_> {
             let received = chunks.get(..got).unwrap_or_default();
             let scattered = destinations.scatter(&mut cursor, received);
             chunks.iter_mut().take(got).for_each(|c| *c = Bytes::new());
-            let Ok(scattered) = scattered else { return Ok(Received::Revoked) };
+            let Ok(scattered) = scattered else { return Ok(PayloadEnd::Revoked { remaining: cursor.remaining() }) };
             self.shared.bytes_received.fetch_add(scattered.copied, Ordering::Relaxed);
             if scattered.extra > 0 {
                 return Err(StreamError::ExtraPayload { total });
@@ -467,15 +439,19 @@ impl Batch<'_> {
             Err(_) => Err(WireError::Timeout { what: "end of stream", after: io_timeout }.into()),
             Ok(Err(source)) => Err(WireError::Io { what: "end of stream", source: source.into() }.into()),
             Ok(Ok(Some(_))) => Err(StreamError::ExtraPayload { total }),
-            Ok(Ok(None)) => Ok(Received::Complete),
+            Ok(Ok(None)) => Ok(PayloadEnd::Complete),
         }
     }
 
     async fn reply(&mut self, status: ReplyStatus, reason: &str) -> Result<(), StreamError> {
-        let io_timeout = self.shared.config.io_timeout;
         let mut bytes = Vec::new();
         put_verdict(&mut bytes, status, reason);
-        write_all(&mut self.send, &bytes, io_timeout, "reply").await.map_err(StreamError::Reply)?;
+        self.reply_bytes(&bytes).await
+    }
+
+    async fn reply_bytes(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
+        let io_timeout = self.shared.config.io_timeout;
+        write_all(&mut self.send, bytes, io_timeout, "reply").await.map_err(StreamError::Reply)?;
         // Finishing fails only if the stream was already reset; the reply
         // is then undeliverable anyway.
         let _ = self.send.finish();

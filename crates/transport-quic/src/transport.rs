@@ -9,16 +9,15 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use kv_proto::{
-    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, SourceError, TransportError,
-    TransportStats, WriteOp,
+    BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, TransportError, TransportStats,
+    WriteOp,
 };
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{IdleTimeout, TransportConfig, VarInt};
 use rustls::crypto::CryptoProvider;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::client::{self, Connections};
 use crate::config::QuicConfig;
@@ -27,7 +26,7 @@ use crate::memory::{LocalMemory, Sources};
 use crate::server;
 use crate::tls;
 use crate::wire::CLOSE_SHUTDOWN;
-use kv_net::OpListBudget;
+use kv_net::DataListener;
 
 /// State shared by the transport handle, the accept loop and the connection
 /// and stream tasks. The tasks hold it, never the [`QuicTransport`], so
@@ -45,22 +44,11 @@ pub(crate) struct Shared {
     /// streams on them).
     pub(crate) client_transport_config: Arc<TransportConfig>,
     pub(crate) connections: Connections,
-    /// Places for established incoming connections.
-    pub(crate) conn_limit: Arc<Semaphore>,
-    /// Places for incoming connections in their handshake and hello.
-    pub(crate) handshakes: kv_proto::HandshakePlaces,
-    /// Op lists all incoming streams hold at once.
-    pub(crate) op_lists: OpListBudget,
-    /// Log lines a peer can provoke (connections over the limit, batches
-    /// refused for want of op-list room), one per kind per second.
-    pub(crate) over_limit: std::sync::Mutex<kv_proto::LogThrottle>,
-    pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
-    /// Log lines about batches refused by their grant (a peer can send them
-    /// as fast as it likes).
-    pub(crate) batch_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
-    /// Log lines about connections and streams a peer ended badly (failed
-    /// handshakes and hellos, protocol errors): one line a second for all.
-    pub(crate) peer_faults: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// The listener's places (a handshake place covers the hello too), the
+    /// op-list budget its streams share, and the throttles of the log lines
+    /// peers can provoke (connections over a limit, failed handshakes and
+    /// hellos, protocol errors, refused batches).
+    pub(crate) listener: DataListener,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     /// Incoming connections asked to prove their source address first.
@@ -152,16 +140,7 @@ impl QuicTransport {
         )
         .map_err(bind_error)?;
         let local_addr = endpoint.local_addr().map_err(bind_error)?;
-        let address = match &config.advertise_host {
-            Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{}", local_addr.port()),
-            Some(host) => format!("{host}:{}", local_addr.port()),
-            None => {
-                if local_addr.ip().is_unspecified() {
-                    warn!(%local_addr, "listening on a wildcard address without advertise_host: peers get an unusable endpoint");
-                }
-                local_addr.to_string()
-            }
-        };
+        let address = kv_net::advertised_address(config.advertise_host.as_deref(), local_addr);
         let shared = Arc::new(Shared {
             memory: LocalMemory::new(),
             token: CancellationToken::new(),
@@ -171,13 +150,7 @@ impl QuicTransport {
             provider,
             client_transport_config,
             connections: Connections::default(),
-            conn_limit: config.limits.established_places(),
-            handshakes: config.limits.handshake_places(),
-            op_lists: OpListBudget::new(config.op_list_budget_in_force()),
-            over_limit: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            batch_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            peer_faults: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            listener: DataListener::new(&config.limits, &config.op_lists, config.auth_secret.is_some()),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             retried: AtomicU64::new(0),
@@ -229,14 +202,14 @@ impl QuicTransport {
     }
 
     /// Bytes of op lists incoming batches hold now (charged to the op-list
-    /// budget in force, [`QuicConfig::op_list_budget_in_force`]).
+    /// budget in force, [`kv_net::OpListLimits::budget_in_force`]).
     pub fn op_list_bytes(&self) -> u64 {
-        self.shared.op_lists.used()
+        self.shared.listener.op_lists.used()
     }
 
     /// The most bytes of op lists incoming batches ever held at once.
     pub fn op_list_bytes_peak(&self) -> u64 {
-        self.shared.op_lists.peak()
+        self.shared.listener.op_lists.peak()
     }
 
     /// Grants issued and neither revoked nor expired and purged.
@@ -275,8 +248,9 @@ impl BatchWriter for QuicTransport {
     }
 
     fn endpoint(&self) -> Endpoint {
-        let details =
-            EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch: self.shared.config.max_ops_in_force() };
+        let config = &self.shared.config;
+        let max_ops_per_batch = config.op_lists.max_ops_in_force(config.auth_secret.is_some());
+        let details = EndpointDetails { fingerprint: self.fingerprint, max_ops_per_batch };
         Endpoint { protocol: Protocol::Quic, address: self.address.clone(), details: details.encode() }
     }
 
@@ -299,19 +273,11 @@ impl BatchWriter for QuicTransport {
         if shared.token.is_cancelled() {
             return Err(TransportError::Shutdown);
         }
+        peer.check_for(Protocol::Quic)?;
         let label = peer.to_string();
-        if peer.protocol != Protocol::Quic {
-            return Err(TransportError::WrongProtocol { peer: label, expected: Protocol::Quic, got: peer.protocol });
-        }
-        peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: label.clone(), reason })?;
         let details = EndpointDetails::decode(&peer.details)
             .map_err(|e| TransportError::BadEndpoint { peer: label.clone(), reason: e.to_string() })?;
-        let sources = Sources::check(&shared.memory, ops).map_err(|error| match error {
-            SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
-                TransportError::SourceOutOfBounds { addr, len }
-            }
-            SourceError::Closed => TransportError::Shutdown,
-        })?;
+        let sources = Sources::check(&shared.memory, ops)?;
         if ops.is_empty() {
             return Ok(());
         }

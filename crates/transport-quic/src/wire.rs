@@ -8,6 +8,7 @@
 
 use bytes::{Buf, BufMut};
 use kv_proto::auth::{Nonce, Proof, AUTH_TAG_LEN};
+use kv_proto::receive::HeaderFields;
 use kv_proto::{GrantId, GRANT_ID_LEN};
 
 /// The ALPN protocol a data-plane connection negotiates; a peer offering
@@ -94,6 +95,14 @@ impl BatchHeader {
         let mut grant = [0u8; GRANT_ID_LEN];
         buf.copy_to_slice(&mut grant);
         Self { grant: GrantId::from_bytes(grant), op_count: buf.get_u64_le(), total_bytes: buf.get_u64_le() }
+    }
+}
+
+/// What the batch-receive machine ([`kv_proto::receive`]) reads of a
+/// header: no batch id, no flags.
+impl From<BatchHeader> for HeaderFields {
+    fn from(header: BatchHeader) -> Self {
+        HeaderFields::plain(header.grant, header.op_count, header.total_bytes)
     }
 }
 

@@ -12,11 +12,12 @@ mod common;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use common::{check, fill, isolated, HelloOutcome, Node, Proving, RawClient, BOUND, RIGHT_SECRET};
+use common::{isolated, node, HelloOutcome, Node, Proving, RawClient, BOUND, RIGHT_SECRET};
 use kv_proto::auth::{AuthSecret, Channel};
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 use quinn::{RecvStream, SendStream};
 use rstest::rstest;
+use test_support::pattern::{check, fill};
 use transport_quic::wire::{ClientHello, ServerHello, CLOSE_BUSY, SERVER_HELLO_LEN};
 use transport_quic::{ListenerLimits, QuicConfig};
 
@@ -64,20 +65,8 @@ impl Stall {
 
 /// An honest sender (from 127.0.0.1) writes a batch into `victim`.
 async fn honest_batch(victim: &Node, secret: Option<AuthSecret>) -> Result<(), TransportError> {
-    let mut sender = Node::new(QuicConfig { auth_secret: secret, ..QuicConfig::default() }, 1 << 16).await;
-    let ops: Vec<WriteOp> = (0..8)
-        .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + k * 1024, len: 1024 })
-        .collect();
-    fill(&mut sender.buf, &ops);
-    let grant = victim.grant(0, 8 * 1024).await;
-    let written = tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
-        .await
-        .expect("the honest batch was not answered in time");
-    victim.transport.revoke(&grant.id).await;
-    if written.is_ok() {
-        check(&victim.buf, &ops);
-    }
-    written
+    let mut sender = node(QuicConfig { auth_secret: secret, ..QuicConfig::default() }, 1 << 16).await;
+    test_support::write_batch(&mut sender, victim, 0, BOUND).await
 }
 
 /// As many stalled hellos as the receiver has established places (so one
@@ -97,7 +86,7 @@ fn stalled_hellos_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, Stal
             connect_timeout: LONG,
             ..QuicConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let mut stalled = Vec::new();
         for _ in 0..PLACES {
             stalled.push(stall.open(&victim).await);
@@ -119,7 +108,7 @@ fn a_peer_before_its_hello_opens_one_stream_and_sends_little(
 ) {
     isolated(async move {
         let config = QuicConfig { auth_secret: stall.secret(), connect_timeout: LONG, ..QuicConfig::default() };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let (client, hello) = stall.open(&victim).await;
         let (mut send, _recv) = match hello {
             Some(stream) => stream,
@@ -157,7 +146,7 @@ fn under_pressure_a_new_source_proves_its_address_first() {
             connect_timeout: LONG,
             ..QuicConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let mut stalled = Vec::new();
         for _ in 0..PLACES / 2 {
             stalled.push(Stall::Silent.open(&victim).await);
@@ -179,7 +168,7 @@ fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
             connect_timeout: LONG,
             ..QuicConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
         let over = RawClient::handshake_from(&victim, HOSTILE).await;
         assert!(
@@ -203,9 +192,9 @@ fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(RIGHT_SECRET
             limits: ListenerLimits { max_connections: 1, ..ListenerLimits::default() },
             ..QuicConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         // A sender whose connection holds the one place.
-        let mut first = Node::new(QuicConfig { auth_secret: secret.clone(), ..QuicConfig::default() }, 1 << 16).await;
+        let mut first = node(QuicConfig { auth_secret: secret.clone(), ..QuicConfig::default() }, 1 << 16).await;
         let ops: Vec<WriteOp> = (0..2)
             .map(|k| WriteOp {
                 src: first.buf.addr() + k * 512,
@@ -214,7 +203,7 @@ fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(RIGHT_SECRET
             })
             .collect();
         fill(&mut first.buf, &ops);
-        let grant = victim.grant(32 * 1024, 1024).await;
+        let grant = victim.grant_range(32 * 1024, 1024).await;
         first.transport.batch_write(&victim.transport.endpoint(), &grant, &ops).await.unwrap();
 
         let refused = honest_batch(&victim, secret.clone()).await.expect_err("a second connection was served");

@@ -9,13 +9,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_still_serves, check, exported, fill, isolated, request, FakeReceiver, HelloOutcome, Node, Proving,
-    RawClient, BOUND,
+    assert_still_serves, exported, isolated, node, request, FakeReceiver, HelloOutcome, Node, Proving, RawClient, BOUND,
 };
 use kv_proto::auth::{server_proof, AuthSecret, Channel, Transcript};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 use rstest::rstest;
+use test_support::pattern::{check, fill};
 use transport_quic::wire::{transcript_context, ClientHello, ServerHello, CLIENT_HELLO_LEN, CLOSE_AUTH};
 use transport_quic::QuicConfig;
 
@@ -32,7 +32,7 @@ async fn write(a: &mut Node, b: &Node) -> Result<Vec<WriteOp>, TransportError> {
     let ops: Vec<WriteOp> =
         (0..4).map(|k| WriteOp { src: a.buf.addr() + k * 4096, dst: b.buf.addr() + k * 4096, len: 4096 }).collect();
     fill(&mut a.buf, &ops);
-    let grant = b.grant(0, 4 * 4096).await;
+    let grant = b.grant_range(0, 4 * 4096).await;
     let result = tokio::time::timeout(BOUND, a.transport.batch_write(&b.transport.endpoint(), &grant, &ops))
         .await
         .expect("the batch hung");
@@ -45,8 +45,8 @@ async fn write(a: &mut Node, b: &Node) -> Result<Vec<WriteOp>, TransportError> {
 #[case::both(Some(secret()), Some(secret()))]
 fn matching_configurations_carry_batches(#[case] sender: Option<AuthSecret>, #[case] receiver: Option<AuthSecret>) {
     isolated(async move {
-        let mut a = Node::new(with_secret(sender), 1 << 16).await;
-        let b = Node::new(with_secret(receiver), 1 << 16).await;
+        let mut a = node(with_secret(sender), 1 << 16).await;
+        let b = node(with_secret(receiver), 1 << 16).await;
         let ops = write(&mut a, &b).await.unwrap();
         check(&b.buf, &ops);
         // The next batch reuses the authenticated connection.
@@ -66,8 +66,8 @@ fn mismatched_secrets_are_refused_with_a_clear_error(
     #[case] says: &str,
 ) {
     isolated(async move {
-        let mut a = Node::new(with_secret(sender), 1 << 16).await;
-        let b = Node::new(with_secret(receiver), 1 << 16).await;
+        let mut a = node(with_secret(sender), 1 << 16).await;
+        let b = node(with_secret(receiver), 1 << 16).await;
         let err = write(&mut a, &b).await.unwrap_err();
         match &err {
             TransportError::Connect { reason, .. } => assert!(reason.contains(says), "unclear reason: {reason}"),
@@ -115,7 +115,7 @@ fn a_raw_client_must_prove_the_secret_for_this_connection_and_protocol(
     attempt: Attempt,
 ) {
     isolated(async move {
-        let victim = Node::new(with_secret(Some(secret())), 1 << 16).await;
+        let victim = node(with_secret(Some(secret())), 1 << 16).await;
         let grant = victim.grant_all().await.id;
         let client = RawClient::handshake(&victim).await;
         let other = RawClient::handshake(&victim).await;
@@ -183,7 +183,7 @@ fn a_sender_refuses_a_receiver_proof_not_made_for_this_connection(
     proof: FakeProof,
 ) {
     isolated(async move {
-        let mut a = Node::new(with_secret(Some(secret())), 1 << 16).await;
+        let mut a = node(with_secret(Some(secret())), 1 << 16).await;
         let fake = FakeReceiver::kvlink();
         let accepting = fake.endpoint.clone();
         let server = tokio::spawn(async move {
@@ -246,7 +246,7 @@ fn a_hello_that_never_completes_is_cut_at_the_deadline(#[case] sent: usize) {
     isolated(async move {
         const CONNECT_TIMEOUT: Duration = Duration::from_millis(400);
         let config = QuicConfig { connect_timeout: CONNECT_TIMEOUT, ..with_secret(Some(secret())) };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let client = RawClient::handshake(&victim).await;
         let started = Instant::now();
         let mut streams = None;
@@ -276,7 +276,7 @@ fn a_receiver_that_never_answers_the_hello_fails_the_connect_in_time() {
     isolated(async move {
         const CONNECT_TIMEOUT: Duration = Duration::from_millis(400);
         let config = QuicConfig { connect_timeout: CONNECT_TIMEOUT, ..with_secret(Some(secret())) };
-        let mut a = Node::new(config, 1 << 16).await;
+        let mut a = node(config, 1 << 16).await;
         let fake = FakeReceiver::kvlink();
         let accepting = fake.endpoint.clone();
         // Completes the TLS handshake, reads the hello, never answers.

@@ -12,20 +12,23 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{any_grant, check, fake_server_hello, fill, request, verdict, FakeReceiver, Node, RawClient, BOUND};
+use common::{
+    any_grant, default_node, fake_server_hello, node, request, verdict, FakeReceiver, Node, RawClient, BOUND,
+};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
+use test_support::pattern::{check, fill};
 use tokio::task::JoinSet;
-use transport_quic::QuicConfig;
+use transport_quic::{OpListLimits, QuicConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_share_one_connection() {
     const BATCHES: usize = 32;
     const OPS: usize = 64;
     const LEN: usize = 2048;
-    let mut a = Node::with_defaults(BATCHES * OPS * LEN).await;
+    let mut a = default_node(BATCHES * OPS * LEN).await;
     // Fewer streams than batches: the rest wait for a free stream.
-    let b = Node::new(QuicConfig { max_concurrent_streams: 4, ..QuicConfig::default() }, 2 * BATCHES * OPS * LEN).await;
+    let b = node(QuicConfig { max_concurrent_streams: 4, ..QuicConfig::default() }, 2 * BATCHES * OPS * LEN).await;
     let all: Vec<WriteOp> = (0..BATCHES * OPS)
         .map(|k| WriteOp {
             src: a.buf.addr() + (k * LEN) as u64,
@@ -60,8 +63,12 @@ async fn concurrent_batches_share_one_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_over_the_advertised_op_limit_fails_before_sending() {
-    let a = Node::with_defaults(1 << 16).await;
-    let b = Node::new(QuicConfig { max_ops_per_batch: 8, ..QuicConfig::default() }, 1 << 16).await;
+    let a = default_node(1 << 16).await;
+    let config = QuicConfig {
+        op_lists: OpListLimits { max_ops_per_batch: 8, ..OpListLimits::default() },
+        ..QuicConfig::default()
+    };
+    let b = node(config, 1 << 16).await;
     let ops: Vec<WriteOp> =
         (0..9).map(|k| WriteOp { src: a.buf.addr() + k * 16, dst: b.buf.addr() + k * 16, len: 16 }).collect();
     let grant = b.grant_all().await;
@@ -89,7 +96,7 @@ async fn stopping_mid_batch_is_prompt_and_nothing_lands_after(#[case] stop: Stop
     const LEN: usize = 64 * 1024;
     const FIRST: usize = 16 * 1024;
     // A long I/O bound: stopping must not wait for it.
-    let victim = Node::new(QuicConfig { io_timeout: Duration::from_secs(60), ..QuicConfig::default() }, LEN).await;
+    let victim = node(QuicConfig { io_timeout: Duration::from_secs(60), ..QuicConfig::default() }, LEN).await;
     let grant = victim.grant_all().await.id;
     let client = RawClient::connect(&victim).await;
     let (mut send, mut recv) = client.stream().await;
@@ -114,11 +121,11 @@ async fn stopping_mid_batch_is_prompt_and_nothing_lands_after(#[case] stop: Stop
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_outside_its_grant_is_refused_before_its_payload_is_read() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
     let endpoint = b.transport.endpoint();
     // The grant covers the first half of b's buffer; the sender cannot know.
-    let grant = b.grant(0, 1 << 15).await;
+    let grant = b.grant_range(0, 1 << 15).await;
     let good = WriteOp { src: a.buf.addr(), dst: b.buf.addr(), len: 4096 };
     // The bad op has a large payload, which the receiver must not read.
     let bad = WriteOp { src: a.buf.addr() + 4096, dst: b.buf.addr() + (1 << 15) - 10, len: 32 * 1024 };
@@ -139,7 +146,7 @@ async fn a_batch_outside_its_grant_is_refused_before_its_payload_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_receiver_closed_is_replaced_on_the_next_batch() {
-    let mut a = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
     // A receiver that acknowledges each batch, then closes the connection
     // once the acknowledgement is delivered.
     let fake = FakeReceiver::kvlink();
@@ -173,7 +180,7 @@ async fn a_connection_the_receiver_closed_is_replaced_on_the_next_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_that_acknowledges_but_never_answers_fails_the_batch_at_the_deadline() {
     const IO_TIMEOUT: Duration = Duration::from_millis(500);
-    let mut a = Node::new(QuicConfig { io_timeout: IO_TIMEOUT, ..QuicConfig::default() }, 1 << 20).await;
+    let mut a = node(QuicConfig { io_timeout: IO_TIMEOUT, ..QuicConfig::default() }, 1 << 20).await;
     // A receiver that reads (and so acknowledges) every batch, answers every
     // batch but the first, and never answers the first.
     let fake = FakeReceiver::kvlink();
@@ -242,7 +249,7 @@ async fn a_receiver_that_acknowledges_but_never_answers_fails_the_batch_at_the_d
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_batch_write_resets_its_stream() {
     const WINDOW: u32 = 64 * 1024;
-    let mut a = Node::with_defaults(1 << 20).await;
+    let mut a = default_node(1 << 20).await;
     // A receiver with a small stream window that stops reading after one
     // window's worth, so the batch cannot finish on its own.
     let mut transport = quinn::TransportConfig::default();

@@ -13,21 +13,22 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    any_grant, assert_still_serves, check, fake_server_hello, fill, isolated, reply, request, verdict, FakeReceiver,
-    Node, RawClient, Resources, BOUND,
+    any_grant, assert_still_serves, default_node, fake_server_hello, isolated, node, reply, request, verdict,
+    FakeReceiver, Node, RawClient, BOUND,
 };
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 use rstest::rstest;
+use test_support::pattern::{check, fill};
+use test_support::Resources;
 use transport_quic::wire::{BatchHeader, BATCH_HEADER_LEN};
-use transport_quic::QuicConfig;
+use transport_quic::{OpListLimits, QuicConfig};
 
 /// Small bounds, so the stalling cases end quickly.
 fn victim_config() -> QuicConfig {
     QuicConfig {
         io_timeout: Duration::from_millis(300),
-        max_ops_per_batch: 1024,
-        op_list_timeout: Duration::from_secs(1),
+        op_lists: OpListLimits { max_ops_per_batch: 1024, timeout: Duration::from_secs(1), ..OpListLimits::default() },
         ..QuicConfig::default()
     }
 }
@@ -108,9 +109,9 @@ fn a_hostile_stream_costs_only_itself(
     abuse: Abuse,
 ) {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let base = victim.buf.addr();
-        let grant = victim.grant(0, BAD_AREA as u64).await.id;
+        let grant = victim.grant_range(0, BAD_AREA as u64).await.id;
         let with_victim = Resources::now();
         let client = RawClient::connect(&victim).await;
         let (mut send, mut recv) = client.stream().await;
@@ -231,8 +232,8 @@ fn a_hostile_stream_costs_only_itself(
         // The same connection still carries a valid batch, unless it was closed.
         if !matches!(abuse, Abuse::ClosedMidPayload) {
             let dst = base + BAD_AREA as u64;
-            let good = victim.grant(BAD_AREA as u64, 256).await.id;
-            let payload: Vec<u8> = (0..256).map(|i| common::pattern(99, i)).collect();
+            let good = victim.grant_range(BAD_AREA as u64, 256).await.id;
+            let payload: Vec<u8> = (0..256).map(|i| test_support::pattern::byte(99, i)).collect();
             let (status, reason) =
                 client.exchange(&common::request(&good, &[(dst, 256)], 256, &payload)).await.unwrap();
             assert_eq!(status, ReplyStatus::Ok, "{abuse:?}: {reason}");
@@ -242,14 +243,14 @@ fn a_hostile_stream_costs_only_itself(
         assert_still_serves(&victim).await;
         assert_eq!(victim.transport.connections_accepted(), 2, "the raw client's and the sender's");
         drop((client, recv));
-        with_victim.back(&format!("after {abuse:?}")).await;
+        with_victim.back(&format!("after {abuse:?}"), BOUND).await;
     });
 }
 
 #[test]
 fn garbage_datagrams_and_aborted_handshakes_cost_nothing() {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let with_victim = Resources::now();
         let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         for len in [1usize, 20, 1200, 1500] {
@@ -262,7 +263,7 @@ fn garbage_datagrams_and_aborted_handshakes_cost_nothing() {
         endpoint.close(0u32.into(), b"");
         assert_still_serves(&victim).await;
         drop((socket, endpoint));
-        with_victim.back("after garbage datagrams").await;
+        with_victim.back("after garbage datagrams", BOUND).await;
     });
 }
 
@@ -300,7 +301,7 @@ fn a_bad_receiver_fails_the_batch_within_the_bound(
 ) {
     isolated(async move {
         let config = QuicConfig { io_timeout: Duration::from_millis(300), ..QuicConfig::default() };
-        let mut sender = Node::new(config, 1 << 16).await;
+        let mut sender = node(config, 1 << 16).await;
         let fake = FakeReceiver::kvlink();
         let accepting = fake.endpoint.clone();
         let server = tokio::spawn(async move {
@@ -353,7 +354,7 @@ fn a_bad_receiver_fails_the_batch_within_the_bound(
         };
         assert!(ok, "{bad:?}: unexpected {err:?}");
         // The sender still works with a real receiver.
-        let receiver = Node::with_defaults(1 << 16).await;
+        let receiver = default_node(1 << 16).await;
         let good: Vec<WriteOp> =
             ops.iter().map(|op| WriteOp { dst: receiver.buf.addr() + (op.dst - 0x10_0000), ..*op }).collect();
         let grant = receiver.grant_all().await;
@@ -399,17 +400,17 @@ fn a_batch_outside_a_live_grant_is_refused_whole(
     case: Trespass,
 ) {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let base = victim.buf.addr();
         // The victim's source KV: readable by its own batches, never writable.
-        let source_only = common::TestBuf::new(VICTIM_LEN);
+        let source_only = test_support::TestBuf::new(VICTIM_LEN);
         // SAFETY: `source_only` outlives the victim's transport (dropped below first).
         unsafe { victim.transport.register_regions(&[source_only.region()], kv_proto::RegionAccess::Source) }.unwrap();
-        let live = victim.grant(0, HOSTILE_AREA).await.id;
+        let live = victim.grant_range(0, HOSTILE_AREA).await.id;
         let (grant, ops): (kv_proto::GrantId, Vec<(u64, u64)>) = match case {
             Trespass::ForgedGrant => (kv_proto::GrantId::random().unwrap(), vec![(base, 8192), (base + 8192, 8192)]),
             Trespass::RevokedGrant => {
-                let revoked = victim.grant(0, HOSTILE_AREA).await.id;
+                let revoked = victim.grant_range(0, HOSTILE_AREA).await.id;
                 victim.transport.revoke(&revoked).await;
                 (revoked, vec![(base, 8192), (base + 8192, 8192)])
             }
@@ -426,12 +427,12 @@ fn a_batch_outside_a_live_grant_is_refused_whole(
         let hostile = request(&grant, &ops, 16 * 1024, &[0xee; 16 * 1024]);
 
         // An honest sender writes into the victim at the same time.
-        let mut honest = Node::with_defaults(1 << 16).await;
+        let mut honest = default_node(1 << 16).await;
         let honest_ops: Vec<WriteOp> = (0..8)
             .map(|k| WriteOp { src: honest.buf.addr() + k * 1024, dst: base + HONEST + k * 1024, len: 1024 })
             .collect();
         fill(&mut honest.buf, &honest_ops);
-        let honest_grant = victim.grant(HONEST, HONEST_LEN).await;
+        let honest_grant = victim.grant_range(HONEST, HONEST_LEN).await;
         let endpoint = victim.transport.endpoint();
         let (refused, honest_result) = tokio::join!(
             client.exchange(&hostile),
@@ -449,8 +450,8 @@ fn a_batch_outside_a_live_grant_is_refused_whole(
         honest_result.expect("the honest batch hung").expect("the honest batch failed");
 
         // The connection is still usable: a valid batch on it lands.
-        let follow_up = victim.grant(FOLLOW_UP, 256).await.id;
-        let payload: Vec<u8> = (0..256).map(|i| common::pattern(7, i)).collect();
+        let follow_up = victim.grant_range(FOLLOW_UP, 256).await.id;
+        let payload: Vec<u8> = (0..256).map(|i| test_support::pattern::byte(7, i)).collect();
         let (status, reason) =
             client.exchange(&request(&follow_up, &[(base + FOLLOW_UP, 256)], 256, &payload)).await.unwrap();
         assert_eq!(status, ReplyStatus::Ok, "{case:?}: {reason}");
@@ -473,7 +474,7 @@ fn a_batch_outside_a_live_grant_is_refused_whole(
         assert!(source_only.is_zero(), "{case:?}: bytes landed in a source region");
         assert_eq!(victim.transport.connections_accepted(), 2, "the raw client's and the honest sender's");
         drop((client, honest));
-        with_victim.back(&format!("after {case:?}")).await;
+        with_victim.back(&format!("after {case:?}"), BOUND).await;
         drop(victim);
     });
 }
@@ -494,7 +495,7 @@ fn a_revocation_mid_batch_is_a_fence() {
     isolated(async move {
         const FIRST: usize = 16 * 1024;
         let victim =
-            Node::new(QuicConfig { io_timeout: Duration::from_secs(60), ..QuicConfig::default() }, VICTIM_LEN).await;
+            node(QuicConfig { io_timeout: Duration::from_secs(60), ..QuicConfig::default() }, VICTIM_LEN).await;
         let grant = victim.grant_all().await.id;
         let client = RawClient::connect(&victim).await;
         let (mut send, mut recv) = client.stream().await;
@@ -520,8 +521,8 @@ fn a_batch_racing_a_revocation_lands_nothing_after_it() {
     isolated(async move {
         const OPS: u64 = 256;
         const LEN: u64 = 64 * 1024;
-        let mut sender = Node::with_defaults((OPS * LEN) as usize).await;
-        let receiver = Node::with_defaults((OPS * LEN) as usize).await;
+        let mut sender = default_node((OPS * LEN) as usize).await;
+        let receiver = default_node((OPS * LEN) as usize).await;
         let ops: Vec<WriteOp> = (0..OPS)
             .map(|k| WriteOp { src: sender.buf.addr() + k * LEN, dst: receiver.buf.addr() + k * LEN, len: LEN })
             .collect();
@@ -552,7 +553,7 @@ fn a_batch_racing_a_revocation_lands_nothing_after_it() {
         for (k, op) in ops.iter().enumerate() {
             let off = (op.dst - receiver.buf.addr()) as usize;
             for i in 0..LEN as usize {
-                expected[off + i] = common::pattern(k as u64, i);
+                expected[off + i] = test_support::pattern::byte(k as u64, i);
             }
         }
         assert_eq!(&snapshot[..landed], &expected[..landed]);

@@ -5,42 +5,18 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
-use common::Node;
+use common::default_node;
 use kv_proto::{BatchWriter, Grant, GrantId, TransportError, WriteOp};
-
-/// Log lines captured from this thread.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+use test_support::Logs;
 
 /// On a current-thread runtime, so every task logs to this test's subscriber.
 #[tokio::test]
 async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     const FLOOD: u64 = 500;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Logs::capture(tracing::Level::WARN);
 
-    let receiver = Node::with_defaults(4096).await;
-    let sender = Node::with_defaults(4096).await;
+    let receiver = default_node(4096).await;
+    let sender = default_node(4096).await;
     let op = [WriteOp { src: sender.buf.addr(), dst: receiver.buf.addr(), len: 8 }];
     let started = std::time::Instant::now();
     for n in 1..=FLOOD {
@@ -50,7 +26,7 @@ async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     }
     let seconds = started.elapsed().as_secs();
     assert!(receiver.buf.bytes()[..8].iter().all(|&b| b == 0), "a forged grant wrote");
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let lines = text.lines().filter(|l| l.contains("refusing batch")).count();
     assert!(lines >= 1 && lines as u64 <= 2 + seconds, "{lines} lines for {FLOOD} refusals in {seconds} s:\n{text}");
 }

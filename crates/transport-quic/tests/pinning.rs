@@ -7,13 +7,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{any_grant, assert_still_serves, client_endpoint, fill, FakeReceiver, Node, BOUND};
+use common::{any_grant, assert_still_serves, client_endpoint, default_node, FakeReceiver, Node, BOUND};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, Endpoint, TransportError, WriteOp};
 use rstest::rstest;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
+use test_support::pattern::fill;
 use transport_quic::details::{EndpointDetails, DETAILS_LEN};
 use transport_quic::wire::SERVER_NAME;
 
@@ -23,8 +24,8 @@ fn one_op(a: &Node, b: &Node) -> Vec<WriteOp> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_fingerprint_fails_the_handshake_and_writes_nothing() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
     let ops = one_op(&a, &b);
     fill(&mut a.buf, &ops);
     let mut details = EndpointDetails::decode(&b.transport.endpoint().details).unwrap();
@@ -48,7 +49,7 @@ async fn a_wrong_fingerprint_fails_the_handshake_and_writes_nothing() {
     // The right pin works, from the same sender.
     a.transport.batch_write(&b.transport.endpoint(), &grant, &ops).await.unwrap();
     b.transport.revoke(&grant.id).await;
-    common::check(&b.buf, &ops);
+    test_support::pattern::check(&b.buf, &ops);
     assert_eq!(a.transport.connections_opened(), 1);
 }
 
@@ -84,8 +85,8 @@ async fn malformed_details_are_a_bad_endpoint(
     )]
     malformed: Malformed,
 ) {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
     let ops = one_op(&a, &b);
     fill(&mut a.buf, &ops);
     let good = b.transport.endpoint().details;
@@ -116,7 +117,7 @@ async fn malformed_details_are_a_bad_endpoint(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_without_the_kvlink_alpn_is_refused() {
-    let mut a = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
     let fake = FakeReceiver::bind(b"h3");
     let accepting = fake.endpoint.clone();
     // Drive the fake's handshakes (they fail: no common ALPN).
@@ -178,7 +179,7 @@ impl ServerCertVerifier for AnyServer {
 #[case::no_alpn(None)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_the_kvlink_alpn_gets_no_service(#[case] alpn: Option<&[u8]>) {
-    let victim = Node::with_defaults(1 << 16).await;
+    let victim = default_node(1 << 16).await;
     let grant = victim.grant_all().await.id;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut crypto = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))

@@ -2,52 +2,24 @@
 //! batch it refuses, once and by reason (the grant checks of its memory and
 //! the op-list budget of its listener), and every peer whose proof of the
 //! shared secret does not verify; a sender counts a receiver that fails its
-//! proof. Live grants follow `grant` and `revoke`.
+//! proof. (That live grants follow `grant` and `revoke` is a case of the
+//! conformance suite.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::time::Duration;
 
-use common::{reply, request, HelloOutcome, Node, Proving, RawClient, BOUND, RIGHT_SECRET};
+use common::{default_node, node, reply, request, HelloOutcome, Proving, RawClient, BOUND, RIGHT_SECRET};
 use kv_proto::auth::{AuthSecret, Channel};
 use kv_proto::dataplane::{ReplyStatus, OP_LEN};
-use kv_proto::{BatchRefusal, BatchWriter, GrantId, TransportError, TransportStats, WriteOp};
+use kv_proto::{BatchRefusal, BatchWriter, GrantId, TransportError, WriteOp};
+use test_support::stats::{expected, reaches};
 use transport_quic::wire::{ClientHello, ServerHello, CLOSE_AUTH, SERVER_HELLO_LEN};
-use transport_quic::{QuicConfig, QuicTransport};
+use transport_quic::{OpListLimits, QuicConfig};
 
 /// Ops the receiver's op-list budget holds in the budget test.
 const BUDGET_OPS: u64 = 16;
-
-/// The stats a transport should report: `refused` per reason (every other
-/// reason zero).
-fn expected(grants_live: u64, refused: &[(BatchRefusal, u64)], auth_failures: u64) -> TransportStats {
-    let batches_refused = BatchRefusal::ALL
-        .iter()
-        .map(|&why| (why, refused.iter().find(|(w, _)| *w == why).map_or(0, |(_, n)| *n)))
-        .collect();
-    TransportStats { grants_live, batches_refused, auth_failures }
-}
-
-/// Waits (bounded) until `transport` reports `want`: a count may be bumped
-/// by the receiver's task just after the peer saw the refusal.
-async fn reaches(transport: &QuicTransport, want: &TransportStats) {
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while transport.stats() != *want && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert_eq!(transport.stats(), *want);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grants_live_follows_grant_and_revoke() {
-    let rx = Node::with_defaults(1 << 16).await;
-    assert_eq!(rx.transport.stats(), expected(0, &[], 0), "a fresh transport reports zeros, every reason listed");
-    let grant = rx.grant_all().await;
-    assert_eq!(rx.transport.stats().grants_live, 1);
-    rx.transport.revoke(&grant.id).await;
-    assert_eq!(rx.transport.stats(), expected(0, &[], 0));
-}
 
 /// An unknown grant, a revoked grant (through a real sender), an op outside
 /// a live grant, and an op list that finds no room in the budget: each is
@@ -56,31 +28,34 @@ async fn grants_live_follows_grant_and_revoke() {
 async fn each_refusal_is_counted_once_by_reason() {
     let config = QuicConfig {
         // Room for one list of `BUDGET_OPS` ops; a second list waits this long.
-        unauthenticated_op_list_budget: BUDGET_OPS * OP_LEN as u64,
-        op_list_timeout: Duration::from_millis(300),
+        op_lists: OpListLimits {
+            unauthenticated_budget: BUDGET_OPS * OP_LEN as u64,
+            timeout: Duration::from_millis(300),
+            ..OpListLimits::default()
+        },
         ..QuicConfig::default()
     };
-    let rx = Node::new(config, 1 << 16).await;
+    let rx = node(config, 1 << 16).await;
     let base = rx.buf.addr();
-    let live = rx.grant(0, 4096).await;
+    let live = rx.grant_range(0, 4096).await;
     let client = RawClient::connect(&rx).await;
 
     // Never issued.
     let (status, reason) =
         client.exchange(&request(&GrantId::from_bytes([0x42; 16]), &[(base, 4)], 4, &[1; 4])).await.unwrap();
     assert_eq!(status, ReplyStatus::Refused, "{reason}");
-    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 1)], 0)).await;
+    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 1)], 0), BOUND).await;
 
     // Revoked, written by a real sender: the receiver counts it, the
     // sender (whose batch it is) does not.
-    let mut tx = Node::with_defaults(1 << 16).await;
+    let mut tx = default_node(1 << 16).await;
     tx.buf.bytes_mut()[..8].fill(7);
-    let revoked = rx.grant(8192, 4096).await;
+    let revoked = rx.grant_range(8192, 4096).await;
     rx.transport.revoke(&revoked.id).await;
     let ops = [WriteOp { src: tx.buf.addr(), dst: base + 8192, len: 8 }];
     let err = tx.transport.batch_write(&rx.transport.endpoint(), &revoked, &ops).await.unwrap_err();
     assert!(matches!(err, TransportError::Refused { .. }), "{err:?}");
-    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 2)], 0)).await;
+    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 2)], 0), BOUND).await;
     assert_eq!(tx.transport.stats(), expected(0, &[], 0), "a sender counts no refusal of its own batch");
 
     // Live, one op outside it (inside the registered destination).
@@ -89,7 +64,7 @@ async fn each_refusal_is_counted_once_by_reason() {
     assert_eq!(status, ReplyStatus::Refused, "{reason}");
     assert!(reason.contains("op 1"), "{reason}");
     let after_outside = [(BatchRefusal::UnknownGrant, 2), (BatchRefusal::OutsideGrant, 1)];
-    reaches(&rx.transport, &expected(1, &after_outside, 0)).await;
+    reaches(&rx.transport, &expected(1, &after_outside, 0), BOUND).await;
 
     // The budget: one stream holds all of it (its op list is in, its
     // payload not yet), so another's list finds no room within the op-list
@@ -114,9 +89,9 @@ async fn each_refusal_is_counted_once_by_reason() {
     let (status, reason) = client.exchange(&request(&live.id, &[(base + 200, 2)], 2, &[5; 2])).await.unwrap();
     assert_eq!(status, ReplyStatus::Ok, "{reason}");
     let all = [(BatchRefusal::UnknownGrant, 2), (BatchRefusal::OutsideGrant, 1), (BatchRefusal::OpBudget, 1)];
-    reaches(&rx.transport, &expected(1, &all, 0)).await;
+    reaches(&rx.transport, &expected(1, &all, 0), BOUND).await;
     rx.transport.revoke(&live.id).await;
-    reaches(&rx.transport, &expected(0, &all, 0)).await;
+    reaches(&rx.transport, &expected(0, &all, 0), BOUND).await;
     assert_eq!(&rx.buf.bytes()[..BUDGET_OPS as usize], &[3; BUDGET_OPS as usize]);
     assert_eq!(&rx.buf.bytes()[200..202], &[5; 2]);
 }
@@ -127,7 +102,7 @@ async fn each_refusal_is_counted_once_by_reason() {
 async fn a_revocation_mid_batch_is_counted() {
     const LEN: usize = 64 * 1024;
     const FIRST: usize = 16 * 1024;
-    let rx = Node::with_defaults(LEN).await;
+    let rx = default_node(LEN).await;
     let grant = rx.grant_all().await;
     let client = RawClient::connect(&rx).await;
     let (mut send, mut recv) = client.stream().await;
@@ -144,7 +119,7 @@ async fn a_revocation_mid_batch_is_counted() {
     let (status, reason) = reply(&mut recv).await.unwrap();
     assert_eq!(status, ReplyStatus::Refused, "{reason}");
     assert!(reason.contains("revoked"), "{reason}");
-    reaches(&rx.transport, &expected(0, &[(BatchRefusal::UnknownGrant, 1)], 0)).await;
+    reaches(&rx.transport, &expected(0, &[(BatchRefusal::UnknownGrant, 1)], 0), BOUND).await;
 }
 
 fn with_secret(secret: &str) -> QuicConfig {
@@ -155,7 +130,7 @@ fn with_secret(secret: &str) -> QuicConfig {
 /// one that proves another secret is, once; an honest sender adds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_proof_is_counted_on_the_receiver() {
-    let rx = Node::new(with_secret(RIGHT_SECRET), 1 << 16).await;
+    let rx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
 
     // Finishes the hello stream after the receiver's answer: the receiver
     // finds it truncated and closes the connection (so it is done with it).
@@ -175,9 +150,9 @@ async fn a_wrong_proof_is_counted_on_the_receiver() {
         HelloOutcome::Closed(code, reason) => assert_eq!(code, u64::from(CLOSE_AUTH), "{reason}"),
         other => panic!("a wrong proof was not refused: {other:?}"),
     }
-    reaches(&rx.transport, &expected(0, &[], 1)).await;
+    reaches(&rx.transport, &expected(0, &[], 1), BOUND).await;
 
-    let mut tx = Node::new(with_secret(RIGHT_SECRET), 1 << 16).await;
+    let mut tx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
     tx.buf.bytes_mut()[..4].fill(9);
     let grant = rx.grant_all().await;
     let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
@@ -191,8 +166,8 @@ async fn a_wrong_proof_is_counted_on_the_receiver() {
 /// receiver proves first): the sender counts it, and sends no proof.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_failing_its_proof_is_counted_on_the_sender() {
-    let rx = Node::new(with_secret(RIGHT_SECRET), 1 << 16).await;
-    let tx = Node::new(with_secret("guess"), 1 << 16).await;
+    let rx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
+    let tx = node(with_secret("guess"), 1 << 16).await;
     let grant = rx.grant_all().await;
     let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
     let err = tx.transport.batch_write(&rx.transport.endpoint(), &grant, &ops).await.unwrap_err();

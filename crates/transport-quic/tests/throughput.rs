@@ -17,8 +17,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::TestBuf;
 use kv_proto::{BatchWriter, MemoryRegion, RegionAccess, WriteOp};
+use test_support::TestBuf;
 use transport_quic::{QuicConfig, QuicTransport};
 
 /// CPU time (user + system) this process has used so far.

@@ -34,11 +34,19 @@
 //! the header is read: at most `max_windows` windows, at most
 //! [`MAX_REASON_LEN`] bytes of reason. Windows must be non-empty, must not
 //! wrap and must not overlap.
+//!
+//! When both sides proved the shared secret in the opening, every request,
+//! reply and progress frame is followed by its 16-byte tag
+//! ([`crate::tags`]); a reader checks it before it decodes the frame (only
+//! a reply's count is checked first, against the limits, to bound what is
+//! read), and a frame that fails it ends the connection.
 
+use kv_proto::session::BadTag;
 use kv_proto::GrantId;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use crate::region::{RegionTable, RegionTableError, RemoteRegion};
+use crate::tags::{FrameTags, TagFailure};
 
 /// First bytes of every control message.
 pub const MAGIC: [u8; 4] = *b"KVRG";
@@ -142,6 +150,10 @@ pub enum ControlError {
     /// The peer closed the connection in the middle of a message.
     #[error("the peer closed the control connection")]
     PeerClosed,
+    /// The message's tag does not match: it was altered or injected after
+    /// the opening.
+    #[error("rdma control {0}")]
+    BadTag(#[from] BadTag),
     /// The connection failed.
     #[error("control connection I/O failed: {0}")]
     Io(#[from] std::io::Error),
@@ -272,23 +284,45 @@ pub fn decode_reply(bytes: &[u8], limits: &ControlLimits) -> Result<Reply, Contr
     Ok(Reply::Windows(RegionTable::new(windows)?))
 }
 
-/// Reads one request; `Ok(None)` if the peer closed the connection cleanly
-/// before its first byte.
-pub async fn read_request<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<Request>, ControlError> {
+/// Reads one request and its tag (see [`crate::tags`]); `Ok(None)` if the
+/// peer closed the connection cleanly before its first byte.
+pub async fn read_request<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    tags: &mut FrameTags,
+) -> Result<Option<Request>, ControlError> {
     let mut bytes = [0u8; REQUEST_LEN];
     let first = reader.read(&mut bytes).await?;
     if first == 0 {
         return Ok(None);
     }
     read_exact(reader, &mut bytes[first..]).await?;
+    check_tag(reader, tags, &bytes).await?;
     decode_request(&bytes).map(Some)
 }
 
-/// Reads one reply: the header first, so the count is checked against
-/// `limits` before the body is read; the body is then buffered as it
-/// arrives (at most [`BODY_CHUNK`] bytes ahead of it), so a count the peer
-/// does not follow with its bytes costs no memory.
-pub async fn read_reply<R: AsyncRead + Unpin>(reader: &mut R, limits: &ControlLimits) -> Result<Reply, ControlError> {
+/// Reads the tag that follows `frame` and checks it.
+async fn check_tag<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    tags: &mut FrameTags,
+    frame: &[u8],
+) -> Result<(), ControlError> {
+    tags.read_and_check(reader, &[frame]).await.map_err(|failure| match failure {
+        TagFailure::Read(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => ControlError::PeerClosed,
+        TagFailure::Read(err) => ControlError::Io(err),
+        TagFailure::Bad(bad) => ControlError::BadTag(bad),
+    })
+}
+
+/// Reads one reply and its tag: the header first, so the count is checked
+/// against `limits` before the body is read; the body is then buffered as
+/// it arrives (at most [`BODY_CHUNK`] bytes ahead of it), so a count the
+/// peer does not follow with its bytes costs no memory; the tag is checked
+/// before the reply is decoded.
+pub async fn read_reply<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    limits: &ControlLimits,
+    tags: &mut FrameTags,
+) -> Result<Reply, ControlError> {
     let mut message = vec![0u8; REPLY_HEADER_LEN];
     read_exact(reader, &mut message).await?;
     let header = decode_reply_header(&message, limits)?;
@@ -298,6 +332,7 @@ pub async fn read_reply<R: AsyncRead + Unpin>(reader: &mut R, limits: &ControlLi
         message.resize(start + (len - start).min(BODY_CHUNK), 0);
         read_exact(reader, &mut message[start..]).await?;
     }
+    check_tag(reader, tags, &message).await?;
     decode_reply(&message, limits)
 }
 
@@ -512,9 +547,10 @@ mod tests {
             drop(a);
         };
         let reader = async {
-            assert_eq!(read_request(&mut b).await.unwrap(), Some(Request::Open(grant)));
-            assert_eq!(read_reply(&mut b, &limits()).await.unwrap(), reply);
-            assert!(read_request(&mut b).await.unwrap().is_none(), "a clean end");
+            let tags = &mut FrameTags::none();
+            assert_eq!(read_request(&mut b, tags).await.unwrap(), Some(Request::Open(grant)));
+            assert_eq!(read_reply(&mut b, &limits(), tags).await.unwrap(), reply);
+            assert!(read_request(&mut b, tags).await.unwrap().is_none(), "a clean end");
         };
         tokio::join!(writer, reader);
     }
@@ -526,7 +562,8 @@ mod tests {
         header[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         a.write_all(&header).await.unwrap();
         // The peer sends nothing more and keeps the connection open.
-        assert!(matches!(read_reply(&mut b, &limits()).await, Err(ControlError::TooManyWindows { .. })));
+        let result = read_reply(&mut b, &limits(), &mut FrameTags::none()).await;
+        assert!(matches!(result, Err(ControlError::TooManyWindows { .. })));
     }
 
     #[tokio::test]
@@ -534,7 +571,7 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(4096);
         a.write_all(&MAGIC).await.unwrap();
         drop(a);
-        assert!(matches!(read_request(&mut b).await, Err(ControlError::PeerClosed)));
+        assert!(matches!(read_request(&mut b, &mut FrameTags::none()).await, Err(ControlError::PeerClosed)));
     }
 
     proptest! {

@@ -32,8 +32,13 @@
 //!   ([`handshake::opening`]): with [`RdmaConfig::auth_secret`] both sides
 //!   prove the shared secret ([`kv_proto::auth`], `Channel::DataRdma`)
 //!   before the receiver makes a queue pair or opens a grant for the
-//!   sender. The receiver holds a connection in its handshake in a
-//!   handshake place (bounded in total and per source host, one deadline
+//!   sender. After the proofs, every frame on the connection (the
+//!   queue-pair exchange, each open request, reply and progress frame)
+//!   carries a tag under per-direction keys derived from the opening's
+//!   transcript ([`tags`], [`kv_proto::session`]), checked before the frame
+//!   is acted on: a frame altered or injected on the path ends the
+//!   connection. 0 established places refuses every sender. The receiver
+//!   holds a connection in its handshake in a handshake place (bounded in total and per source host, one deadline
 //!   for the whole set-up) and gives it an established place
 //!   ([`RdmaConfig::limits`]) only once the opening succeeded.
 //! - **Grants.** [`BatchWriter::grant`](kv_proto::BatchWriter::grant) issues
@@ -156,7 +161,7 @@
 //! # Connections
 //!
 //! One RC queue pair per peer (sender side: per address and receiver
-//! instance, see [`details`]), set up over TCP (the [`handshake`]) and kept
+//! instance, see `details`), set up over TCP (the [`handshake`]) and kept
 //! with its TCP connection as the control channel. Batches to one peer take
 //! turns on it; each is posted as chains of RDMA WRITE work requests (remote-
 //! contiguous ops share one, with scatter-gather), never more outstanding
@@ -171,8 +176,9 @@
 //!
 //! # Bindings
 //!
-//! The design names `rdma-core-sys`; it does not build against today's
-//! rdma-core (it bundles rdma-core 18 and needs a musl cross toolchain). This
+//! Not `rdma-core-sys`, the obvious raw binding: it does not build against
+//! today's rdma-core (it bundles rdma-core 18 and needs a musl cross
+//! toolchain). This
 //! crate uses `sideway` (maintained safe wrappers; RAII objects that hold
 //! `Arc`s of their parents) and, for the few calls sideway does not wrap
 //! (memory windows, chained posting, completion-channel events), its own sys
@@ -193,7 +199,7 @@
 //! once; it stays the fallback when invalidation fails.
 //!
 //! What this crate must never do:
-//! - depend on anything but `kv-proto` among kvlink's crates;
+//! - depend on anything but `kv-proto` and `kv-net` among kvlink's crates;
 //! - let `unsafe` spread beyond the `verbs` module (one exception: the
 //!   trait's `unsafe fn register_regions`, whose one block forwards the
 //!   caller's contract to `verbs::register_checked`);
@@ -209,13 +215,16 @@
 //!
 //! - [`config`]: [`RdmaConfig`], every bound, the device from the environment.
 //! - [`control`]: the open-grant request and its answer, bounded decoding.
-//! - [`details`]: what an RDMA endpoint carries.
+//! - `details`: what an RDMA endpoint carries (public to the fuzz targets
+//!   only).
 //! - [`fence`]: the fence's bookkeeping (window specs, bound windows per
 //!   grant and connection, the window pool, the sender's grant cache).
 //! - [`region`]: registered regions as numbers, and range lookups.
 //! - [`plan`]: the work-request planner (chaining, scatter-gather, signalling).
 //! - [`window`]: send-queue back-pressure (outstanding requests, retirement).
-//! - [`handshake`]: the QP exchange over TCP, bounded decoding.
+//! - [`handshake`]: the opening (versions, the secret, admission) and the
+//!   QP exchange over TCP, bounded decoding.
+//! - [`tags`]: the tags of a control connection's frames after its opening.
 //! - `transport` (feature `verbs`): `RdmaTransport`: the receiver's side
 //!   (listener, opens, the fence), the sender's (connections, batches), the
 //!   queue-pair loop.
@@ -226,11 +235,21 @@
 
 pub mod config;
 pub mod control;
+// Public only to the fuzz targets (cargo-fuzz builds with `--cfg fuzzing`,
+// and so does `cargo xtask fuzz --replay`), as quinn-proto does; its items
+// stay `pub` for them, which `unreachable_pub` would flag here. Without
+// `verbs` nothing but its own tests uses it.
+#[cfg(fuzzing)]
 pub mod details;
+#[cfg(not(fuzzing))]
+#[allow(unreachable_pub)]
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+mod details;
 pub mod fence;
 pub mod handshake;
 pub mod plan;
 pub mod region;
+pub mod tags;
 pub mod window;
 
 #[cfg(feature = "verbs")]

@@ -8,14 +8,13 @@
 //! honest senders from 127.0.0.1. Run with `cargo xtask rdma-test`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
 use kv_proto::{BatchWriter, MemoryRegion, RegionAccess, TransportError, WriteOp};
+use test_support::TestBuf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_rdma::handshake::opening::{self, FLAG_AUTH, MAGIC, OPENING_LEN, VERSION};
@@ -30,51 +29,10 @@ const BOUND: Duration = Duration::from_secs(20);
 /// closes it (or when the receiver refuses it).
 const LONG: Duration = Duration::from_secs(120);
 
-/// Zeroed, page-aligned memory.
-struct Buf {
-    ptr: NonNull<u8>,
-}
-
-impl Buf {
-    fn new() -> Self {
-        // SAFETY: LEN > 0.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(Layout::from_size_align(LEN, 4096).unwrap()) }).unwrap();
-        Self { ptr }
-    }
-
-    fn addr(&self, offset: usize) -> u64 {
-        self.ptr.as_ptr() as u64 + offset as u64
-    }
-
-    fn region(&self) -> MemoryRegion {
-        MemoryRegion::new(self.addr(0), LEN as u64)
-    }
-
-    fn fill(&mut self, byte: u8) {
-        // SAFETY: the allocation is LEN bytes; no transfer reads it now.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, LEN) };
-    }
-
-    fn copy(&self) -> Vec<u8> {
-        let mut out = vec![0u8; LEN];
-        // SAFETY: the allocation is LEN bytes; copied only when no write
-        // under a live grant can land.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), out.as_mut_ptr(), LEN) };
-        out
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), Layout::from_size_align(LEN, 4096).unwrap()) };
-    }
-}
-
 /// A transport and the buffer it registered; the transport closes first.
 struct Node {
     writer: Arc<RdmaTransport>,
-    buf: Buf,
+    buf: TestBuf,
 }
 
 fn config(secret: Option<&str>) -> RdmaConfig {
@@ -90,7 +48,7 @@ fn config(secret: Option<&str>) -> RdmaConfig {
 
 async fn node(access: RegionAccess, config: RdmaConfig) -> Node {
     let writer = RdmaTransport::bind(config).await.unwrap();
-    let buf = Buf::new();
+    let buf = TestBuf::new(LEN);
     // SAFETY: `buf` lives in the returned node, whose writer closes first.
     unsafe { writer.register_regions(&[buf.region()], access) }.unwrap();
     Node { writer, buf }
@@ -100,20 +58,20 @@ async fn node(access: RegionAccess, config: RdmaConfig) -> Node {
 /// success the bytes are checked.
 async fn honest_batch(victim: &Node, secret: Option<&str>) -> Result<(), TransportError> {
     let mut sender = node(RegionAccess::Source, config(secret)).await;
-    sender.buf.fill(0xab);
+    sender.buf.bytes_mut().fill(0xab);
     let ops: Vec<WriteOp> =
-        (0..4).map(|k| WriteOp { src: sender.buf.addr(k * 4096), dst: victim.buf.addr(k * 8192), len: 4096 }).collect();
+        (0..4).map(|k| WriteOp { src: sender.buf.at(k * 4096), dst: victim.buf.at(k * 8192), len: 4096 }).collect();
     let ranges: Vec<MemoryRegion> = ops.iter().map(|op| MemoryRegion::new(op.dst, op.len)).collect();
     let grant = victim.writer.grant(&ranges, Duration::from_secs(60)).await.unwrap();
     let written = tokio::time::timeout(BOUND, sender.writer.batch_write(&victim.writer.endpoint(), &grant, &ops))
         .await
         .expect("the honest batch was not answered in time");
     victim.writer.revoke(&grant.id).await;
-    let landed = victim.buf.copy();
+    let landed = victim.buf.bytes().to_vec();
     let expected = if written.is_ok() { 0xab } else { 0 };
     assert!(
         ops.iter().all(|op| {
-            let at = (op.dst - victim.buf.addr(0)) as usize;
+            let at = (op.dst - victim.buf.at(0)) as usize;
             landed[at..at + 4096].iter().all(|&b| b == expected)
         }),
         "the batch's ranges do not hold {expected:#x} after {written:?}"
@@ -269,8 +227,8 @@ async fn a_sender_past_the_connection_limit_is_told_why() {
     )
     .await;
     let mut first = node(RegionAccess::Source, config(Some(SECRET))).await;
-    first.buf.fill(0xcd);
-    let ops = [WriteOp { src: first.buf.addr(0), dst: victim.buf.addr(LEN - 4096), len: 4096 }];
+    first.buf.bytes_mut().fill(0xcd);
+    let ops = [WriteOp { src: first.buf.at(0), dst: victim.buf.at(LEN - 4096), len: 4096 }];
     let grant = victim.writer.grant(&[MemoryRegion::new(ops[0].dst, 4096)], Duration::from_secs(60)).await.unwrap();
     first.writer.batch_write(&victim.writer.endpoint(), &grant, &ops).await.unwrap();
 
@@ -279,5 +237,22 @@ async fn a_sender_past_the_connection_limit_is_told_why() {
 
     first.writer.batch_write(&victim.writer.endpoint(), &grant, &ops).await.unwrap();
     victim.writer.revoke(&grant.id).await;
-    assert!(victim.buf.copy()[LEN - 4096..].iter().all(|&b| b == 0xcd));
+    assert!(victim.buf.bytes().to_vec()[LEN - 4096..].iter().all(|&b| b == 0xcd));
+}
+
+/// No established place at all refuses every sender, with or without the
+/// secret, as TCP and QUIC do (it was once taken as one place).
+#[rstest::rstest]
+#[case::no_secret(None)]
+#[case::with_a_secret(Some(SECRET))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_established_place_refuses_every_sender(#[case] secret: Option<&str>) {
+    let victim = node(
+        RegionAccess::Destination,
+        RdmaConfig { limits: ListenerLimits { max_connections: 0, ..ListenerLimits::default() }, ..config(secret) },
+    )
+    .await;
+    let refused = honest_batch(&victim, secret).await.expect_err("a sender was served without a place");
+    assert!(refused.to_string().contains("max_connections"), "{refused}");
+    assert_eq!(victim.writer.bound_windows(), 0, "a window was bound for a refused sender");
 }

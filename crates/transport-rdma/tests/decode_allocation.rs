@@ -7,6 +7,7 @@
 
 use test_support::{largest_allocation, reset_peak_heap};
 use transport_rdma::control::{read_reply, ControlError, ControlLimits, MAGIC, VERSION};
+use transport_rdma::tags::FrameTags;
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_claimed_window_count_allocates_nothing_before_its_bytes_are_there() {
@@ -19,7 +20,7 @@ async fn a_claimed_window_count_allocates_nothing_before_its_bytes_are_there() {
     header.extend_from_slice(&[0u8; 40]); // two windows' bytes, then the peer stops
     let mut reader = &header[..];
     reset_peak_heap();
-    let read = read_reply(&mut reader, &limits).await;
+    let read = read_reply(&mut reader, &limits, &mut FrameTags::none()).await;
     let largest = largest_allocation();
     assert!(matches!(read, Err(ControlError::PeerClosed)), "{read:?}");
     assert!(largest <= 256 * 1024, "reading a {}-byte reply allocated {largest} bytes at once", header.len());

@@ -1,37 +1,48 @@
-//! The sending side: the per-peer pool of idle connections, connection
-//! set-up (with authentication), one batch on one connection, and the two
-//! steps of a pre-checked part of a split batch.
+//! The sending side: the per-peer pool of idle connections and of places for
+//! connections in their handshake, connection set-up (with authentication,
+//! tried again when the receiver had no handshake place for this host), one
+//! batch on one connection, and the two steps of a pre-checked part of a
+//! split batch.
 
 use std::collections::HashMap;
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut};
 use kv_net::{read_exact, write_all, WireError};
 use kv_proto::auth::{self, Channel, Nonce, Transcript};
 use kv_proto::dataplane::{put_op_list, ReplyStatus};
-use kv_proto::session::{End, Session, FRAME_TAG_LEN};
+use kv_proto::session::{End, Session, StreamedFrame, FRAME_TAG_LEN};
 use kv_proto::{GrantId, TransportError};
 use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
-use crate::memory::{is_closed_error, Progress, Sources};
+use crate::memory::{is_closed_error, send_to, Progress, Sources};
 use crate::transport::Shared;
 use crate::wire::{
     auth_context, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, AUTH_BUSY, AUTH_OK,
-    AUTH_TAG_LEN, BATCH_FLAG_PRECHECK, BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, MAX_REASON_LEN, OP_LEN,
-    REPLY_HEADER_LEN, VERSION,
+    AUTH_TAG_LEN, BATCH_FLAG_PRECHECK, BATCH_HEADER_LEN, CHALLENGE_LEN, FLAG_AUTH, FLAG_PAYLOAD_AUTH, MAX_REASON_LEN,
+    OP_LEN, REPLY_HEADER_LEN, VERSION,
 };
 
 /// Header-and-op-list buffer capacity kept on a pooled connection; a larger
 /// one (a batch of more than 64 Ki ops) is freed after use.
 const KEEP_BUF_CAPACITY: usize = 1024 * 1024;
+
+/// The first wait before trying a connection again that the receiver closed
+/// for want of a handshake place; each further wait doubles, up to
+/// [`RETRY_MAX`]. A place frees as soon as another connection's handshake
+/// ends, which takes a round trip or a few on a healthy receiver.
+const RETRY_FIRST: Duration = Duration::from_millis(5);
+/// The longest wait between two tries (all of them within `connect_timeout`).
+const RETRY_MAX: Duration = Duration::from_millis(200);
 
 /// An outgoing connection that completed the handshake.
 #[derive(Debug)]
@@ -46,6 +57,9 @@ pub(crate) struct Conn {
     buf: Vec<u8>,
     /// Tags every header, op list and reply, once authenticated.
     session: Option<Session>,
+    /// Whether every payload is followed by its tag (announced in the
+    /// preamble).
+    tagged_payloads: bool,
 }
 
 impl Conn {
@@ -89,17 +103,66 @@ impl Conn {
     }
 }
 
-/// Idle outgoing connections, by peer address.
+impl Conn {
+    /// The tag of the payload of `batch_id`, begun as the next frame this
+    /// end sends (right after its header and op list), where payloads are
+    /// tagged.
+    fn begin_payload_tag(&self, batch_id: u64) -> Option<StreamedFrame> {
+        let session = self.session.as_ref().filter(|_| self.tagged_payloads)?;
+        Some(session.send.begin_streamed(batch_id))
+    }
+
+    /// Sends the tag of a payload just sent, if it was tagged.
+    async fn send_payload_tag(
+        &mut self,
+        frame: Option<StreamedFrame>,
+        peer: &str,
+        io_timeout: Duration,
+    ) -> Result<(), TransportError> {
+        let (Some(frame), Some(session)) = (frame, self.session.as_mut()) else { return Ok(()) };
+        let tag = session.send.seal_streamed(frame);
+        write_all(&mut self.stream, &tag, io_timeout, "payload tag").await.map_err(|e| wire_error(peer, e))
+    }
+}
+
+/// Idle outgoing connections, and places for connections in their
+/// handshake, by peer address.
 #[derive(Debug)]
 pub(crate) struct Pool {
     idle: Mutex<HashMap<String, Vec<Conn>>>,
     max_per_peer: usize,
+    /// Each peer's places for connections in their handshake; a peer's
+    /// entry goes once no place of it is held.
+    connecting: Mutex<HashMap<String, Arc<Semaphore>>>,
+    max_connecting_per_peer: usize,
 }
 
 impl Pool {
-    /// A pool keeping at most `max_per_peer` idle connections per peer.
-    pub(crate) fn new(max_per_peer: usize) -> Self {
-        Self { idle: Mutex::new(HashMap::new()), max_per_peer }
+    /// A pool keeping at most `max_per_peer` idle connections per peer, and
+    /// at most `max_connecting_per_peer` (at least 1) connections to one
+    /// peer in their handshake.
+    pub(crate) fn new(max_per_peer: usize, max_connecting_per_peer: usize) -> Self {
+        Self {
+            idle: Mutex::new(HashMap::new()),
+            max_per_peer,
+            connecting: Mutex::new(HashMap::new()),
+            max_connecting_per_peer: max_connecting_per_peer.clamp(1, Semaphore::MAX_PERMITS),
+        }
+    }
+
+    /// A place for one connection to `peer` in its handshake, once one is
+    /// free (the caller bounds the wait).
+    async fn handshake_place(&self, peer: &str) -> Result<OwnedSemaphorePermit, TransportError> {
+        let places = {
+            let mut connecting = self.connecting.lock().unwrap_or_else(PoisonError::into_inner);
+            // A peer no connection is being opened to holds no entry (a
+            // place holds its semaphore, so the map's is then the only one).
+            connecting.retain(|_, places| Arc::strong_count(places) > 1);
+            let max = self.max_connecting_per_peer;
+            Arc::clone(connecting.entry(peer.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(max))))
+        };
+        // Never closed: an error cannot happen, and would mean shut down.
+        places.acquire_owned().await.map_err(|_| TransportError::Shutdown)
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Vec<Conn>>> {
@@ -163,7 +226,7 @@ impl Pool {
 async fn checkout(shared: &Shared, peer: &str, pooled: &mut Option<Conn>) -> Result<(Conn, bool), TransportError> {
     match pooled.take() {
         Some(conn) => Ok((conn, true)),
-        None => Ok((connect(shared, peer).await?, false)),
+        None => connect(shared, peer).await,
     }
 }
 
@@ -199,10 +262,12 @@ pub(crate) async fn write_batch(
             return Err(refused);
         }
         conn.encode_batch(batch_id, 0, grant, sources);
+        let mut tag = conn.begin_payload_tag(batch_id);
         let sent = async {
-            send(&conn.stream, peer, sources, &conn.buf, Progress::new(conn.buf.len(), sources.total()), io_timeout)
-                .await?;
-            read_reply(&mut conn, peer, batch_id, io_timeout).await
+            let progress = Progress::new(conn.buf.len(), sources.total());
+            send(&conn.stream, peer, sources, &conn.buf, progress, io_timeout, tag.as_mut()).await?;
+            conn.send_payload_tag(tag, peer, io_timeout).await?;
+            read_reply(shared, &mut conn, peer, batch_id).await
         }
         .await;
         match sent {
@@ -272,7 +337,7 @@ async fn send_question(
     }
     conn.encode_batch(batch_id, BATCH_FLAG_PRECHECK, grant, sources);
     let prefix = Progress::new(conn.buf.len(), 0);
-    send(&conn.stream, peer, sources, &conn.buf, prefix, shared.config.io_timeout).await?;
+    send(&conn.stream, peer, sources, &conn.buf, prefix, shared.config.io_timeout, None).await?;
     Ok(Asked { conn, reused, batch_id })
 }
 
@@ -287,11 +352,10 @@ pub(crate) async fn verdict(
     sources: &Sources<'_, '_>,
     asked: Asked,
 ) -> Result<Admitted, TransportError> {
-    let io_timeout = shared.config.io_timeout;
     let mut asked = asked;
     loop {
         let Asked { mut conn, reused, batch_id } = asked;
-        match read_reply(&mut conn, peer, batch_id, io_timeout).await {
+        match read_reply(shared, &mut conn, peer, batch_id).await {
             Ok(()) => return Ok(Admitted { conn, batch_id }),
             Err(refused @ TransportError::Refused { .. }) => {
                 shared.pool.put(peer, conn);
@@ -299,8 +363,8 @@ pub(crate) async fn verdict(
             }
             Err(error) if reused && is_stale(&error) => {
                 debug!(peer, %error, "pooled connection was closed by the peer, asking again on a new one");
-                let conn = connect(shared, peer).await?;
-                asked = send_question(shared, peer, grant, sources, conn, false, batch_id).await?;
+                let (conn, reused) = connect(shared, peer).await?;
+                asked = send_question(shared, peer, grant, sources, conn, reused, batch_id).await?;
             }
             Err(error) => return Err(error),
         }
@@ -316,8 +380,10 @@ pub(crate) async fn finish(
 ) -> Result<(), TransportError> {
     let io_timeout = shared.config.io_timeout;
     let Admitted { mut conn, batch_id } = admitted;
-    send(&conn.stream, peer, sources, &[], Progress::new(0, sources.total()), io_timeout).await?;
-    let result = read_reply(&mut conn, peer, batch_id, io_timeout).await;
+    let mut tag = conn.begin_payload_tag(batch_id);
+    send(&conn.stream, peer, sources, &[], Progress::new(0, sources.total()), io_timeout, tag.as_mut()).await?;
+    conn.send_payload_tag(tag, peer, io_timeout).await?;
+    let result = read_reply(shared, &mut conn, peer, batch_id).await;
     if matches!(result, Ok(()) | Err(TransportError::Refused { .. })) {
         shared.pool.put(peer, conn);
     }
@@ -335,23 +401,98 @@ fn is_stale(error: &TransportError) -> bool {
     }
 }
 
-/// Opens a connection and completes the handshake, all bounded by
-/// `connect_timeout`.
-async fn connect(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
+/// A connection to `peer` that completed its handshake, all within
+/// `connect_timeout`: it waits for one of the peer's handshake places
+/// ([`TcpConfig::max_connecting_per_peer`](crate::TcpConfig)), then takes a
+/// connection another batch put back meanwhile, if any (whether it did is
+/// returned), or opens one. A connection the receiver closed before its
+/// accept reply (no handshake place for this host) is tried again after a
+/// backoff.
+async fn connect(shared: &Shared, peer: &str) -> Result<(Conn, bool), TransportError> {
     let after = shared.config.connect_timeout;
-    let conn = tokio::time::timeout(after, open(shared, peer)).await.map_err(|_| TransportError::Timeout {
-        peer: peer.to_owned(),
-        what: "connect",
-        after,
-    })??;
-    shared.opened.fetch_add(1, Ordering::Relaxed);
-    debug!(peer, "data-plane connection opened");
-    Ok(conn)
+    let mut refused: Option<TransportError> = None;
+    let attempts = async {
+        let mut backoff = RETRY_FIRST;
+        loop {
+            let place = shared.pool.handshake_place(peer).await?;
+            if let Some(conn) = shared.pool.take(peer) {
+                return Ok((conn, true));
+            }
+            match open(shared, peer).await {
+                Ok(conn) => return Ok((conn, false)),
+                Err(Opening::NoPlace(error)) => {
+                    drop(place);
+                    debug!(peer, %error, ?backoff, "the receiver closed a new connection before answering; trying again");
+                    refused = Some(error);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_MAX);
+                }
+                Err(Opening::Failed(error)) => return Err(error),
+            }
+        }
+    };
+    let connected = tokio::time::timeout(after, attempts).await;
+    let (conn, reused) = match connected {
+        Ok(connected) => connected?,
+        Err(_) => {
+            return Err(match refused {
+                Some(TransportError::Connect { peer, reason }) => TransportError::Connect {
+                    peer,
+                    reason: format!(
+                        "{reason}, every try for {after:?} (its handshake places for this host stay taken: see \
+                         its limits.max_handshakes_per_host)"
+                    ),
+                },
+                _ => TransportError::Timeout { peer: peer.to_owned(), what: "connect", after },
+            })
+        }
+    };
+    if !reused {
+        shared.opened.fetch_add(1, Ordering::Relaxed);
+        debug!(peer, "data-plane connection opened");
+    }
+    Ok((conn, reused))
 }
 
-async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
+/// How opening a connection failed.
+enum Opening {
+    /// The receiver closed it before its accept reply: no handshake place
+    /// for this host now (or it is going away). Worth another try.
+    NoPlace(TransportError),
+    /// Any other failure: the answer stands.
+    Failed(TransportError),
+}
+
+impl From<TransportError> for Opening {
+    fn from(error: TransportError) -> Self {
+        Opening::Failed(error)
+    }
+}
+
+/// Whether `error`, before the accept reply, is the receiver closing the
+/// connection at once (what it does to a connection it has no handshake
+/// place for).
+fn closed_at_once(error: &WireError) -> bool {
+    match error {
+        WireError::Eof { .. } => true,
+        WireError::Io { source, .. } => matches!(
+            source.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe
+        ),
+        WireError::Timeout { .. } => false,
+    }
+}
+
+async fn open(shared: &Shared, peer: &str) -> Result<Conn, Opening> {
     let connect_error = |reason: String| TransportError::Connect { peer: peer.to_owned(), reason };
     let wire = |e: WireError| connect_error(e.to_string());
+    let before_reply = |e: WireError| {
+        if closed_at_once(&e) {
+            Opening::NoPlace(connect_error(format!("the receiver closed the connection before answering ({e})")))
+        } else {
+            Opening::Failed(wire(e))
+        }
+    };
     let mut stream = TcpStream::connect(peer).await.map_err(|e| connect_error(e.to_string()))?;
     stream.set_nodelay(true).map_err(|e| connect_error(format!("cannot set TCP_NODELAY: {e}")))?;
     let io_timeout = shared.config.io_timeout;
@@ -360,16 +501,22 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         Some(_) => auth::fresh_nonce().ok_or_else(|| connect_error("no OS randomness for the nonce".to_owned()))?,
         None => [0u8; AUTH_TAG_LEN],
     };
-    let flags = if secret.is_some() { FLAG_AUTH } else { 0 };
+    // Payload tags need the session a secret makes (`bind` checks it).
+    let tagged_payloads = secret.is_some() && shared.config.authenticate_payloads;
+    let flags = match (secret.is_some(), tagged_payloads) {
+        (true, true) => FLAG_AUTH | FLAG_PAYLOAD_AUTH,
+        (true, false) => FLAG_AUTH,
+        (false, _) => 0,
+    };
     let preamble = Preamble { version: VERSION, flags }.encode();
     let mut opening = Vec::with_capacity(preamble.len() + AUTH_TAG_LEN);
     opening.put_slice(&preamble);
     if secret.is_some() {
         opening.put_slice(&client_nonce);
     }
-    write_all(&mut stream, &opening, io_timeout, "preamble").await.map_err(wire)?;
+    write_all(&mut stream, &opening, io_timeout, "preamble").await.map_err(before_reply)?;
     let mut accept_bytes = [0u8; ACCEPT_LEN];
-    read_exact(&mut stream, &mut accept_bytes, io_timeout, "accept reply").await.map_err(wire)?;
+    read_exact(&mut stream, &mut accept_bytes, io_timeout, "accept reply").await.map_err(before_reply)?;
     let accept = Accept::decode(&accept_bytes)
         .map_err(|magic| connect_error(format!("not a kvlink data-plane listener (magic {magic:02x?})")))?;
     let protocol_error = |reason: String| TransportError::Protocol { peer: peer.to_owned(), reason };
@@ -379,19 +526,33 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
             return Err(protocol_error(format!(
                 "peer speaks data-plane version {}, this build speaks {VERSION}",
                 accept.version
-            )))
+            ))
+            .into())
         }
-        AcceptStatus::UnsupportedFlags => return Err(protocol_error("peer refused the preamble flags".to_owned())),
+        AcceptStatus::UnsupportedFlags => {
+            return Err(protocol_error("peer refused the preamble flags".to_owned()).into())
+        }
         AcceptStatus::AuthRequired => {
-            return Err(connect_error("peer requires the data-plane shared secret; none is configured here".to_owned()))
+            return Err(
+                connect_error("peer requires the data-plane shared secret; none is configured here".to_owned()).into()
+            )
         }
         AcceptStatus::AuthUnavailable => {
             return Err(connect_error(
                 "peer has no data-plane shared secret; refusing to write to an unauthenticated peer".to_owned(),
-            ))
+            )
+            .into())
         }
-        AcceptStatus::Busy => return Err(busy(peer)),
-        AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}"))),
+        AcceptStatus::Busy => return Err(busy(peer).into()),
+        AcceptStatus::PayloadAuthRequired => {
+            return Err(connect_error(
+                "peer requires authenticated payloads (TcpConfig::authenticate_payloads); this sender does not tag \
+                 them"
+                    .to_owned(),
+            )
+            .into())
+        }
+        AcceptStatus::Unknown(code) => return Err(protocol_error(format!("unknown accept status {code}")).into()),
     }
     let mut session = None;
     if let Some(secret) = secret {
@@ -410,7 +571,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         if !auth::verify_server_proof(secret, &transcript, server_proof) {
             // The receiver's own proof is wrong: counted here, on this side.
             shared.memory.counters().auth_failed();
-            return Err(connect_error("peer failed to prove the data-plane shared secret".to_owned()));
+            return Err(connect_error("peer failed to prove the data-plane shared secret".to_owned()).into());
         }
         let proof = auth::client_proof(secret, &transcript);
         write_all(&mut stream, &proof, io_timeout, "authentication proof").await.map_err(wire)?;
@@ -418,8 +579,8 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         read_exact(&mut stream, &mut verdict, io_timeout, "authentication verdict").await.map_err(wire)?;
         match verdict[0] {
             AUTH_OK => {}
-            AUTH_BUSY => return Err(busy(peer)),
-            _ => return Err(connect_error("peer refused our data-plane authentication".to_owned())),
+            AUTH_BUSY => return Err(busy(peer).into()),
+            _ => return Err(connect_error("peer refused our data-plane authentication".to_owned()).into()),
         }
         // Every header, op list and reply from now on carries its tag.
         session = Some(
@@ -434,6 +595,7 @@ async fn open(shared: &Shared, peer: &str) -> Result<Conn, TransportError> {
         last_used: Instant::now(),
         buf: Vec::new(),
         session,
+        tagged_payloads,
     })
 }
 
@@ -456,7 +618,8 @@ fn wire_error(peer: &str, error: WireError) -> TransportError {
 }
 
 /// Sends `prefix` then the payload from `progress` on, with vectored
-/// writes straight from the source memory; each stall bounded by `io_timeout`.
+/// writes straight from the source memory, feeding the payload to `tag`
+/// where it is tagged; each stall bounded by `io_timeout`.
 async fn send(
     stream: &TcpStream,
     peer: &str,
@@ -464,9 +627,12 @@ async fn send(
     prefix: &[u8],
     mut progress: Progress,
     io_timeout: Duration,
+    mut tag: Option<&mut StreamedFrame>,
 ) -> Result<(), TransportError> {
     while !progress.is_done() {
-        match stream.try_io(Interest::WRITABLE, || sources.send_to(stream.as_fd(), prefix, &mut progress)) {
+        let attempt = stream
+            .try_io(Interest::WRITABLE, || send_to(sources, stream.as_fd(), prefix, &mut progress, tag.as_deref_mut()));
+        match attempt {
             Ok(0) => {
                 let source = io::Error::new(io::ErrorKind::WriteZero, "the socket accepted no bytes");
                 return Err(TransportError::Io { peer: peer.to_owned(), source });
@@ -490,8 +656,10 @@ async fn send(
 }
 
 /// Reads the receiver's reply to `batch_id` (an acknowledgement, or the
-/// admission verdict of a pre-checked part); `Ok` only for status Ok.
-async fn read_reply(conn: &mut Conn, peer: &str, batch_id: u64, io_timeout: Duration) -> Result<(), TransportError> {
+/// admission verdict of a pre-checked part); `Ok` only for status Ok. A
+/// reply that fails its tag is counted ([`kv_proto::TransportCounters::tag_failed`]).
+async fn read_reply(shared: &Shared, conn: &mut Conn, peer: &str, batch_id: u64) -> Result<(), TransportError> {
+    let io_timeout = shared.config.io_timeout;
     let stream = &mut conn.stream;
     let mut header = [0u8; REPLY_HEADER_LEN];
     read_exact(stream, &mut header, io_timeout, "acknowledgement").await.map_err(|e| wire_error(peer, e))?;
@@ -507,7 +675,10 @@ async fn read_reply(conn: &mut Conn, peer: &str, batch_id: u64, io_timeout: Dura
     if let Some(session) = &mut conn.session {
         let mut tag = [0u8; FRAME_TAG_LEN];
         read_exact(stream, &mut tag, io_timeout, "reply tag").await.map_err(|e| wire_error(peer, e))?;
-        session.recv.open(&[&header, reason], &tag).map_err(|bad| protocol_error(bad.to_string()))?;
+        session.recv.open(&[&header, reason], &tag).map_err(|bad| {
+            shared.memory.counters().tag_failed();
+            protocol_error(bad.to_string())
+        })?;
     }
     let reason = String::from_utf8_lossy(reason).into_owned();
     if reply.batch_id != batch_id {

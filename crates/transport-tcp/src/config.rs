@@ -3,10 +3,12 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use kv_net::{
-    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
-};
+use kv_net::{ListenerLimits, OpListLimits};
 use kv_proto::auth::AuthSecret;
+
+/// Default [`TcpConfig::max_connecting_per_peer`]: half the handshake
+/// places a default receiver gives one host.
+pub const DEFAULT_MAX_CONNECTING_PER_PEER: usize = kv_proto::DEFAULT_MAX_HANDSHAKES_PER_HOST / 2;
 
 /// Configuration of a [`crate::TcpTransport`]. Every wait the transport makes
 /// is bounded by one of these durations.
@@ -36,39 +38,27 @@ pub struct TcpConfig {
     /// progress (default 120 s). Senders learn it at connection set-up and
     /// retire pooled connections after half of it.
     pub idle_timeout: Duration,
-    /// Bound on the ops of one incoming batch (peer input; default
-    /// [`DEFAULT_MAX_OPS_PER_BATCH`]). A larger batch closes the connection;
-    /// a sender learns the bound at connection set-up and fails such a batch
-    /// before sending it. Outgoing batches have no cap of their own. The
-    /// bound in force is the smaller of this and what the op-list budget
-    /// holds ([`TcpConfig::op_list_budget`] / 16).
-    pub max_ops_per_batch: u64,
-    /// Bytes of op lists (16 per op) that all incoming connections together
-    /// may hold at once, when peers must prove the shared secret (default
-    /// [`DEFAULT_OP_LIST_BUDGET`]). A connection buffers a batch's op list
-    /// as it arrives, because every op is admitted before the first payload
-    /// byte is written; its memory is charged to this budget as the list
-    /// grows (never more than the count announced), and given back when the
-    /// batch is done. A batch whose list does not fit waits for room (within
-    /// [`TcpConfig::op_list_timeout`]) or, if it holds an equal share of the
-    /// budget or more already, gives way at once; either way it is refused
-    /// with the reason.
-    pub op_list_budget: u64,
-    /// The same budget when peers need not prove a secret (no
-    /// [`TcpConfig::auth_secret`]): every connection then counts as
-    /// unauthenticated, and gets this smaller budget (default
-    /// [`DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET`]). With a secret, no
-    /// connection reads an op list before its peer proved it.
-    pub unauthenticated_op_list_budget: u64,
-    /// One bound on receiving a batch's op list, from its header, waits for
-    /// room in the budget included (default 10 s; keep it below the
-    /// senders' `io_timeout`, which bounds their stall meanwhile). A list
-    /// still waiting for room then is refused; one its peer has not sent
-    /// by then is a protocol error. So a peer dribbling its list holds its
-    /// share of the budget no longer than this.
-    pub op_list_timeout: Duration,
+    /// The bounds on the op lists incoming batches buffer (default
+    /// [`OpListLimits::default`]): ops per batch (a larger batch closes the
+    /// connection; senders learn the bound in force from the accept reply),
+    /// the budget all incoming connections share, smaller when peers need
+    /// not prove a secret (no [`TcpConfig::auth_secret`]), and one deadline
+    /// per list.
+    pub op_lists: OpListLimits,
     /// Idle outgoing connections kept per peer for reuse (default 4).
     pub max_idle_conns_per_peer: usize,
+    /// Outgoing connections to one peer in their handshake at once (default
+    /// [`DEFAULT_MAX_CONNECTING_PER_PEER`], at least 1): a receiver admits
+    /// only so many handshakes from one source host
+    /// ([`ListenerLimits::max_handshakes_per_host`], 16 by default), so a
+    /// sender that starts many batches at once, each on its own connections,
+    /// keeps below that and lets the others wait (within
+    /// [`TcpConfig::connect_timeout`]); one that finishes its handshake or
+    /// finds a connection another batch put back gives its place to the
+    /// next. A connection the receiver closes before answering (its places
+    /// for this host are taken, by other senders on the same address) is
+    /// tried again after a short backoff, within the same bound.
+    pub max_connecting_per_peer: usize,
     /// Connections one large batch is spread over (default 2). A batch of at
     /// least [`TcpConfig::parallel_min_bytes`] is cut into this many parts of
     /// about equal bytes, each written on its own pooled connection at once;
@@ -85,6 +75,24 @@ pub struct TcpConfig {
     /// prove it (transcript-bound challenge–response at connection set-up,
     /// see the crate docs).
     pub auth_secret: Option<AuthSecret>,
+    /// Authenticated payloads (default off; needs [`TcpConfig::auth_secret`],
+    /// or [`crate::TcpTransport::bind`] fails). With a secret, every batch
+    /// header, op list and reply carries a tag, but the payload bytes do
+    /// not: anyone on the path who lets the handshake through could alter
+    /// them and they would land (inside the grant the authenticated op list
+    /// names). With this on, the sender follows each payload with its tag
+    /// (a frame of the session, over the batch id and the payload, so it
+    /// cannot be replayed or moved) and asks for it in its preamble; the
+    /// receiver requires it from every sender and checks the tag over the
+    /// bytes as they landed, inside the grant. A payload that fails makes
+    /// its batch fail and closes the connection: its bytes landed inside
+    /// the grant only, and the puller reports those blocks failed after
+    /// revoking it. A receiver checks the tags of any sender that asks,
+    /// with this on or off. Costs a pass of keyed BLAKE3 over every payload
+    /// byte on each side, after a copy out of the registered memory (see
+    /// the README's figures). Payloads are not encrypted: QUIC's TLS does
+    /// that.
+    pub authenticate_payloads: bool,
     /// The listener's places (default [`ListenerLimits::default`]): a
     /// handshake place, taken at accept (or the connection is closed at
     /// once), is held for at most [`TcpConfig::handshake_timeout`]; an
@@ -93,20 +101,6 @@ pub struct TcpConfig {
     /// [`ListenerLimits::max_connections`] is told so (accept status 5, or
     /// verdict 2 after the proof) and closed.
     pub limits: ListenerLimits,
-}
-
-impl TcpConfig {
-    /// The op-list budget in force: [`TcpConfig::op_list_budget`] when peers
-    /// must prove a secret, else [`TcpConfig::unauthenticated_op_list_budget`].
-    pub fn op_list_budget_in_force(&self) -> u64 {
-        kv_net::budget_in_force(self.auth_secret.is_some(), self.op_list_budget, self.unauthenticated_op_list_budget)
-    }
-
-    /// The op bound in force for one incoming batch: the smaller of
-    /// [`TcpConfig::max_ops_per_batch`] and what the budget in force holds.
-    pub fn max_ops_in_force(&self) -> u64 {
-        kv_net::max_ops_in_force(self.max_ops_per_batch, self.op_list_budget_in_force())
-    }
 }
 
 impl Default for TcpConfig {
@@ -118,13 +112,12 @@ impl Default for TcpConfig {
             io_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
-            max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
-            op_list_budget: DEFAULT_OP_LIST_BUDGET,
-            unauthenticated_op_list_budget: DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
-            op_list_timeout: Duration::from_secs(10),
+            op_lists: OpListLimits::default(),
             max_idle_conns_per_peer: 4,
+            max_connecting_per_peer: DEFAULT_MAX_CONNECTING_PER_PEER,
             limits: ListenerLimits::default(),
             auth_secret: None,
+            authenticate_payloads: false,
             parallel_streams: 2,
             parallel_min_bytes: 16 << 20,
         }

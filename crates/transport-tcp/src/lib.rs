@@ -142,14 +142,14 @@
 //! grant is not live is refused from its header, its list discarded unread),
 //! because every op must be admitted before the first payload byte is
 //! written. All connections share one budget for those buffers
-//! ([`TcpConfig::op_list_budget`], smaller when peers need not prove a
-//! secret: [`TcpConfig::unauthenticated_op_list_budget`]): a list is charged
+//! ([`TcpConfig::op_lists`]: [`OpListLimits::budget`], smaller when peers need
+//! not prove a secret: [`OpListLimits::unauthenticated_budget`]): a list is charged
 //! as it grows; when the budget is full a batch waits for room, or gives way
 //! at once if it already holds an equal share of the budget or more (so
 //! batches waiting for each other cannot lock it up). A batch refused for
 //! want of room gets status 1 (the rest of it discarded, the connection
 //! usable). The whole op list, waits included, must arrive within
-//! [`TcpConfig::op_list_timeout`] of its header, so a peer dribbling its
+//! [`OpListLimits::timeout`] of its header, so a peer dribbling its
 //! list holds its share no longer. The accept reply's `max_ops_per_batch`
 //! is the smaller of the configured bound and what the budget holds, so a
 //! sender fails a batch that could never fit before sending it.
@@ -165,6 +165,19 @@
 //! other way is dropped, and the next batch reconnects. Whenever a
 //! connection is pooled, the idle ones of every peer are probed the same
 //! way: those of a peer that went away for good are closed then, not kept.
+//!
+//! A receiver admits only so many handshakes from one source host at once
+//! ([`ListenerLimits::max_handshakes_per_host`], 16 by default), and a
+//! sender that starts many batches at once, each on its own connections,
+//! could exceed that on its own. So at most
+//! [`TcpConfig::max_connecting_per_peer`] (8) of a sender's connections to
+//! one peer are in their handshake at once; the others wait for a place,
+//! and one that gets it takes a connection another batch put back
+//! meanwhile if there is one. A connection the receiver closes before its
+//! accept reply (what it does when it has no place for this host: other
+//! senders on the same address hold them) is tried again after a backoff
+//! (5 ms, doubling to 200 ms). All of it is bounded by
+//! [`TcpConfig::connect_timeout`].
 //!
 //! A batch of at least [`TcpConfig::parallel_min_bytes`] is cut into
 //! [`TcpConfig::parallel_streams`] parts of about equal bytes, each on its
@@ -192,11 +205,12 @@ mod split;
 mod transport;
 pub mod wire;
 
-pub use config::TcpConfig;
+pub use config::{TcpConfig, DEFAULT_MAX_CONNECTING_PER_PEER};
 // Shared with the other data planes (kv-net), under the names this crate
 // has always exported.
 pub use kv_net::{
-    ListenerLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
+    ListenerLimits, OpListLimits, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_OP_LIST_BUDGET, DEFAULT_OP_LIST_TIMEOUT,
+    DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET,
 };
 pub use transport::TcpTransport;
 

@@ -19,14 +19,12 @@
 //! transport's `Drop`) no access at all is in progress or can start, and the
 //! caller may free its regions.
 
+use kv_proto::dataplane::{Cursor, Segments};
+use kv_proto::receive::AdmittedBatch;
+use kv_proto::session::StreamedFrame;
+use kv_proto::{MemoryClosed, RegisteredMemory, Revoked};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::time::Instant;
-
-use kv_proto::dataplane::{decode_op, Cursor, OpEntry, Segments};
-use kv_proto::{GrantAccess, GrantId, MemoryClosed, RegisteredMemory, Revoked, WriteOp};
-
-pub(crate) use kv_proto::{DestinationError, SourceError};
 
 /// Most `iovec`s handed to one syscall (Linux's `IOV_MAX`).
 pub(crate) const MAX_IOVECS: usize = 1024;
@@ -112,113 +110,131 @@ impl Progress {
     }
 }
 
+/// Feeds the `len` bytes at `addr` to a payload's tag, copied straight into
+/// the tag's own block ([`StreamedFrame::spare`]), which it hashes once
+/// whole. No Rust reference to registered memory is made: a `&[u8]` over
+/// it would assert that nothing writes it meanwhile, and a peer may (a
+/// destination range can be named by two batches on two connections at
+/// once). The copy costs far less than the hash.
+///
+/// # Safety
+///
+/// `[addr, addr + len)` must be valid for reads for the whole call.
+unsafe fn feed_tag(tag: &mut StreamedFrame, addr: u64, len: u64) {
+    let mut done = 0u64;
+    while done < len {
+        let spare = tag.spare();
+        // At most the spare block's length, which fits usize.
+        let n = (len - done).min(spare.len() as u64) as usize;
+        let Ok(at) = usize::try_from(addr + done) else { return };
+        // SAFETY: `[at, at + n)` is part of `[addr, addr + len)`, valid for
+        // reads by the caller's contract; `spare` is a live buffer of the
+        // tag's own, at least `n` bytes long, another allocation, so the
+        // ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(std::ptr::with_exposed_provenance::<u8>(at), spare.as_mut_ptr(), n) };
+        tag.commit(n);
+        done += n as u64;
+    }
+}
+
 /// Source ranges checked against the source regions: the payload of one
-/// outgoing batch.
-#[derive(Debug)]
-pub(crate) struct Sources<'m, 'o> {
-    mem: &'m LocalMemory,
-    ops: &'o [WriteOp],
-    total: u64,
+/// outgoing batch, which [`send_to`] moves.
+pub(crate) use kv_proto::CheckedSources as Sources;
+
+/// One non-blocking `sendmsg` of `prefix` then the payload of `sources` from
+/// `progress` on (up to [`MAX_IOVECS`] segments), advancing `progress`; the
+/// payload bytes sent are fed to `tag`, if any, as they were sent.
+/// `WouldBlock` when the socket buffer is full; an error for which
+/// [`is_closed_error`] holds once the memory is closed.
+pub(crate) fn send_to(
+    sources: &Sources<'_, '_>,
+    fd: BorrowedFd<'_>,
+    prefix: &[u8],
+    progress: &mut Progress,
+    tag: Option<&mut StreamedFrame>,
+) -> io::Result<usize> {
+    let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
+    let n = progress.fill(prefix, sources.ops(), &mut iov);
+    if n == 0 {
+        return Ok(0);
+    }
+    // SAFETY: `msghdr` is a plain C struct for which all-zero bytes are a
+    // valid value (no name, no control data, no iovecs).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    // n <= MAX_IOVECS (1024), which fits every platform's msg_iovlen type.
+    msg.msg_iovlen = n as _;
+    let sent = sources
+        .memory()
+        .read_sources(|| {
+            // SAFETY: `fd` is a live socket borrowed for this call. The
+            // first `n` iovecs describe either the tail of `prefix` (a
+            // live Rust slice) or source ranges that `Sources::check`
+            // checked to lie inside source regions, which stay valid for
+            // reads while `read_sources` runs this closure (the memory is
+            // open and `close` waits for it). sendmsg only reads them.
+            // MSG_NOSIGNAL: a closed peer is an EPIPE error, never a
+            // SIGPIPE that would kill an embedding process.
+            let sent = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if let (Some(tag), Ok(sent)) = (tag, usize::try_from(sent)) {
+                let payload = sent.saturating_sub(progress.prefix_len.saturating_sub(progress.prefix_done));
+                progress.payload.peek(sources.ops(), payload as u64, usize::MAX, |addr, len| {
+                    // SAFETY: the piece is part of a source range that
+                    // `Sources::check` found inside a source region,
+                    // valid for reads while `read_sources` runs this
+                    // closure; sendmsg has just read the same bytes.
+                    unsafe { feed_tag(tag, addr, len) }
+                });
+            }
+            sent
+        })
+        .map_err(io::Error::other)?;
+    let sent = usize::try_from(sent).map_err(|_| io::Error::last_os_error())?;
+    progress.advance(sources.ops(), sent);
+    Ok(sent)
 }
 
-impl<'m, 'o> Sources<'m, 'o> {
-    /// Checks every op's source range; the result can then move the payload.
-    pub(crate) fn check(mem: &'m LocalMemory, ops: &'o [WriteOp]) -> Result<Self, SourceError> {
-        let total = mem.check_sources(ops)?;
-        Ok(Self { mem, ops, total })
-    }
+/// A peer's op list admitted under one live grant (the batch-receive
+/// machine's [`AdmittedBatch`]): where one incoming batch's payload lands,
+/// and the only way to write it.
+#[derive(Debug)]
+pub(crate) struct Destinations<'b> {
+    batch: &'b AdmittedBatch,
+}
 
-    /// The ops.
-    pub(crate) fn ops(&self) -> &[WriteOp] {
-        self.ops
+impl<'b> Destinations<'b> {
+    /// The destinations of an admitted batch.
+    pub(crate) fn new(batch: &'b AdmittedBatch) -> Self {
+        Self { batch }
     }
 
     /// The payload's length.
     pub(crate) fn total(&self) -> u64 {
-        self.total
-    }
-
-    /// One non-blocking `sendmsg` of `prefix` then the payload from
-    /// `progress` on (up to [`MAX_IOVECS`] segments), advancing `progress`.
-    /// `WouldBlock` when the socket buffer is full; an error for which
-    /// [`is_closed_error`] holds once the memory is closed.
-    pub(crate) fn send_to(&self, fd: BorrowedFd<'_>, prefix: &[u8], progress: &mut Progress) -> io::Result<usize> {
-        let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
-        let n = progress.fill(prefix, self.ops, &mut iov);
-        if n == 0 {
-            return Ok(0);
-        }
-        // SAFETY: `msghdr` is a plain C struct for which all-zero bytes are a
-        // valid value (no name, no control data, no iovecs).
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_mut_ptr();
-        // n <= MAX_IOVECS (1024), which fits every platform's msg_iovlen type.
-        msg.msg_iovlen = n as _;
-        let sent = self
-            .mem
-            .read_sources(|| {
-                // SAFETY: `fd` is a live socket borrowed for this call. The
-                // first `n` iovecs describe either the tail of `prefix` (a
-                // live Rust slice) or source ranges that `Sources::check`
-                // checked to lie inside source regions, which stay valid for
-                // reads while `read_sources` runs this closure (the memory is
-                // open and `close` waits for it). sendmsg only reads them.
-                // MSG_NOSIGNAL: a closed peer is an EPIPE error, never a
-                // SIGPIPE that would kill an embedding process.
-                unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) }
-            })
-            .map_err(io::Error::other)?;
-        let sent = usize::try_from(sent).map_err(|_| io::Error::last_os_error())?;
-        progress.advance(self.ops, sent);
-        Ok(sent)
-    }
-}
-
-/// A peer's op list admitted under one live grant: where one incoming
-/// batch's payload lands, and the only way to write it.
-#[derive(Debug)]
-pub(crate) struct Destinations {
-    access: GrantAccess,
-    list: Vec<OpEntry>,
-    total: u64,
-}
-
-impl Destinations {
-    /// Admits a peer's op list under `grant` (lengths add up to `declared`,
-    /// the grant is live at `now`, every destination inside its ranges); on
-    /// error the list is handed back with the reason.
-    pub(crate) fn admit(
-        mem: &LocalMemory,
-        grant: &GrantId,
-        list: Vec<OpEntry>,
-        declared: u64,
-        now: Instant,
-    ) -> Result<Self, (Vec<OpEntry>, DestinationError)> {
-        match mem.admit(grant, list.iter().map(decode_op), declared, now) {
-            Ok(access) => Ok(Self { access, list, total: declared }),
-            Err(e) => Err((list, e)),
-        }
-    }
-
-    /// The payload's length.
-    pub(crate) fn total(&self) -> u64 {
-        self.total
+        self.batch.total()
     }
 
     /// One non-blocking `readv` from the socket straight into the
     /// destinations from `progress` on, advancing `progress`, while the
-    /// grant is live. `Err(Revoked)`: the grant was revoked (or the memory
-    /// closed) and nothing was read. Inside, `Ok(0)` means the peer closed
-    /// and `WouldBlock` that no data is buffered.
-    pub(crate) fn recv_from(&self, fd: BorrowedFd<'_>, progress: &mut Progress) -> Result<io::Result<usize>, Revoked> {
+    /// grant is live; the bytes that landed are fed to `tag`, if any, read
+    /// back from the destinations inside the same hold of the grant.
+    /// `Err(Revoked)`: the grant was revoked (or the memory closed) and
+    /// nothing was read. Inside, `Ok(0)` means the peer closed and
+    /// `WouldBlock` that no data is buffered.
+    pub(crate) fn recv_from(
+        &self,
+        fd: BorrowedFd<'_>,
+        progress: &mut Progress,
+        tag: Option<&mut StreamedFrame>,
+    ) -> Result<io::Result<usize>, Revoked> {
+        let list = self.batch.entries();
         let mut iov = [EMPTY_IOVEC; MAX_IOVECS];
-        let n = progress.fill(&[], self.list.as_slice(), &mut iov);
+        let n = progress.fill(&[], list, &mut iov);
         if n == 0 {
             return Ok(Ok(0));
         }
         // n <= MAX_IOVECS (1024), which fits in c_int.
         let count = n as libc::c_int;
-        let got = self.access.with(|| {
+        let got = self.batch.access().with(|| {
             // SAFETY: `fd` is a live socket borrowed for this call. The first
             // `n` iovecs describe destination ranges that `admit` checked to
             // lie inside the grant's ranges (themselves inside regions
@@ -227,10 +243,21 @@ impl Destinations {
             // `close` wait for the closure to return. The kernel writes at
             // most each iovec's length; no Rust reference to that memory
             // exists.
-            unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count) }
+            let got = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count) };
+            if let (Some(tag), Ok(landed)) = (tag, u64::try_from(got)) {
+                progress.payload.peek(list, landed, usize::MAX, |addr, len| {
+                    // SAFETY: the piece is part of a destination range that
+                    // `admit` checked inside the live grant, valid for reads
+                    // and writes while `with` runs this closure (`revoke`
+                    // and `close` wait for it); readv has just written it.
+                    // It is copied out, never referenced.
+                    unsafe { feed_tag(tag, addr, len) }
+                });
+            }
+            got
         })?;
         Ok(usize::try_from(got).map_err(|_| io::Error::last_os_error()).inspect(|&got| {
-            progress.advance(self.list.as_slice(), got);
+            progress.advance(list, got);
         }))
     }
 }
@@ -240,10 +267,10 @@ mod tests {
     use std::io::Write;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
-    use kv_proto::dataplane::encode_op;
-    use kv_proto::{MemoryRegion, RegionAccess};
+    use kv_proto::dataplane::{encode_op, OpEntry};
+    use kv_proto::{DestinationError, GrantId, MemoryRegion, RegionAccess, WriteOp};
 
     use super::*;
 
@@ -268,29 +295,19 @@ mod tests {
         let m = mem_with(&[MemoryRegion::new(0x9000, 0x100)], &[MemoryRegion::new(0x1000, 0x100)]);
         let now = Instant::now();
         m.issue_grant(id(1), &[MemoryRegion::new(0x1000, 0x80)], now, TTL).unwrap();
-        let admit = |list: Vec<OpEntry>, declared| Destinations::admit(&m, &id(1), list, declared, now);
+        let admit = |list: Vec<OpEntry>, declared| AdmittedBatch::admit(&m, &id(1), list, declared, now);
         let (list, err) = admit(vec![encode_op(0x1000, 0x10), encode_op(0x1078, 0x10)], 0x20).unwrap_err();
         assert_eq!(err, DestinationError::OutsideGrant { index: 1, dst: 0x1078, len: 0x10 }, "registered, not granted");
         let (_, err) = admit(list, 0x21).unwrap_err();
         assert_eq!(err, DestinationError::LengthMismatch { declared: 0x21, sum: Some(0x20) });
         let (_, err) = admit(vec![encode_op(0x9000, 0x10)], 0x10).unwrap_err();
         assert!(matches!(err, DestinationError::OutsideGrant { .. }), "a source is never writable");
-        let (_, err) = Destinations::admit(&m, &id(2), vec![encode_op(0x1000, 1)], 1, now).unwrap_err();
+        let (_, err) = AdmittedBatch::admit(&m, &id(2), vec![encode_op(0x1000, 1)], 1, now).unwrap_err();
         assert_eq!(err, DestinationError::UnknownGrant);
         let ok = admit(vec![encode_op(0x1000, 0x80), encode_op(0x1080, 0)], 0x80).unwrap();
         assert_eq!(ok.total(), 0x80);
         m.close();
         assert_eq!(admit(Vec::new(), 0).unwrap_err().1, DestinationError::Closed);
-    }
-
-    #[test]
-    fn sources_are_checked_against_source_regions_only() {
-        let m = mem_with(&[MemoryRegion::new(0x1000, 0x100)], &[MemoryRegion::new(0x5000, 0x100)]);
-        let ops = [WriteOp { src: 0x1000, dst: 0, len: 0x100 }, WriteOp { src: 0x10ff, dst: 0, len: 2 }];
-        assert_eq!(Sources::check(&m, &ops).unwrap_err(), SourceError::Outside { addr: 0x10ff, len: 2 });
-        assert_eq!(Sources::check(&m, &ops[..1]).unwrap().total(), 0x100);
-        let from_destination = [WriteOp { src: 0x5000, dst: 0, len: 1 }];
-        assert_eq!(Sources::check(&m, &from_destination).unwrap_err(), SourceError::Outside { addr: 0x5000, len: 1 });
     }
 
     /// The fence at the lowest level: a `readv` under a revoked grant reads
@@ -302,17 +319,18 @@ mod tests {
         let m = mem_with(&[], &[MemoryRegion::new(base, 64)]);
         let now = Instant::now();
         m.issue_grant(id(1), &[MemoryRegion::new(base, 64)], now, TTL).unwrap();
-        let dst = Destinations::admit(&m, &id(1), vec![encode_op(base, 64)], 64, now).unwrap();
+        let batch = AdmittedBatch::admit(&m, &id(1), vec![encode_op(base, 64)], 64, now).unwrap();
+        let dst = Destinations::new(&batch);
         let (mut tx, rx) = UnixStream::pair().unwrap();
         let mut progress = Progress::new(0, 64);
         tx.write_all(&[7u8; 16]).unwrap();
-        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress).unwrap().unwrap(), 16);
+        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress, None).unwrap().unwrap(), 16);
         assert_eq!(progress.payload_remaining(), 48);
         assert!(m.revoke(&id(1)));
         tx.write_all(&[9u8; 48]).unwrap();
-        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress).unwrap_err(), Revoked);
+        assert_eq!(dst.recv_from(rx.as_fd(), &mut progress, None).unwrap_err(), Revoked);
         assert_eq!(progress.payload_remaining(), 48, "nothing moved");
-        drop(dst);
+        drop(batch);
         assert!(buf[..16].iter().all(|&b| b == 7) && buf[16..].iter().all(|&b| b == 0));
     }
 

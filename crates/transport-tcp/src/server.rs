@@ -15,26 +15,27 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BufMut;
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
-use kv_proto::dataplane::{OpListBuffer, ReplyStatus};
-use kv_proto::session::{BadTag, End as SessionEnd, Session, FRAME_TAG_LEN};
-use kv_proto::{BatchRefusal, HandshakePlace, Revoked, TransportCounters};
+use kv_proto::dataplane::ReplyStatus;
+use kv_proto::receive::{BatchReceiver, Fault, Framing, PayloadEnd, Refusal, Step};
+use kv_proto::session::{BadTag, End as SessionEnd, Session, StreamedFrame};
+use kv_proto::{GrantId, HandshakePlace, Revoked, TransportCounters};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, warn};
 
-use crate::memory::{DestinationError, Destinations, Progress};
+use crate::memory::{Destinations, Progress};
 use crate::transport::Shared;
 use crate::wire::{
     auth_context, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, AUTH_BUSY, AUTH_FAILED, AUTH_OK,
-    AUTH_TAG_LEN, BATCH_HEADER_LEN, CHALLENGE_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
+    AUTH_TAG_LEN, BATCH_HEADER_LEN, CHALLENGE_LEN, PREAMBLE_LEN, VERSION,
 };
-use kv_net::{read_exact, write_all, Admission, NoRoom, Share, WireError};
+use kv_net::{carry_out, read_exact, write_all, Admission, Carried, PeerLog, WireError};
 
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
@@ -65,6 +66,8 @@ enum ConnError {
     AuthFailed(&'static str),
     #[error("data-plane {0}")]
     BadTag(#[from] BadTag),
+    #[error("batch {batch_id}: the payload failed its authentication tag (altered after the handshake; {bad})")]
+    BadPayloadTag { batch_id: u64, bad: BadTag },
     #[error("{0} established connections already; told the peer so")]
     Busy(usize),
     #[error("the sender abandoned admitted batch {0} before its payload (another part of it was refused)")]
@@ -81,19 +84,10 @@ enum End {
     Shutdown,
 }
 
-/// How the payload of an admitted batch ended.
-enum Received {
-    /// Every byte is in memory.
-    All,
-    /// The grant was revoked (or the memory closed) with `remaining` bytes
-    /// unread; none of them was written.
-    Revoked { remaining: u64 },
-}
-
 /// Accepts connections until the transport's token is cancelled.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let local = listener.local_addr().ok();
-    let mut admission = Admission::new(&listener, &shared.handshakes, "tcp data plane");
+    let mut admission = Admission::new(&listener, &shared.listener.handshakes, "tcp data plane");
     loop {
         let (stream, peer, place) = tokio::select! {
             biased;
@@ -111,7 +105,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: 
     if let Err(error) = stream.set_nodelay(true) {
         debug!(%peer, %error, "cannot set TCP_NODELAY");
     }
-    let conn = Connection { shared, peer, session: None };
+    let conn = Connection { shared, peer };
     let outcome = tokio::select! {
         biased;
         () = shared.token.cancelled() => Ok(End::Shutdown),
@@ -121,7 +115,7 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: 
         Ok(end) => debug!(%peer, ?end, "data-plane connection closed"),
         Err(error @ ConnError::Abandoned(_)) => debug!(%peer, %error, "data-plane connection closed"),
         Err(error) => {
-            let allowed = shared.closed_in_error.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+            let allowed = shared.listener.log_allowed(PeerLog::Fault);
             match allowed {
                 Some(suppressed) => warn!(%peer, %error, suppressed, "closing data-plane connection"),
                 None => debug!(%peer, %error, "closing data-plane connection"),
@@ -129,6 +123,10 @@ async fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr, place: 
         }
     }
 }
+
+/// A finished handshake: the established place, the session (with a
+/// secret), and whether the sender tags its payloads.
+type Handshake = (OwnedSemaphorePermit, Option<Session>, bool);
 
 /// What follows an accept reply that accepts.
 enum AfterAccept<'a> {
@@ -141,50 +139,100 @@ enum AfterAccept<'a> {
 struct Connection<'s> {
     shared: &'s Shared,
     peer: SocketAddr,
-    /// Checks every header and op list, tags every reply, once authenticated.
-    session: Option<Session>,
 }
 
+/// The batch-receive machine of one connection: it checks every header and
+/// op list and tags every reply, once authenticated.
+type Receiver<'m> = BatchReceiver<'m, BatchHeader, BATCH_HEADER_LEN>;
+
 impl Connection<'_> {
-    async fn run(mut self, stream: &mut TcpStream, place: HandshakePlace) -> Result<End, ConnError> {
+    async fn run(self, stream: &mut TcpStream, place: HandshakePlace) -> Result<End, ConnError> {
         let deadline = self.shared.config.handshake_timeout;
-        let (_established, session) = tokio::time::timeout(deadline, self.handshake(stream))
+        let (_established, session, tagged_payloads) = tokio::time::timeout(deadline, self.handshake(stream))
             .await
             .map_err(|_| ConnError::HandshakeTimeout(deadline))??;
         drop(place);
-        self.session = session;
-
-        let config = &self.shared.config;
+        let shared = self.shared;
+        let config = &shared.config;
+        let io_timeout = config.io_timeout;
+        let limits = config.op_lists.receive_limits(config.auth_secret.is_some());
+        let framing = Framing::Connection { session: session.map(Box::new), tagged_payloads };
+        let mut rx = Receiver::new(&shared.memory, limits, framing, BatchHeader::decode);
+        // The batch in progress's share of the op-list budget.
+        let mut share = shared.listener.op_lists.share();
         loop {
-            let mut probe = [0u8; 1];
-            match tokio::time::timeout(config.idle_timeout, stream.peek(&mut probe)).await {
-                Err(_) => return Ok(End::Idle),
-                Ok(Ok(0)) => return Ok(End::PeerClosed),
-                Ok(Ok(_)) => {}
-                Ok(Err(source)) => return Err(WireError::Io { what: "batch header", source }.into()),
+            let header = rx.header().copied();
+            let batch_id = header.map_or(0, |h| h.batch_id);
+            let step = match carry_out(rx.next_step(), stream, &mut share, io_timeout).await? {
+                Carried::Done => {
+                    rx.advance(Instant::now());
+                    continue;
+                }
+                Carried::Late => {
+                    rx.deadline_passed();
+                    continue;
+                }
+                Carried::NoRoom(no_room) => {
+                    rx.no_room(no_room);
+                    continue;
+                }
+                Carried::Other(step) => step,
+            };
+            match step {
+                Step::AwaitBatch => {
+                    let mut probe = [0u8; 1];
+                    match tokio::time::timeout(config.idle_timeout, stream.peek(&mut probe)).await {
+                        Err(_) => return Ok(End::Idle),
+                        Ok(Ok(0)) => return Ok(End::PeerClosed),
+                        Ok(Ok(_)) => {}
+                        Ok(Err(source)) => return Err(WireError::Io { what: "batch header", source }.into()),
+                    }
+                }
+                // Carried out above.
+                Step::Read { .. } | Step::Charge { .. } => {}
+                Step::Refused { refusal, reason } => self.log_refusal(header.as_ref(), refusal, reason),
+                Step::Discard { bytes } => drain(stream, bytes, io_timeout).await?,
+                // A connection's batches stay in step: nothing is stopped.
+                Step::Stop => {}
+                Step::Payload { batch, tag } => {
+                    let received = receive_payload(stream, &Destinations::new(batch), tag, io_timeout).await;
+                    match received {
+                        Ok(end) => rx.payload_end(end),
+                        Err(ConnError::Wire(WireError::Eof { partial: false, .. }))
+                            if header.is_some_and(|h| h.wants_precheck()) =>
+                        {
+                            return Err(ConnError::Abandoned(batch_id))
+                        }
+                        Err(error) => return Err(error),
+                    }
+                    continue;
+                }
+                // The op list is done with: its memory goes back before the reply.
+                Step::Release => share.release(),
+                Step::Reply { status, reason } => {
+                    let reply = encode_reply(batch_id, status, reason);
+                    self.reply(stream, &mut rx, reply).await?;
+                }
+                // Only a stream's batch is ever done.
+                Step::Done => return Ok(End::PeerClosed),
+                Step::Fail(fault) => return Err(self.fault(stream, &mut rx, header, fault).await),
             }
-            let mut header = [0u8; BATCH_HEADER_LEN];
-            read_exact(stream, &mut header, config.io_timeout, "batch header").await?;
-            if let Some(session) = &mut self.session {
-                let mut tag = [0u8; FRAME_TAG_LEN];
-                read_exact(stream, &mut tag, config.io_timeout, "batch header tag").await?;
-                session.recv.open(&[&header], &tag)?;
-            }
-            self.batch(stream, BatchHeader::decode(&header)).await?;
+            rx.advance(Instant::now());
         }
     }
 
     /// Preamble, accept reply and (with a secret) authentication; returns the
     /// connection's established place, taken once all of that succeeded
-    /// (a peer past the limit is told so). The caller bounds the whole of it
-    /// by `handshake_timeout`.
-    async fn handshake(&self, stream: &mut TcpStream) -> Result<(OwnedSemaphorePermit, Option<Session>), ConnError> {
+    /// (a peer past the limit is told so), its session, and whether its
+    /// payloads are tagged. The caller bounds the whole of it by
+    /// `handshake_timeout`.
+    async fn handshake(&self, stream: &mut TcpStream) -> Result<Handshake, ConnError> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;
         let mut preamble_bytes = [0u8; PREAMBLE_LEN];
         read_exact(stream, &mut preamble_bytes, io_timeout, "preamble").await?;
         let preamble = Preamble::decode(&preamble_bytes).map_err(ConnError::BadMagic)?;
-        let next = match preamble.answer(config.auth_secret.is_some()) {
+        let next = match preamble.answer_requiring(config.auth_secret.is_some(), config.authenticate_payloads) {
             AcceptStatus::Accepted => match &config.auth_secret {
                 Some(secret) => Ok(AfterAccept::Authenticate(secret)),
                 // Without a secret the handshake ends with the accept reply:
@@ -201,6 +249,10 @@ impl Connection<'_> {
             status @ AcceptStatus::AuthUnavailable => {
                 Err((status, ConnError::AuthFailed("no shared secret is configured here")))
             }
+            status @ AcceptStatus::PayloadAuthRequired => Err((
+                status,
+                ConnError::AuthFailed("the sender does not tag its payloads, which this receiver requires"),
+            )),
             status @ (AcceptStatus::UnsupportedFlags | AcceptStatus::Busy | AcceptStatus::Unknown(_)) => {
                 Err((status, ConnError::UnsupportedFlags(preamble.flags)))
             }
@@ -212,21 +264,21 @@ impl Connection<'_> {
         let accept = Accept {
             version: VERSION,
             status: next.as_ref().map_or_else(|(status, _)| *status, |_| AcceptStatus::Accepted),
-            max_ops_per_batch: config.max_ops_in_force(),
+            max_ops_per_batch: config.op_lists.max_ops_in_force(config.auth_secret.is_some()),
             idle_timeout_ms: u64::try_from(config.idle_timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .encode();
         write_all(stream, &accept, io_timeout, "accept reply").await?;
         match next {
             Err((_, refusal)) => Err(refusal),
-            Ok(AfterAccept::Established(place)) => Ok((place, None)),
+            Ok(AfterAccept::Established(place)) => Ok((place, None, false)),
             Ok(AfterAccept::Authenticate(secret)) => {
                 let context = auth_context(&preamble_bytes, &accept);
                 let counters = self.shared.memory.counters();
                 let (place, session) =
                     authenticate(stream, secret, &client_nonce, &context, io_timeout, counters, || self.establish())
                         .await?;
-                Ok((place, Some(session)))
+                Ok((place, Some(session), preamble.announces_payload_auth()))
             }
         }
     }
@@ -235,8 +287,8 @@ impl Connection<'_> {
     /// (rate-limited log line).
     fn establish(&self) -> Result<OwnedSemaphorePermit, ConnError> {
         let shared = self.shared;
-        Arc::clone(&shared.conn_limit).try_acquire_owned().map_err(|_| {
-            let allowed = shared.busy_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+        Arc::clone(&shared.listener.established).try_acquire_owned().map_err(|_| {
+            let allowed = shared.listener.log_allowed(PeerLog::Busy);
             if let Some(suppressed) = allowed {
                 warn!(peer = %self.peer, limit = shared.config.limits.max_connections, suppressed,
                     "connection limit reached, refusing a peer that finished its handshake");
@@ -245,209 +297,73 @@ impl Connection<'_> {
         })
     }
 
-    async fn batch(&mut self, stream: &mut TcpStream, header: BatchHeader) -> Result<(), ConnError> {
+    /// Logs a refused batch: at most one line a second for all connections
+    /// per kind, with the count left out (a revocation mid-batch is the
+    /// receiver's own doing, logged each time).
+    fn log_refusal(&self, header: Option<&BatchHeader>, refusal: &Refusal, reason: &str) {
         let shared = self.shared;
-        let io_timeout = shared.config.io_timeout;
-        let max = shared.config.max_ops_in_force();
-        let batch_id = header.batch_id;
-        if !header.is_well_formed() {
-            let error = ConnError::BadBatchHeader { batch_id, flags: header.flags, reserved: header.reserved };
-            return Err(self.protocol_error(stream, batch_id, error).await);
-        }
-        let Some(mut buffer) = OpListBuffer::within(header.op_count, max) else {
-            let error = ConnError::TooManyOps { batch_id, count: header.op_count, max };
-            return Err(self.protocol_error(stream, batch_id, error).await);
-        };
-
-        // A batch for a grant that is not live is refused before its op list
-        // is buffered (the list and the payload are read and discarded).
-        match shared.memory.check_grant(&header.grant, Instant::now()) {
-            Ok(()) => {}
-            Err(DestinationError::Closed) => return Err(ConnError::Closed),
-            Err(refusal) => return self.refuse(stream, &header, Some(buffer.count()), &refusal.to_string()).await,
-        }
-
-        // The op list, charged to the transport's budget as it grows, all
-        // of it within one deadline.
-        let deadline = tokio::time::Instant::now() + shared.config.op_list_timeout;
-        let mut share = shared.op_lists.share();
-        while !buffer.is_complete() {
-            let more = buffer.growth();
-            if more > 0 {
-                if let Err(no_room) = share.grow(more, deadline).await {
-                    let unread = buffer.count() - buffer.filled();
-                    drop(buffer);
-                    share.release();
-                    return self.refuse_for_room(stream, &header, Some(unread), no_room).await;
+        let peer = self.peer;
+        let (grant, batch_id, ops) =
+            header.map_or((GrantId::from_bytes([0; 16]), 0, 0), |h| (h.grant, h.batch_id, h.op_count));
+        match refusal {
+            Refusal::Grant(_) => {
+                let allowed = shared.listener.log_allowed(PeerLog::Batch);
+                if let Some(suppressed) = allowed {
+                    warn!(%peer, %grant, batch_id, %reason, suppressed, "refusing batch, nothing written");
                 }
             }
-            let read = read_exact(stream, buffer.next_chunk(), io_timeout, "op list");
-            match tokio::time::timeout_at(deadline, read).await {
-                Ok(read) => read?,
-                Err(_) => {
-                    let error = ConnError::OpListTimeout { batch_id, after: shared.config.op_list_timeout };
-                    return Err(self.protocol_error(stream, batch_id, error).await);
+            Refusal::NoRoom(no_room) => {
+                let allowed = shared.listener.log_allowed(PeerLog::Budget);
+                if let Some(suppressed) = allowed {
+                    warn!(%peer, %grant, batch_id, ops, budget = shared.listener.op_lists.limit(), ?no_room, suppressed,
+                        "refusing batch: no room for its op list");
                 }
             }
-        }
-        let list = buffer.into_entries();
-        if let Some(session) = &mut self.session {
-            let mut tag = [0u8; FRAME_TAG_LEN];
-            read_exact(stream, &mut tag, io_timeout, "op list tag").await?;
-            session.recv.open(&[list.as_flattened()], &tag)?;
-        }
-
-        // The grant check: every op inside the named, live grant, before a
-        // payload byte is read.
-        let admitted = Destinations::admit(&shared.memory, &header.grant, list, header.total_bytes, Instant::now());
-        match admitted {
-            Ok(destinations) => self.write_admitted(stream, &header, destinations, &mut share).await,
-            Err((_, DestinationError::LengthMismatch { declared, sum })) => {
-                let error = ConnError::LengthMismatch { batch_id, declared, sum };
-                Err(self.protocol_error(stream, batch_id, error).await)
-            }
-            Err((_, DestinationError::Closed)) => Err(ConnError::Closed),
-            Err((list, refusal)) => {
-                drop(list);
-                share.release();
-                self.refuse(stream, &header, None, &refusal.to_string()).await
-            }
-        }
-    }
-
-    /// Refuses a batch (logged, at most one line a second for all
-    /// connections, with the count left out), discarding the `unread`
-    /// op-list entries not read yet and, unless it was pre-checked, its
-    /// payload, so the connection stays usable.
-    async fn refuse(
-        &mut self,
-        stream: &mut TcpStream,
-        header: &BatchHeader,
-        unread: Option<usize>,
-        reason: &str,
-    ) -> Result<(), ConnError> {
-        let batch_id = header.batch_id;
-        let allowed = self.shared.batch_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
-        if let Some(suppressed) = allowed {
-            warn!(peer = %self.peer, grant = %header.grant, batch_id, %reason, suppressed, "refusing batch, nothing written");
-        }
-        self.discard(stream, header, unread).await?;
-        self.reply(stream, batch_id, ReplyStatus::Refused, reason).await
-    }
-
-    /// Reads and discards the `unread` op-list entries of a refused batch
-    /// (and their tag; `None`: the op list was read whole) and, unless it
-    /// was pre-checked (no payload follows a refusal then), its payload.
-    async fn discard(
-        &mut self,
-        stream: &mut TcpStream,
-        header: &BatchHeader,
-        unread: Option<usize>,
-    ) -> Result<(), ConnError> {
-        let io_timeout = self.shared.config.io_timeout;
-        if let Some(unread) = unread {
-            drain(stream, unread as u64 * OP_LEN as u64, io_timeout).await?;
-            if let Some(session) = &mut self.session {
-                // The op list is discarded unread, and so is its tag.
-                drain(stream, FRAME_TAG_LEN as u64, io_timeout).await?;
-                session.recv.skip();
-            }
-        }
-        if !header.wants_precheck() {
-            drain(stream, header.total_bytes, io_timeout).await?;
-        }
-        Ok(())
-    }
-
-    /// Refuses a batch whose op list found no room in the budget (log line
-    /// rate-limited); the rest of it is discarded.
-    async fn refuse_for_room(
-        &mut self,
-        stream: &mut TcpStream,
-        header: &BatchHeader,
-        unread: Option<usize>,
-        no_room: NoRoom,
-    ) -> Result<(), ConnError> {
-        let shared = self.shared;
-        // The budget is this listener's, not the memory's: counted here.
-        shared.memory.counters().refused(BatchRefusal::OpBudget);
-        let reason = no_room.reason(header.op_count, shared.op_lists.limit(), shared.config.op_list_timeout);
-        let allowed = shared.budget_refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
-        if let Some(suppressed) = allowed {
-            warn!(peer = %self.peer, grant = %header.grant, batch_id = header.batch_id, ops = header.op_count,
-                budget = shared.op_lists.limit(), ?no_room, suppressed, "refusing batch: no room for its op list");
-        }
-        self.discard(stream, header, unread).await?;
-        self.reply(stream, header.batch_id, ReplyStatus::Refused, &reason).await
-    }
-
-    /// Receives an admitted batch's payload under its grant and replies.
-    async fn write_admitted(
-        &mut self,
-        stream: &mut TcpStream,
-        header: &BatchHeader,
-        destinations: Destinations,
-        share: &mut Share<'_>,
-    ) -> Result<(), ConnError> {
-        let io_timeout = self.shared.config.io_timeout;
-        let batch_id = header.batch_id;
-        if header.wants_precheck() {
-            self.reply(stream, batch_id, ReplyStatus::Ok, "").await?;
-        }
-        let received = receive_payload(stream, &destinations, io_timeout).await;
-        // The op list is done with: its memory goes back before the reply.
-        let total = destinations.total();
-        drop(destinations);
-        share.release();
-        match received {
-            Ok(Received::All) => self.reply(stream, batch_id, ReplyStatus::Ok, "").await,
-            Ok(Received::Revoked { remaining }) => {
-                // Admitted, then fenced mid-payload: `admit` counted nothing,
-                // so the refusal is counted here.
-                let counters = self.shared.memory.counters();
-                if self.shared.memory.is_closed() {
-                    counters.refused(BatchRefusal::Closed);
-                    return Err(ConnError::Closed);
-                }
-                counters.refused(BatchRefusal::UnknownGrant);
-                let reason = format!("grant {} was revoked during the batch", header.grant);
-                let written = total - remaining;
-                warn!(peer = %self.peer, grant = %header.grant, batch_id, written, remaining,
+            Refusal::Revoked { written, remaining } => {
+                warn!(%peer, %grant, batch_id, written, remaining,
                     "grant revoked mid-batch: discarding the rest of the payload");
-                drain(stream, remaining, io_timeout).await?;
-                self.reply(stream, batch_id, ReplyStatus::Refused, &reason).await
             }
-            Err(ConnError::Wire(WireError::Eof { partial: false, .. })) if header.wants_precheck() => {
-                Err(ConnError::Abandoned(batch_id))
-            }
-            Err(error) => Err(error),
         }
     }
 
-    async fn reply(
-        &mut self,
+    /// The error that closes the connection for `fault`; where the peer
+    /// broke the protocol it is told why first (best effort).
+    async fn fault(
+        &self,
         stream: &mut TcpStream,
-        batch_id: u64,
-        status: ReplyStatus,
-        reason: &str,
-    ) -> Result<(), ConnError> {
-        let io_timeout = self.shared.config.io_timeout;
-        let mut reply = encode_reply(batch_id, status, reason);
-        if let Some(session) = &mut self.session {
-            let tag = session.send.seal(&[&reply]);
-            reply.extend_from_slice(&tag);
-        }
-        write_all(stream, &reply, io_timeout, "reply").await?;
-        Ok(())
-    }
-
-    /// Tells the peer why its connection is being closed (best effort) and
-    /// returns the error that closes it.
-    async fn protocol_error(&mut self, stream: &mut TcpStream, batch_id: u64, error: ConnError) -> ConnError {
-        if let Err(reply_error) = self.reply(stream, batch_id, ReplyStatus::ProtocolError, &error.to_string()).await {
+        rx: &mut Receiver<'_>,
+        header: Option<BatchHeader>,
+        fault: Fault,
+    ) -> ConnError {
+        let batch_id = header.map_or(0, |h| h.batch_id);
+        let error = match fault {
+            Fault::BadTag(bad) => return ConnError::BadTag(bad),
+            // Its bytes landed inside the grant; the batch fails unanswered.
+            Fault::BadPayloadTag(bad) => return ConnError::BadPayloadTag { batch_id, bad },
+            Fault::Closed => return ConnError::Closed,
+            Fault::Malformed => ConnError::BadBatchHeader {
+                batch_id,
+                flags: header.map_or(0, |h| h.flags),
+                reserved: header.map_or(0, |h| h.reserved),
+            },
+            Fault::TooManyOps { count, max } => ConnError::TooManyOps { batch_id, count, max },
+            Fault::OpListTimeout { after } => ConnError::OpListTimeout { batch_id, after },
+            Fault::LengthMismatch { declared, sum } => ConnError::LengthMismatch { batch_id, declared, sum },
+        };
+        let reply = encode_reply(batch_id, ReplyStatus::ProtocolError, &error.to_string());
+        if let Err(reply_error) = self.reply(stream, rx, reply).await {
             debug!(peer = %self.peer, error = %reply_error, "cannot report protocol error to peer");
         }
         error
+    }
+
+    /// Writes a reply (tagged on an authenticated connection).
+    async fn reply(&self, stream: &mut TcpStream, rx: &mut Receiver<'_>, mut reply: Vec<u8>) -> Result<(), ConnError> {
+        if let Some(tag) = rx.seal(&reply) {
+            reply.extend_from_slice(&tag);
+        }
+        write_all(stream, &reply, self.shared.config.io_timeout, "reply").await?;
+        Ok(())
     }
 }
 
@@ -502,15 +418,16 @@ fn is_revoked(error: &io::Error) -> bool {
 /// grant is live.
 async fn receive_payload(
     stream: &TcpStream,
-    destinations: &Destinations,
+    destinations: &Destinations<'_>,
+    mut tag: Option<&mut StreamedFrame>,
     io_timeout: Duration,
-) -> Result<Received, ConnError> {
+) -> Result<PayloadEnd, ConnError> {
     let total = destinations.total();
     let mut progress = Progress::new(0, total);
     while !progress.is_done() {
         let attempt = stream.try_io(Interest::READABLE, || {
             destinations
-                .recv_from(stream.as_fd(), &mut progress)
+                .recv_from(stream.as_fd(), &mut progress, tag.as_deref_mut())
                 .unwrap_or_else(|revoked| Err(io::Error::other(revoked)))
         });
         match attempt {
@@ -527,11 +444,11 @@ async fn receive_payload(
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if is_revoked(&e) => return Ok(Received::Revoked { remaining: progress.payload_remaining() }),
+            Err(e) if is_revoked(&e) => return Ok(PayloadEnd::Revoked { remaining: progress.payload_remaining() }),
             Err(source) => return Err(WireError::Io { what: "payload", source }.into()),
         }
     }
-    Ok(Received::All)
+    Ok(PayloadEnd::Complete)
 }
 
 /// Reads and discards `total` payload bytes (a refused batch, or the rest of

@@ -12,18 +12,18 @@ use kv_proto::{
     WriteOp,
 };
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::client::{self, Pool};
 use crate::config::TcpConfig;
-use crate::memory::{LocalMemory, SourceError, Sources};
+use crate::memory::{LocalMemory, Sources};
 use crate::server;
 use crate::split;
-use kv_net::OpListBudget;
+use kv_net::DataListener;
 
 /// State shared by the transport handle, the accept loop and the connection
 /// tasks. The tasks hold it, never the [`TcpTransport`], so dropping the last
@@ -35,22 +35,11 @@ pub(crate) struct Shared {
     pub(crate) token: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) pool: Pool,
-    /// Places for established incoming connections.
-    pub(crate) conn_limit: Arc<Semaphore>,
-    /// Places for incoming connections in their handshake.
-    pub(crate) handshakes: kv_proto::HandshakePlaces,
-    /// Op lists all incoming connections hold at once.
-    pub(crate) op_lists: OpListBudget,
-    /// Log lines about batches refused for want of op-list room.
-    pub(crate) budget_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
-    /// Log lines about peers refused for want of an established place.
-    pub(crate) busy_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
-    /// Log lines about batches refused by their grant or ops (a peer can
-    /// send them as fast as it likes: unknown grants cost it 48 bytes).
-    pub(crate) batch_refusals: std::sync::Mutex<kv_proto::LogThrottle>,
-    /// Log lines about connections closed for an error (any host that
-    /// reaches the port can end connections badly, as fast as it opens them).
-    pub(crate) closed_in_error: std::sync::Mutex<kv_proto::LogThrottle>,
+    /// The listener's places, the op-list budget its connections share,
+    /// and the throttles of the log lines peers can provoke (connections
+    /// closed for an error among them: any host that reaches the port can
+    /// end connections badly, as fast as it opens them).
+    pub(crate) listener: DataListener,
     pub(crate) opened: AtomicU64,
     pub(crate) accepted: AtomicU64,
     pub(crate) next_batch_id: AtomicU64,
@@ -78,34 +67,24 @@ impl TcpTransport {
     ///
     /// # Errors
     ///
-    /// [`TransportError::Io`] if the listener cannot be bound.
+    /// [`TransportError::Io`] if the listener cannot be bound, or
+    /// [`TcpConfig::authenticate_payloads`] is set without a secret.
     pub async fn bind(config: TcpConfig) -> Result<Arc<Self>, TransportError> {
         let bind_error = |source| TransportError::Io { peer: config.listen_addr.to_string(), source };
+        if config.authenticate_payloads && config.auth_secret.is_none() {
+            let reason = "TcpConfig::authenticate_payloads needs a shared secret (TcpConfig::auth_secret)";
+            return Err(bind_error(std::io::Error::new(std::io::ErrorKind::InvalidInput, reason)));
+        }
         let listener = TcpListener::bind(config.listen_addr).await.map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
-        let address = match &config.advertise_host {
-            Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{}", local_addr.port()),
-            Some(host) => format!("{host}:{}", local_addr.port()),
-            None => {
-                if local_addr.ip().is_unspecified() {
-                    warn!(%local_addr, "listening on a wildcard address without advertise_host: peers get an unusable endpoint");
-                }
-                local_addr.to_string()
-            }
-        };
+        let address = kv_net::advertised_address(config.advertise_host.as_deref(), local_addr);
         let endpoint = Endpoint { protocol: Protocol::Tcp, address, details: Vec::new() };
         let shared = Arc::new(Shared {
             memory: LocalMemory::new(),
             token: CancellationToken::new(),
             tracker: TaskTracker::new(),
-            pool: Pool::new(config.max_idle_conns_per_peer),
-            conn_limit: config.limits.established_places(),
-            handshakes: config.limits.handshake_places(),
-            op_lists: OpListBudget::new(config.op_list_budget_in_force()),
-            budget_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            busy_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            batch_refusals: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
-            closed_in_error: std::sync::Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
+            pool: Pool::new(config.max_idle_conns_per_peer, config.max_connecting_per_peer),
+            listener: DataListener::new(&config.limits, &config.op_lists, config.auth_secret.is_some()),
             opened: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             next_batch_id: AtomicU64::new(0),
@@ -143,14 +122,14 @@ impl TcpTransport {
     }
 
     /// Bytes of op lists incoming batches hold now (charged to the op-list
-    /// budget in force, [`TcpConfig::op_list_budget_in_force`]).
+    /// budget in force, [`kv_net::OpListLimits::budget_in_force`]).
     pub fn op_list_bytes(&self) -> u64 {
-        self.shared.op_lists.used()
+        self.shared.listener.op_lists.used()
     }
 
     /// The most bytes of op lists incoming batches ever held at once.
     pub fn op_list_bytes_peak(&self) -> u64 {
-        self.shared.op_lists.peak()
+        self.shared.listener.op_lists.peak()
     }
 
     /// Grants issued and neither revoked nor expired and purged.
@@ -193,7 +172,7 @@ impl TcpTransport {
                         Ok(sources) => sources,
                         Err(error) => {
                             gate.close();
-                            return Err(PartError::Failed(source_error(error)));
+                            return Err(PartError::Failed(error.into()));
                         }
                     };
                     let admitted = match client::ask(&shared, &address, grant, &sources).await {
@@ -360,15 +339,6 @@ fn more_telling(first: Option<TransportError>, next: TransportError) -> Transpor
     }
 }
 
-fn source_error(error: SourceError) -> TransportError {
-    match error {
-        SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
-            TransportError::SourceOutOfBounds { addr, len }
-        }
-        SourceError::Closed => TransportError::Shutdown,
-    }
-}
-
 impl Drop for TcpTransport {
     fn drop(&mut self) {
         // After this no task touches registered memory, so the caller may
@@ -420,15 +390,8 @@ impl BatchWriter for TcpTransport {
         if shared.token.is_cancelled() {
             return Err(TransportError::Shutdown);
         }
-        if peer.protocol != Protocol::Tcp {
-            return Err(TransportError::WrongProtocol {
-                peer: peer.to_string(),
-                expected: Protocol::Tcp,
-                got: peer.protocol,
-            });
-        }
-        peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: peer.to_string(), reason })?;
-        let sources = Sources::check(&shared.memory, ops).map_err(source_error)?;
+        peer.check_for(Protocol::Tcp)?;
+        let sources = Sources::check(&shared.memory, ops)?;
         if ops.is_empty() {
             return Ok(());
         }

@@ -9,6 +9,7 @@
 
 use bytes::{Buf, BufMut};
 use kv_proto::dataplane::{self, ReplyStatus, VERDICT_HEADER_LEN};
+use kv_proto::receive::HeaderFields;
 use kv_proto::{GrantId, GRANT_ID_LEN};
 
 pub use kv_proto::dataplane::{decode_op, encode_op, OpEntry, MAX_REASON_LEN, OP_LEN};
@@ -22,8 +23,13 @@ pub const VERSION: u16 = 3;
 /// Preamble flag: the sender holds the shared secret and sends its nonce
 /// ([`AUTH_TAG_LEN`] bytes) right after the preamble.
 pub const FLAG_AUTH: u16 = 1;
+/// Preamble flag (only with [`FLAG_AUTH`]): the sender follows every
+/// batch's payload with its tag ([`kv_proto::session`], a frame of its own
+/// over the batch id and the payload), and the receiver checks it over the
+/// bytes as they landed ([`crate::TcpConfig::authenticate_payloads`]).
+pub const FLAG_PAYLOAD_AUTH: u16 = 2;
 /// Preamble flags this build understands.
-pub const SUPPORTED_FLAGS: u16 = FLAG_AUTH;
+pub const SUPPORTED_FLAGS: u16 = FLAG_AUTH | FLAG_PAYLOAD_AUTH;
 /// Bytes of a nonce and of a proof.
 pub const AUTH_TAG_LEN: usize = kv_proto::auth::AUTH_TAG_LEN;
 /// Verdict byte after the sender's proof: accepted.
@@ -94,13 +100,19 @@ impl Preamble {
         self.flags & FLAG_AUTH != 0
     }
 
+    /// Whether the sender tags its payloads ([`FLAG_PAYLOAD_AUTH`]).
+    pub fn announces_payload_auth(&self) -> bool {
+        self.flags & FLAG_PAYLOAD_AUTH != 0
+    }
+
     /// The receiver's answer to this preamble, for a receiver that holds the
     /// shared secret or not: [`AcceptStatus::Accepted`] only for this
-    /// build's version, known flags, and a secret on both sides or neither.
+    /// build's version, known flags ([`FLAG_PAYLOAD_AUTH`] only with
+    /// [`FLAG_AUTH`]), and a secret on both sides or neither.
     pub fn answer(&self, receiver_has_secret: bool) -> AcceptStatus {
         if self.version != VERSION {
             AcceptStatus::UnsupportedVersion
-        } else if self.flags & !SUPPORTED_FLAGS != 0 {
+        } else if self.flags & !SUPPORTED_FLAGS != 0 || (self.announces_payload_auth() && !self.announces_auth()) {
             AcceptStatus::UnsupportedFlags
         } else if receiver_has_secret && !self.announces_auth() {
             AcceptStatus::AuthRequired
@@ -108,6 +120,20 @@ impl Preamble {
             AcceptStatus::AuthUnavailable
         } else {
             AcceptStatus::Accepted
+        }
+    }
+}
+
+impl Preamble {
+    /// [`Preamble::answer`] from a receiver that also requires tagged
+    /// payloads or not: a sender that does not announce them is then
+    /// refused with [`AcceptStatus::PayloadAuthRequired`].
+    pub fn answer_requiring(&self, receiver_has_secret: bool, payload_auth_required: bool) -> AcceptStatus {
+        match self.answer(receiver_has_secret) {
+            AcceptStatus::Accepted if payload_auth_required && !self.announces_payload_auth() => {
+                AcceptStatus::PayloadAuthRequired
+            }
+            answer => answer,
         }
     }
 }
@@ -140,6 +166,9 @@ pub enum AcceptStatus {
     AuthUnavailable,
     /// The receiver serves its most connections already; it closes.
     Busy,
+    /// The receiver requires tagged payloads ([`FLAG_PAYLOAD_AUTH`]) and the
+    /// sender did not announce them; it closes.
+    PayloadAuthRequired,
     /// A status this build does not know.
     Unknown(u16),
 }
@@ -154,6 +183,7 @@ impl AcceptStatus {
             AcceptStatus::AuthRequired => 3,
             AcceptStatus::AuthUnavailable => 4,
             AcceptStatus::Busy => 5,
+            AcceptStatus::PayloadAuthRequired => 6,
             AcceptStatus::Unknown(c) => c,
         }
     }
@@ -167,6 +197,7 @@ impl AcceptStatus {
             3 => AcceptStatus::AuthRequired,
             4 => AcceptStatus::AuthUnavailable,
             5 => AcceptStatus::Busy,
+            6 => AcceptStatus::PayloadAuthRequired,
             c => AcceptStatus::Unknown(c),
         }
     }
@@ -290,6 +321,20 @@ impl BatchHeader {
     }
 }
 
+/// What the batch-receive machine ([`kv_proto::receive`]) reads of a header.
+impl From<BatchHeader> for HeaderFields {
+    fn from(header: BatchHeader) -> Self {
+        HeaderFields {
+            grant: header.grant,
+            op_count: header.op_count,
+            total_bytes: header.total_bytes,
+            batch_id: header.batch_id,
+            precheck: header.wants_precheck(),
+            well_formed: header.is_well_formed(),
+        }
+    }
+}
+
 /// The receiver's reply to a batch, or its admission verdict on a
 /// [`BATCH_FLAG_PRECHECK`] batch: `batch_id u64`, then the shared verdict
 /// (`status u32 | reason_len u32`, [`kv_proto::dataplane::put_verdict`]),
@@ -383,7 +428,14 @@ mod tests {
         assert_eq!(answer(VERSION, FLAG_AUTH, true), AcceptStatus::Accepted);
         assert_eq!(answer(VERSION, 0, true), AcceptStatus::AuthRequired);
         assert_eq!(answer(VERSION, FLAG_AUTH, false), AcceptStatus::AuthUnavailable);
-        assert_eq!(answer(VERSION, 2, false), AcceptStatus::UnsupportedFlags);
+        assert_eq!(answer(VERSION, 4, false), AcceptStatus::UnsupportedFlags);
+        assert_eq!(answer(VERSION, FLAG_PAYLOAD_AUTH, false), AcceptStatus::UnsupportedFlags, "tags need a session");
+        assert_eq!(answer(VERSION, FLAG_PAYLOAD_AUTH, true), AcceptStatus::UnsupportedFlags);
+        assert_eq!(answer(VERSION, FLAG_AUTH | FLAG_PAYLOAD_AUTH, true), AcceptStatus::Accepted);
+        let requiring = |flags| Preamble { version: VERSION, flags }.answer_requiring(true, true);
+        assert_eq!(requiring(FLAG_AUTH), AcceptStatus::PayloadAuthRequired);
+        assert_eq!(requiring(FLAG_AUTH | FLAG_PAYLOAD_AUTH), AcceptStatus::Accepted);
+        assert_eq!(requiring(0), AcceptStatus::AuthRequired, "the secret is checked first");
         assert_eq!(answer(1, 0, false), AcceptStatus::UnsupportedVersion, "the version is checked first");
     }
 

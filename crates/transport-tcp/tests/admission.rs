@@ -12,10 +12,11 @@ mod common;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use common::{check, dst_ranges, fill, isolated, ops, Node, RawClient, BOUND};
+use common::{isolated, node, Node, RawClient, BOUND};
 use kv_proto::auth::{self, AuthSecret};
 use kv_proto::{BatchWriter, TransportError};
 use rstest::rstest;
+use test_support::pattern::{check, covering, fill, packed_ops};
 use tokio::io::AsyncReadExt;
 use transport_tcp::wire::{
     Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_BUSY, AUTH_TAG_LEN, CHALLENGE_LEN, FLAG_AUTH, VERSION,
@@ -64,19 +65,8 @@ impl Stall {
 
 /// An honest sender (from 127.0.0.1) writes a batch into `victim`.
 async fn honest_batch(victim: &Node, secret: Option<AuthSecret>) -> Result<(), TransportError> {
-    let mut sender = Node::new(TcpConfig { auth_secret: secret, ..TcpConfig::default() }, 1 << 16).await;
-    let batch = ops(&sender.buf, &victim.buf, 8, 1024);
-    fill(&mut sender.buf, &batch);
-    let grant = victim.grant(&dst_ranges(&batch)).await;
-    let written =
-        tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &batch))
-            .await
-            .expect("the honest batch was not answered in time");
-    victim.transport.revoke(&grant.id).await;
-    if written.is_ok() {
-        check(&victim.buf, &batch);
-    }
-    written
+    let mut sender = node(TcpConfig { auth_secret: secret, ..TcpConfig::default() }, 1 << 16).await;
+    test_support::write_batch(&mut sender, victim, 0, BOUND).await
 }
 
 /// As many stalled handshakes as the receiver has established places (so
@@ -96,7 +86,7 @@ fn stalled_handshakes_do_not_crowd_out_an_honest_sender(#[values(Stall::Silent, 
             handshake_timeout: LONG,
             ..TcpConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let mut stalled = Vec::new();
         for _ in 0..PLACES {
             stalled.push(stall.open(&victim).await);
@@ -119,7 +109,7 @@ fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
             handshake_timeout: LONG,
             ..TcpConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         let held = [Stall::Silent.open(&victim).await, Stall::Silent.open(&victim).await];
         let over = RawClient::connect_from(&victim, HOSTILE).await.until_closed().await;
         assert!(over.is_empty(), "a refused connection is closed unanswered");
@@ -139,12 +129,12 @@ fn a_peer_past_the_connection_limit_is_told_why(#[values(None, Some(SECRET))] se
             limits: ListenerLimits { max_connections: 1, ..ListenerLimits::default() },
             ..TcpConfig::default()
         };
-        let victim = Node::new(config, 1 << 16).await;
+        let victim = node(config, 1 << 16).await;
         // A sender whose pooled connection holds the one place.
-        let mut first = Node::new(TcpConfig { auth_secret: secret.clone(), ..TcpConfig::default() }, 1 << 16).await;
-        let batch = ops(&first.buf, &victim.buf, 2, 512);
+        let mut first = node(TcpConfig { auth_secret: secret.clone(), ..TcpConfig::default() }, 1 << 16).await;
+        let batch = packed_ops(&first.buf, &victim.buf, 2, 512);
         fill(&mut first.buf, &batch);
-        let grant = victim.grant(&dst_ranges(&batch)).await;
+        let grant = victim.grant(&covering(&batch)).await;
         first.transport.batch_write(&victim.transport.endpoint(), &grant, &batch).await.unwrap();
 
         let refused = honest_batch(&victim, secret.clone()).await.expect_err("a second connection was served");

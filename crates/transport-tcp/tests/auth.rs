@@ -8,12 +8,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{check, dst_ranges, fill, isolated, ops, Node, RawClient, BOUND};
+use common::{isolated, node, Node, RawClient, BOUND};
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::session::{End, Session};
 use kv_proto::{BatchWriter, GrantId, TransportError};
 use rstest::rstest;
+use test_support::pattern::{check, covering, fill, packed_ops};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_tcp::wire::{
     auth_context, Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN, CHALLENGE_LEN,
@@ -38,11 +39,11 @@ fn batches_flow_only_between_peers_proving_the_same_secret(
     #[case] refusal: Option<&str>,
 ) {
     isolated(async move {
-        let mut a = Node::new(config(sender), 1 << 16).await;
-        let b = Node::new(config(receiver), 1 << 16).await;
-        let batch = ops(&a.buf, &b.buf, 8, 1024);
+        let mut a = node(config(sender), 1 << 16).await;
+        let b = node(config(receiver), 1 << 16).await;
+        let batch = packed_ops(&a.buf, &b.buf, 8, 1024);
         fill(&mut a.buf, &batch);
-        let grant = b.grant(&dst_ranges(&batch)).await;
+        let grant = b.grant(&covering(&batch)).await;
         let result = a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await;
         match refusal {
             None => {
@@ -170,7 +171,7 @@ fn a_proof_not_made_for_this_connection_is_refused(
     forged: ForgedProof,
 ) {
     isolated(async move {
-        let b = Node::new(config(Some(SECRET)), 1 << 16).await;
+        let b = node(config(Some(SECRET)), 1 << 16).await;
         let secret = AuthSecret::new(SECRET);
         let mut exchange = Exchange::start(&b).await;
         let context = exchange.context();
@@ -218,7 +219,7 @@ fn a_proof_not_made_for_this_connection_is_refused(
 #[test]
 fn a_failed_proof_writes_nothing_and_the_receiver_keeps_serving() {
     isolated(async move {
-        let b = Node::new(config(Some(SECRET)), 1 << 16).await;
+        let b = node(config(Some(SECRET)), 1 << 16).await;
         let grant = b.grant_all().await;
         let mut exchange = Exchange::start(&b).await;
         assert_eq!(exchange.prove(&[0u8; AUTH_TAG_LEN]).await, AUTH_FAILED);
@@ -232,8 +233,8 @@ fn a_failed_proof_writes_nothing_and_the_receiver_keeps_serving() {
         assert_eq!(unannounced.accept().await.status, AcceptStatus::AuthRequired);
         unannounced.until_closed().await;
 
-        let mut a = Node::new(config(Some(SECRET)), 1 << 16).await;
-        let batch = ops(&a.buf, &b.buf, 4, 512);
+        let mut a = node(config(Some(SECRET)), 1 << 16).await;
+        let batch = packed_ops(&a.buf, &b.buf, 4, 512);
         fill(&mut a.buf, &batch);
         a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
         check(&b.buf, &batch);
@@ -271,7 +272,7 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
             auth_secret: secret.map(AuthSecret::new),
             ..TcpConfig::default()
         };
-        let b = Node::new(config, 1 << 16).await;
+        let b = node(config, 1 << 16).await;
         let started = Instant::now();
         let (mut client, bytes) = match dribble {
             Dribble::Preamble => (RawClient::connect(&b).await, Preamble::current().encode().to_vec()),
@@ -314,11 +315,10 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
         );
 
         // The receiver serves an honest sender meanwhile and afterwards.
-        let mut a =
-            Node::new(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, 1 << 16).await;
-        let batch = ops(&a.buf, &b.buf, 4, 256);
+        let mut a = node(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, 1 << 16).await;
+        let batch = packed_ops(&a.buf, &b.buf, 4, 256);
         fill(&mut a.buf, &batch);
-        let grant = b.grant(&dst_ranges(&batch)).await;
+        let grant = b.grant(&covering(&batch)).await;
         a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
         check(&b.buf, &batch);
     });
@@ -334,7 +334,7 @@ fn the_deadline_ends_with_the_handshake() {
             auth_secret: Some(AuthSecret::new(SECRET)),
             ..TcpConfig::default()
         };
-        let b = Node::new(config, 1 << 16).await;
+        let b = node(config, 1 << 16).await;
         let secret = AuthSecret::new(SECRET);
         let mut exchange = Exchange::start(&b).await;
         let context = exchange.context();

@@ -6,14 +6,15 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{check, dst_ranges, fill, RawClient, TestBuf, BOUND};
+use common::{RawClient, BOUND};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, Grant, GrantId, MemoryRegion, RegionAccess, TransportError, WriteOp};
 use rstest::rstest;
+use test_support::pattern::{check, covering, fill};
+use test_support::{Logs, TestBuf};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const KIB: usize = 1024;
@@ -229,7 +230,7 @@ async fn revoking_during_batch_write_is_a_fence(#[case] streams: usize) {
     unsafe { tx.register_regions(&[src.region()], RegionAccess::Source) }.unwrap();
     src.bytes_mut().fill(0xAB);
     let ops = vec![WriteOp { src: src.addr(), dst: rx.at(0), len: LEN as u64 }];
-    let grant = rx.transport.grant(&dst_ranges(&ops), BOUND).await.unwrap();
+    let grant = rx.transport.grant(&covering(&ops), BOUND).await.unwrap();
 
     let writing = {
         let (tx, endpoint, grant, ops) = (Arc::clone(&tx), rx.transport.endpoint(), grant.clone(), ops.clone());
@@ -251,7 +252,7 @@ async fn revoking_during_batch_write_is_a_fence(#[case] streams: usize) {
     let small = [WriteOp { src: src.addr(), dst: rx.at(LEN - 4096), len: 4096 }];
     let err = tx.batch_write(&rx.transport.endpoint(), &grant, &small).await.unwrap_err();
     assert!(matches!(err, TransportError::Refused { .. }), "{err:?}");
-    let fresh = rx.transport.grant(&dst_ranges(&small), BOUND).await.unwrap();
+    let fresh = rx.transport.grant(&covering(&small), BOUND).await.unwrap();
     let zero_before = rx.dst.bytes()[LEN - 4096..].iter().all(|&b| b == 0);
     tx.batch_write(&rx.transport.endpoint(), &fresh, &small).await.unwrap();
     rx.transport.revoke(&fresh.id).await;
@@ -259,39 +260,12 @@ async fn revoking_during_batch_write_is_a_fence(#[case] streams: usize) {
     drop(tx);
 }
 
-/// Log lines written by a test's subscriber.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Captures this thread's warnings until the guard drops (a current-thread
-/// runtime's tasks all log here).
-fn capture_warnings() -> (Logs, tracing::subscriber::DefaultGuard) {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    (logs, tracing::subscriber::set_default(subscriber))
-}
-
 /// A refused batch is logged with the peer's address and the grant's short
 /// form, never the whole id (a capability). On a current-thread runtime, so
 /// every task logs to this test's subscriber.
 #[tokio::test]
 async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
-    let (logs, _guard) = capture_warnings();
+    let (logs, _guard) = Logs::capture(tracing::Level::WARN);
     let rx = Receiver::new(64 * KIB).await;
     let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
     let forged = GrantId::from_bytes([0xC3; 16]);
@@ -299,7 +273,7 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
     assert_eq!(client.reply().await.0.status, ReplyStatus::Refused);
     assert!(rx.dst.is_zero());
 
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let line =
         text.lines().find(|l| l.contains("refusing batch")).unwrap_or_else(|| panic!("no refusal logged: {text}"));
     assert!(line.contains("WARN"), "{line}");
@@ -314,7 +288,7 @@ async fn a_refusal_is_logged_with_the_peer_and_the_grants_short_form() {
 #[tokio::test]
 async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     const FLOOD: u64 = 2_000;
-    let (logs, _guard) = capture_warnings();
+    let (logs, _guard) = Logs::capture(tracing::Level::WARN);
     let rx = Receiver::new(64 * KIB).await;
     let (mut client, _) = RawClient::handshaken_to(rx.transport.local_addr()).await;
     let started = std::time::Instant::now();
@@ -325,7 +299,7 @@ async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
     }
     let seconds = started.elapsed().as_secs();
     assert!(rx.dst.is_zero());
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let lines = text.lines().filter(|l| l.contains("refusing batch")).count();
     // One line when the flood starts, then at most one per second of it.
     assert!(lines >= 1 && lines as u64 <= 2 + seconds, "{lines} lines for {FLOOD} refusals in {seconds} s:\n{text}");
@@ -336,7 +310,7 @@ async fn a_flood_of_forged_grants_logs_a_bounded_number_of_lines() {
 #[tokio::test]
 async fn a_flood_of_bad_connections_logs_a_bounded_number_of_lines() {
     const FLOOD: usize = 300;
-    let (logs, _guard) = capture_warnings();
+    let (logs, _guard) = Logs::capture(tracing::Level::WARN);
     let rx = Receiver::new(64 * KIB).await;
     let started = std::time::Instant::now();
     for _ in 0..FLOOD {
@@ -345,7 +319,7 @@ async fn a_flood_of_bad_connections_logs_a_bounded_number_of_lines() {
         client.until_closed().await;
     }
     let seconds = started.elapsed().as_secs();
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let lines = text.lines().filter(|l| l.contains("closing data-plane connection")).count();
     assert!(
         lines >= 1 && lines as u64 <= 2 + seconds,

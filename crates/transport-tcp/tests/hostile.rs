@@ -12,25 +12,25 @@ mod common;
 use std::time::Duration;
 
 use bytes::BufMut;
-use common::{assert_still_serves, isolated, Node, RawClient, Resources, BOUND};
+use common::{assert_still_serves, isolated, node, RawClient, BOUND};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, Protocol, TransportError, WriteOp};
 use rstest::rstest;
+use test_support::Resources;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use transport_tcp::wire::{
     encode_op, encode_reply, Accept, AcceptStatus, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, BATCH_HEADER_LEN,
     MAX_REASON_LEN, OP_LEN, PREAMBLE_LEN, REPLY_HEADER_LEN, VERSION,
 };
-use transport_tcp::TcpConfig;
+use transport_tcp::{OpListLimits, TcpConfig};
 
 /// Small bounds, so the stalling cases end quickly.
 fn victim_config() -> TcpConfig {
     TcpConfig {
         io_timeout: Duration::from_millis(300),
         idle_timeout: Duration::from_millis(300),
-        max_ops_per_batch: 1024,
-        op_list_timeout: Duration::from_secs(1),
+        op_lists: OpListLimits { max_ops_per_batch: 1024, timeout: Duration::from_secs(1), ..OpListLimits::default() },
         ..TcpConfig::default()
     }
 }
@@ -108,7 +108,7 @@ fn a_hostile_client_costs_only_its_connection(
     abuse: Abuse,
 ) {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let base = victim.buf.addr();
         let grant = victim.grant_all().await.id;
         let header = |batch_id, flags, reserved, op_count, total_bytes| {
@@ -237,7 +237,7 @@ fn a_hostile_client_costs_only_its_connection(
         assert!(victim.buf.bytes()[clean_from..].iter().all(|&b| b == 0), "bad input wrote to memory");
         assert_still_serves(&victim).await;
         drop(client);
-        with_victim.back(&format!("the receiver after {abuse:?}")).await;
+        with_victim.back(&format!("the receiver after {abuse:?}"), BOUND).await;
     });
 }
 
@@ -246,7 +246,7 @@ fn a_hostile_client_costs_only_its_connection(
 #[test]
 fn a_refused_batch_keeps_the_connection_usable() {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let base = victim.buf.addr();
         let end = victim.buf.end();
         let grant = victim.grant_all().await.id;
@@ -275,7 +275,7 @@ fn a_refused_batch_keeps_the_connection_usable() {
         assert_eq!(&victim.buf.bytes()[100..103], &[1, 2, 3]);
         assert_eq!(&victim.buf.bytes()[10..12], &[4, 5]);
         drop(client);
-        with_victim.back("the receiver after refused batches").await;
+        with_victim.back("the receiver after refused batches", BOUND).await;
     });
 }
 
@@ -284,7 +284,7 @@ fn a_refused_batch_keeps_the_connection_usable() {
 #[test]
 fn an_op_list_is_admitted_before_any_payload_byte_is_read() {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let base = victim.buf.addr();
         let grant = victim.grant(&[kv_proto::MemoryRegion::new(base, 1024)]).await.id;
         let with_victim = Resources::now();
@@ -297,7 +297,7 @@ fn an_op_list_is_admitted_before_any_payload_byte_is_read() {
         victim.transport.revoke(&grant).await;
         assert!(victim.buf.is_zero(), "the first op's payload landed before the second was checked");
         drop(client);
-        with_victim.back("the receiver after a refused op list").await;
+        with_victim.back("the receiver after a refused op list", BOUND).await;
     });
 }
 
@@ -305,7 +305,7 @@ fn an_op_list_is_admitted_before_any_payload_byte_is_read() {
 #[test]
 fn a_crowd_of_garbage_connections_does_not_stop_the_listener() {
     isolated(async move {
-        let victim = Node::new(victim_config(), VICTIM_LEN).await;
+        let victim = node(victim_config(), VICTIM_LEN).await;
         let with_victim = Resources::now();
         let mut clients = Vec::new();
         for i in 0..32u8 {
@@ -318,7 +318,7 @@ fn a_crowd_of_garbage_connections_does_not_stop_the_listener() {
         }
         assert_still_serves(&victim).await;
         drop(clients);
-        with_victim.back("the receiver after a crowd of garbage connections").await;
+        with_victim.back("the receiver after a crowd of garbage connections", BOUND).await;
     });
 }
 
@@ -360,7 +360,7 @@ fn a_sender_survives_hostile_receivers(
             connect_timeout: Duration::from_millis(2000),
             ..TcpConfig::default()
         };
-        let sender = Node::new(config, 1 << 16).await;
+        let sender = node(config, 1 << 16).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let server = tokio::spawn(async move {

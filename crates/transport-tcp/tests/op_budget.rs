@@ -14,13 +14,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{check, fill, Node, RawClient, Resources, BOUND};
+use common::{default_node, node, RawClient, BOUND};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchWriter, WriteOp};
+use test_support::pattern::{check, fill};
+use test_support::Resources;
 use test_support::{peak_heap_growth, peak_rss_growth, reset_peak_heap, reset_peak_rss};
 use tokio::io::AsyncWriteExt;
 use transport_tcp::wire::{encode_op, BatchHeader, OP_LEN};
-use transport_tcp::TcpConfig;
+use transport_tcp::{OpListLimits, TcpConfig};
 
 /// The receiver's op-list budget (no secret: every peer is unauthenticated).
 const BUDGET: u64 = 16 << 20;
@@ -40,8 +42,11 @@ const HEAP_SLACK: u64 = 32 << 20;
 
 fn victim_config() -> TcpConfig {
     TcpConfig {
-        unauthenticated_op_list_budget: BUDGET,
-        op_list_timeout: Duration::from_secs(5),
+        op_lists: OpListLimits {
+            unauthenticated_budget: BUDGET,
+            timeout: Duration::from_secs(5),
+            ..OpListLimits::default()
+        },
         io_timeout: Duration::from_secs(10),
         ..TcpConfig::default()
     }
@@ -72,11 +77,11 @@ fn connections_announcing_huge_op_lists_stay_within_one_budget() {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
         let before = Resources::now();
-        let mut victim = Node::new(victim_config(), HONEST_OPS * HONEST_LEN).await;
+        let mut victim = node(victim_config(), HONEST_OPS * HONEST_LEN).await;
         // Resident from the start (the honest batch lands there), so it
         // does not count as growth. No grant is live yet.
         victim.buf.bytes_mut().fill(0);
-        let mut sender = Node::with_defaults(HONEST_OPS * HONEST_LEN).await;
+        let mut sender = default_node(HONEST_OPS * HONEST_LEN).await;
         let grant = victim.grant_all().await;
         let ops: Vec<WriteOp> = (0..HONEST_OPS as u64)
             .map(|k| WriteOp {
@@ -151,8 +156,8 @@ fn connections_announcing_huge_op_lists_stay_within_one_budget() {
         check(&victim.buf, &ops);
 
         drop(sender);
-        with_nodes.back("after the attack").await;
+        with_nodes.back("after the attack", BOUND).await;
         drop((victim, ops));
-        before.back("after the nodes").await;
+        before.back("after the nodes", BOUND).await;
     });
 }

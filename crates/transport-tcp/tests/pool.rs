@@ -7,19 +7,20 @@ mod common;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use common::{check, fill, ops, Node, BOUND};
+use common::{default_node, node, BOUND};
 use kv_proto::{BatchWriter, Protocol, RegionAccess, TransportError};
+use test_support::pattern::{check, fill, packed_ops};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::{OpListLimits, TcpConfig, TcpTransport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_batches_reuse_one_connection() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
     let grant = b.grant_all().await;
     for round in 0..3 {
-        let batch = ops(&a.buf, &b.buf, 16, 1024 + round);
+        let batch = packed_ops(&a.buf, &b.buf, 16, 1024 + round);
         fill(&mut a.buf, &batch);
         a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
         check(&b.buf, &batch);
@@ -32,9 +33,9 @@ async fn sequential_batches_reuse_one_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_keep_at_most_the_idle_bound() {
     let config = TcpConfig { max_idle_conns_per_peer: 2, ..TcpConfig::default() };
-    let mut a = Node::new(config, 1 << 20).await;
-    let b = Node::with_defaults(1 << 20).await;
-    let all = ops(&a.buf, &b.buf, 8 * 128, 1024);
+    let mut a = node(config, 1 << 20).await;
+    let b = default_node(1 << 20).await;
+    let all = packed_ops(&a.buf, &b.buf, 8 * 128, 1024);
     fill(&mut a.buf, &all);
     let grant = b.grant_all().await;
     let mut tasks = JoinSet::new();
@@ -54,9 +55,9 @@ async fn concurrent_batches_keep_at_most_the_idle_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_pooling_when_the_idle_bound_is_zero() {
     let config = TcpConfig { max_idle_conns_per_peer: 0, ..TcpConfig::default() };
-    let mut a = Node::new(config, 1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 4, 1024);
+    let mut a = node(config, 1 << 16).await;
+    let b = default_node(1 << 16).await;
+    let batch = packed_ops(&a.buf, &b.buf, 4, 1024);
     fill(&mut a.buf, &batch);
     let grant = b.grant_all().await;
     for _ in 0..2 {
@@ -71,9 +72,13 @@ async fn no_pooling_when_the_idle_bound_is_zero() {
 /// connection stays pooled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_above_the_peers_op_limit_fails_fast() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::new(TcpConfig { max_ops_per_batch: 8, ..TcpConfig::default() }, 1 << 16).await;
-    let nine = ops(&a.buf, &b.buf, 9, 256);
+    let mut a = default_node(1 << 16).await;
+    let config = TcpConfig {
+        op_lists: OpListLimits { max_ops_per_batch: 8, ..OpListLimits::default() },
+        ..TcpConfig::default()
+    };
+    let b = node(config, 1 << 16).await;
+    let nine = packed_ops(&a.buf, &b.buf, 9, 256);
     fill(&mut a.buf, &nine);
     let grant = b.grant_all().await;
     let err = a.transport.batch_write(&b.transport.endpoint(), &grant, &nine).await.unwrap_err();
@@ -91,10 +96,12 @@ async fn a_batch_above_the_peers_op_limit_fails_fast() {
 /// the next batch goes through on a new one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_after_the_peer_restarted_on_the_same_port() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
+    // Below the ephemeral range: nothing else takes the port while it is free.
+    let listen_addr = test_support::ports::restartable_loopback();
+    let b = node(TcpConfig { listen_addr, ..TcpConfig::default() }, 1 << 16).await;
     let endpoint = b.transport.endpoint();
-    let batch = ops(&a.buf, &b.buf, 8, 512);
+    let batch = packed_ops(&a.buf, &b.buf, 8, 512);
     fill(&mut a.buf, &batch);
     let grant = b.grant_all().await;
     a.transport.batch_write(&endpoint, &grant, &batch).await.unwrap();
@@ -123,17 +130,17 @@ async fn reconnects_after_the_peer_restarted_on_the_same_port() {
 /// when the sender pools one of another peer, not kept open forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gone_peers_pooled_connection_is_closed_when_another_peer_is_served() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let gone = Node::with_defaults(1 << 16).await;
-    let other = Node::with_defaults(1 << 16).await;
-    let to_gone = ops(&a.buf, &gone.buf, 4, 256);
+    let mut a = default_node(1 << 16).await;
+    let gone = default_node(1 << 16).await;
+    let other = default_node(1 << 16).await;
+    let to_gone = packed_ops(&a.buf, &gone.buf, 4, 256);
     fill(&mut a.buf, &to_gone);
     let grant = gone.grant_all().await;
     a.transport.batch_write(&gone.transport.endpoint(), &grant, &to_gone).await.unwrap();
     assert_eq!(a.transport.idle_connections(), 1);
     gone.transport.shutdown().await;
 
-    let to_other = ops(&a.buf, &other.buf, 4, 256);
+    let to_other = packed_ops(&a.buf, &other.buf, 4, 256);
     fill(&mut a.buf, &to_other);
     let grant = other.grant_all().await;
     // Each batch pools its connection, looking over the others: bounded
@@ -161,11 +168,11 @@ async fn endpoints_name_the_bound_or_advertised_host() {
     assert_eq!(v6.endpoint().address, format!("[::1]:{}", v6.local_addr().port()));
 
     // A name is resolved by the sender.
-    let mut a = Node::with_defaults(1 << 16).await;
+    let mut a = default_node(1 << 16).await;
     let named = TcpConfig { advertise_host: Some("localhost".to_owned()), ..TcpConfig::default() };
-    let b = Node::new(named, 1 << 16).await;
+    let b = node(named, 1 << 16).await;
     assert_eq!(b.transport.endpoint().address, format!("localhost:{}", b.transport.local_addr().port()));
-    let batch = ops(&a.buf, &b.buf, 4, 100);
+    let batch = packed_ops(&a.buf, &b.buf, 4, 100);
     fill(&mut a.buf, &batch);
     let grant = b.grant_all().await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
@@ -174,9 +181,9 @@ async fn endpoints_name_the_bound_or_advertised_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_the_listener_and_pooled_connections() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 2, 64);
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
+    let batch = packed_ops(&a.buf, &b.buf, 2, 64);
     fill(&mut a.buf, &batch);
     let grant = b.grant_all().await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
@@ -196,9 +203,9 @@ async fn shutdown_closes_the_listener_and_pooled_connections() {
 /// peer's next batch is not served, and every later call fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_ends_all_access_at_once() {
-    let mut a = Node::with_defaults(1 << 16).await;
-    let b = Node::with_defaults(1 << 16).await;
-    let batch = ops(&a.buf, &b.buf, 2, 64);
+    let mut a = default_node(1 << 16).await;
+    let b = default_node(1 << 16).await;
+    let batch = packed_ops(&a.buf, &b.buf, 2, 64);
     fill(&mut a.buf, &batch);
     let grant = b.grant_all().await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
@@ -212,7 +219,7 @@ async fn close_ends_all_access_at_once() {
         .unwrap_err();
     assert!(!matches!(err, TransportError::Shutdown), "the sender is not shut down: {err:?}");
     assert!(b.buf.bytes()[4096..].iter().all(|&x| x == 0), "a closed transport wrote");
-    let extra = common::TestBuf::new(4096);
+    let extra = test_support::TestBuf::new(4096);
     // SAFETY: refused (the transport is closed), so the buffer is never used.
     let err = unsafe { b.transport.register_regions(&[extra.region()], RegionAccess::Destination) }.unwrap_err();
     assert!(matches!(err, TransportError::Shutdown), "{err:?}");

@@ -5,9 +5,10 @@
 
 mod common;
 
-use common::{check, dst_ranges, fill, ops, Node};
+use common::{default_node, node};
 use kv_proto::{BatchWriter, MemoryRegion, TransportError, WriteOp};
 use rstest::rstest;
+use test_support::pattern::{check, covering, fill, packed_ops};
 use transport_tcp::TcpConfig;
 
 fn config(streams: usize) -> TcpConfig {
@@ -16,11 +17,11 @@ fn config(streams: usize) -> TcpConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_large_op_is_split_and_arrives_whole() {
-    let mut a = Node::new(config(3), 8 << 20).await;
-    let b = Node::with_defaults(8 << 20).await;
-    let batch = ops(&a.buf, &b.buf, 1, 8 << 20);
+    let mut a = node(config(3), 8 << 20).await;
+    let b = default_node(8 << 20).await;
+    let batch = packed_ops(&a.buf, &b.buf, 1, 8 << 20);
     fill(&mut a.buf, &batch);
-    let grant = b.grant(&dst_ranges(&batch)).await;
+    let grant = b.grant(&covering(&batch)).await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
     // Every part is admitted at once, each on its own connection.
@@ -30,12 +31,12 @@ async fn one_large_op_is_split_and_arrives_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_ops_are_split_at_byte_boundaries() {
-    let mut a = Node::new(config(2), 4 << 20).await;
-    let b = Node::with_defaults(4 << 20).await;
+    let mut a = node(config(2), 4 << 20).await;
+    let b = default_node(4 << 20).await;
     // Odd lengths so the cut falls inside an op.
-    let batch: Vec<WriteOp> = ops(&a.buf, &b.buf, 999, 4099);
+    let batch: Vec<WriteOp> = packed_ops(&a.buf, &b.buf, 999, 4099);
     fill(&mut a.buf, &batch);
-    let grant = b.grant(&dst_ranges(&batch)).await;
+    let grant = b.grant(&covering(&batch)).await;
     a.transport.batch_write(&b.transport.endpoint(), &grant, &batch).await.unwrap();
     check(&b.buf, &batch);
 }
@@ -58,9 +59,9 @@ enum BadOp {
 #[case::past_the_region(BadOp::PastTheRegion)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_op_in_a_split_batch_is_refused_whole(#[case] bad: BadOp) {
-    let mut a = Node::new(config(2), 4 << 20).await;
-    let b = Node::with_defaults(8 << 20).await;
-    let mut batch = ops(&a.buf, &b.buf, 4, 1 << 20);
+    let mut a = node(config(2), 4 << 20).await;
+    let b = default_node(8 << 20).await;
+    let mut batch = packed_ops(&a.buf, &b.buf, 4, 1 << 20);
     // The grant covers the first 4 MiB of the receiver's 8 MiB region.
     let grant = b.grant(&[MemoryRegion::new(b.buf.addr(), 4 << 20)]).await;
     batch[3].dst = match bad {
@@ -87,9 +88,9 @@ async fn a_bad_op_in_a_split_batch_is_refused_whole(#[case] bad: BadOp) {
 /// connections stay usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_batch_under_a_forged_grant_is_refused() {
-    let mut a = Node::new(config(2), 4 << 20).await;
-    let b = Node::with_defaults(4 << 20).await;
-    let batch = ops(&a.buf, &b.buf, 1, 4 << 20);
+    let mut a = node(config(2), 4 << 20).await;
+    let b = default_node(4 << 20).await;
+    let batch = packed_ops(&a.buf, &b.buf, 1, 4 << 20);
     fill(&mut a.buf, &batch);
     let forged = kv_proto::Grant::plain(kv_proto::GrantId::from_bytes([0x5A; 16]));
     let err = a.transport.batch_write(&b.transport.endpoint(), &forged, &batch).await.unwrap_err();
@@ -132,7 +133,7 @@ async fn payloads_follow_only_once_every_part_was_admitted(#[case] second: Secon
         encode_reply, Accept, AcceptStatus, BatchHeader, BATCH_HEADER_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
     };
 
-    let mut a = Node::new(config(2), 2 << 20).await;
+    let mut a = node(config(2), 2 << 20).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let batch = vec![WriteOp { src: a.buf.addr(), dst: 0x10_0000, len: 2 << 20 }];
@@ -219,7 +220,7 @@ async fn dropping_a_split_batch_before_its_gate_opens_sends_no_payload() {
         encode_reply, Accept, AcceptStatus, BatchHeader, BATCH_HEADER_LEN, OP_LEN, PREAMBLE_LEN, VERSION,
     };
 
-    let mut a = Node::new(config(2), 2 << 20).await;
+    let mut a = node(config(2), 2 << 20).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let batch = vec![WriteOp { src: a.buf.addr(), dst: 0x10_0000, len: 2 << 20 }];

@@ -17,8 +17,8 @@ mod common;
 
 use std::time::Instant;
 
-use common::TestBuf;
 use kv_proto::{BatchWriter, MemoryRegion, RegionAccess, WriteOp};
+use test_support::TestBuf;
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const RUNS: usize = 5;

@@ -82,8 +82,14 @@ pub fn req(id: &str, prompt_len: usize, status: RequestStatus, params: Option<Kv
     EngineRequest { request_id: ReqId::from(id), prompt_len, status, kv_transfer_params: params }
 }
 
+/// A pull from P of no blocks (P is only told).
 pub fn recv_from_p(blocks: &[BlockId]) -> RecvReqMeta {
-    RecvReqMeta { local_block_ids: blocks.to_vec(), remote: remote_p() }
+    RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote: remote_p() }
+}
+
+/// A pull from P into `blocks`, which start at prompt token `first`.
+pub fn recv_from_p_at(blocks: &[BlockId], first: u64) -> RecvReqMeta {
+    RecvReqMeta { first_token: Some(first), ..recv_from_p(blocks) }
 }
 
 pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> ConnectorMetadata {

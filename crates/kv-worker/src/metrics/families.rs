@@ -163,6 +163,13 @@ impl MetricsSnapshot {
                 self.auth_failures,
             ),
             labelled(
+                "tag_failures",
+                Counter,
+                &["channel"],
+                "Frames that failed their authentication tag after the handshake (altered or injected on the path), by channel; each ended its connection.",
+                [("side_channel", self.tag_failures.side_channel), ("data_plane", self.tag_failures.data_plane)],
+            ),
+            labelled(
                 "batches_refused",
                 Counter,
                 &["reason"],
@@ -175,6 +182,42 @@ impl MetricsSnapshot {
                 &["peer"],
                 "Side-channel connections now, per peer host.",
                 self.connections.iter().map(|(p, &n)| (p.as_str(), n)),
+            ),
+            value(
+                "staging_slots",
+                Gauge,
+                "Host staging slots in all (one block of every layer each; 0 without staging).",
+                self.staging.slots,
+            ),
+            value("staging_free_slots", Gauge, "Host staging slots free now.", self.staging.free_slots),
+            value(
+                "staging_requests",
+                Gauge,
+                "Requests holding or waiting for host staging slots now.",
+                self.staging.requests,
+            ),
+            value("staging_waiting", Gauge, "Requests waiting for host staging slots now.", self.staging.waiting),
+            value(
+                "staging_waits",
+                Counter,
+                "Requests that found no free host staging slots and waited.",
+                self.staging.waits,
+            ),
+            value(
+                "staging_exhausted",
+                Counter,
+                "Requests that found no host staging room within the bound (they fail: staging_exhausted).",
+                self.staging.exhausted,
+            ),
+            labelled(
+                "staging_copies_failed",
+                Counter,
+                &["direction"],
+                "Copies between the engine's blocks and host staging that failed (the request fails: copy_failed).",
+                [
+                    ("to_staging", self.staging.copies_failed_to_staging),
+                    ("to_device", self.staging.copies_failed_to_device),
+                ],
             ),
         ]
     }

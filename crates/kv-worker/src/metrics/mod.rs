@@ -46,6 +46,44 @@ pub(crate) struct Metrics {
     batch_write_seconds: Histogram,
     send_wait_seconds: Histogram,
     renewals_sent: AtomicU64,
+    staging: StagingCells,
+}
+
+/// Host staging's figures (see [`StagingFigures`]), as a staged worker
+/// last published them.
+#[derive(Debug, Default)]
+struct StagingCells {
+    slots: AtomicU64,
+    free_slots: AtomicU64,
+    requests: AtomicU64,
+    waiting: AtomicU64,
+    waits: AtomicU64,
+    exhausted: AtomicU64,
+    copies_failed_to_staging: AtomicU64,
+    copies_failed_to_device: AtomicU64,
+}
+
+/// What host staging holds and did (all zero without staging). Gauges are
+/// the value now, counters count since the worker started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagingFigures {
+    /// Slots in all (a slot holds one block of every region).
+    pub slots: u64,
+    /// Slots free now.
+    pub free_slots: u64,
+    /// Requests holding or waiting for slots now.
+    pub requests: u64,
+    /// Requests waiting for slots now.
+    pub waiting: u64,
+    /// Requests that found no free slots and waited (counter).
+    pub waits: u64,
+    /// Requests that found no room within the bound, or needed more slots
+    /// than there are (counter).
+    pub exhausted: u64,
+    /// Copies of the engine's blocks into slots that failed (P, counter).
+    pub copies_failed_to_staging: u64,
+    /// Copies of slots into the engine's blocks that failed (D, counter).
+    pub copies_failed_to_device: u64,
 }
 
 impl Default for Metrics {
@@ -65,6 +103,7 @@ impl Default for Metrics {
             batch_write_seconds: Histogram::new(SECONDS_BOUNDS),
             send_wait_seconds: Histogram::new(SECONDS_BOUNDS),
             renewals_sent: AtomicU64::new(0),
+            staging: StagingCells::default(),
         }
     }
 }
@@ -125,6 +164,36 @@ impl Metrics {
         add(&self.renewals_sent, requests);
     }
 
+    pub(crate) fn set_staging(&self, f: StagingFigures) {
+        let c = &self.staging;
+        for (cell, value) in [
+            (&c.slots, f.slots),
+            (&c.free_slots, f.free_slots),
+            (&c.requests, f.requests),
+            (&c.waiting, f.waiting),
+            (&c.waits, f.waits),
+            (&c.exhausted, f.exhausted),
+            (&c.copies_failed_to_staging, f.copies_failed_to_staging),
+            (&c.copies_failed_to_device, f.copies_failed_to_device),
+        ] {
+            cell.store(value, Ordering::Relaxed);
+        }
+    }
+
+    fn staging(&self) -> StagingFigures {
+        let c = &self.staging;
+        StagingFigures {
+            slots: load(&c.slots),
+            free_slots: load(&c.free_slots),
+            requests: load(&c.requests),
+            waiting: load(&c.waiting),
+            waits: load(&c.waits),
+            exhausted: load(&c.exhausted),
+            copies_failed_to_staging: load(&c.copies_failed_to_staging),
+            copies_failed_to_device: load(&c.copies_failed_to_device),
+        }
+    }
+
     /// The counters and histograms now, with the gauges the caller read.
     pub(crate) fn snapshot(&self, gauges: Gauges) -> MetricsSnapshot {
         MetricsSnapshot {
@@ -145,6 +214,10 @@ impl Metrics {
             renewals_received: gauges.renewals_received,
             renewals_sent: load(&self.renewals_sent),
             auth_failures: gauges.side_channel_auth_failures + gauges.transport.auth_failures,
+            tag_failures: TagFailures {
+                side_channel: gauges.side_channel_tag_failures,
+                data_plane: gauges.transport.tag_failures,
+            },
             batches_refused: BatchRefusal::ALL
                 .iter()
                 .map(|&why| {
@@ -159,8 +232,21 @@ impl Metrics {
             held_blocks: gauges.held_blocks,
             transfers_in_progress: gauges.transfers_in_progress,
             connections: gauges.connections,
+            staging: self.staging(),
         }
     }
+}
+
+/// Frames that failed their authentication tag after the handshake (altered
+/// or injected on the path), by where; each ended its connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagFailures {
+    /// Side-channel frames, either way.
+    pub side_channel: u64,
+    /// Data-plane frames: TCP batch headers, op lists, payloads and
+    /// replies; RDMA control frames (QUIC's TLS ends such a connection
+    /// itself, uncounted).
+    pub data_plane: u64,
 }
 
 /// What a snapshot reads from live state (and the sender core's counts).
@@ -168,6 +254,7 @@ impl Metrics {
 pub(crate) struct Gauges {
     pub(crate) lease_expiries: u64,
     pub(crate) side_channel_auth_failures: u64,
+    pub(crate) side_channel_tag_failures: u64,
     pub(crate) renewals_received: u64,
     pub(crate) transport: kv_proto::TransportStats,
     pub(crate) pulls_in_flight: u64,
@@ -220,6 +307,9 @@ pub struct MetricsSnapshot {
     pub renewals_sent: u64,
     /// Peers that failed authentication (side channel and data plane).
     pub auth_failures: u64,
+    /// Frames that failed their tag after a successful handshake, each
+    /// ending its connection.
+    pub tag_failures: TagFailures,
     /// Peers' data-plane batches this worker refused, by reason (every reason listed).
     pub batches_refused: BTreeMap<BatchRefusal, u64>,
     /// D: grants live now.
@@ -238,6 +328,8 @@ pub struct MetricsSnapshot {
     /// Side-channel connections now, per peer host (P: decode instances
     /// connected here; D: prefill workers this one is connected to).
     pub connections: BTreeMap<String, u64>,
+    /// Host staging (all zero without it).
+    pub staging: StagingFigures,
 }
 
 impl MetricsSnapshot {
@@ -281,7 +373,24 @@ impl MetricsSnapshot {
             renewals_received: self.renewals_received.saturating_sub(earlier.renewals_received),
             renewals_sent: self.renewals_sent.saturating_sub(earlier.renewals_sent),
             auth_failures: self.auth_failures.saturating_sub(earlier.auth_failures),
+            tag_failures: TagFailures {
+                side_channel: self.tag_failures.side_channel.saturating_sub(earlier.tag_failures.side_channel),
+                data_plane: self.tag_failures.data_plane.saturating_sub(earlier.tag_failures.data_plane),
+            },
             batches_refused: minus(&self.batches_refused, &earlier.batches_refused),
+            staging: StagingFigures {
+                waits: self.staging.waits.saturating_sub(earlier.staging.waits),
+                exhausted: self.staging.exhausted.saturating_sub(earlier.staging.exhausted),
+                copies_failed_to_staging: self
+                    .staging
+                    .copies_failed_to_staging
+                    .saturating_sub(earlier.staging.copies_failed_to_staging),
+                copies_failed_to_device: self
+                    .staging
+                    .copies_failed_to_device
+                    .saturating_sub(earlier.staging.copies_failed_to_device),
+                ..self.staging
+            },
             ..self.clone()
         }
     }

@@ -9,7 +9,9 @@ use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
-use kv_proto::{FailureCause, FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferReply, XferRequest};
+use kv_proto::{
+    FailureCause, FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferProgress, XferReply, XferRequest,
+};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
 use tokio_util::codec::Framed;
@@ -17,10 +19,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::AuthSecret;
-use crate::receiver::SideChannelAddr;
+use crate::receiver::{PeerInfo, SideChannelAddr};
+use crate::side_channel::reuse::{Idleness, RefusalMemory};
 use crate::side_channel::{SideChannelCodec, SideChannelError};
 
-type Pending = oneshot::Sender<Result<XferReply, Unanswered>>;
+/// Where P's progress on one transfer request goes (called by the
+/// connection's reader, in the order P sent it, before the reply).
+pub(crate) type ProgressSink = Arc<dyn Fn(XferProgress) + Send + Sync>;
+
+/// A transfer request awaiting its reply, and where its progress goes.
+type Pending = (oneshot::Sender<Result<XferReply, Unanswered>>, Option<ProgressSink>);
 
 /// Why a transfer request brought no reply: a cause to count it under and
 /// the reason to log.
@@ -48,28 +56,32 @@ enum Unanswered {
     ConnectionLost(PullError),
 }
 
-/// How long a prefill worker's refusal (incompatible cache or protocol, a
-/// secret that does not match) is taken as its answer without asking again:
-/// pulls fail at once with its reason, and the refusal is logged once per
-/// this period, not once per request.
-const REFUSAL_MEMORY: Duration = Duration::from_secs(5);
-
 /// Why a connection could not be set up.
 struct HandshakeFailure {
     error: PullError,
     /// P answered and said no (or spoke another protocol): asking again at
     /// once would get the same answer.
     refused: bool,
+    /// A frame failed its tag (counted as a tag failure, not as a peer that
+    /// failed authentication).
+    bad_tag: bool,
 }
 
 impl HandshakeFailure {
     fn io(reason: impl Into<String>) -> Self {
-        Self { error: PullError::lost(reason), refused: false }
+        Self { error: PullError::lost(reason), refused: false, bad_tag: false }
     }
 
     fn refused(cause: FailureCause, reason: impl Into<String>) -> Self {
-        Self { error: PullError::new(cause, reason), refused: true }
+        Self { error: PullError::new(cause, reason), refused: true, bad_tag: false }
     }
+}
+
+/// What P's hello reply granted a connection.
+struct Accepted {
+    idle_timeout: Duration,
+    lease_renewal: Duration,
+    peer: PeerInfo,
 }
 
 /// What a client needs to open connections.
@@ -90,8 +102,8 @@ pub(crate) struct SideChannelClient {
     cancel: CancellationToken,
     tracker: TaskTracker,
     conn: Mutex<Option<Arc<Connection>>>,
-    /// P's last refusal, and when it came.
-    refused: std::sync::Mutex<Option<(Instant, PullError)>>,
+    /// P's last refusal, while it stands.
+    refused: std::sync::Mutex<RefusalMemory<PullError>>,
 }
 
 type Sink = SplitSink<Framed<TcpStream, SideChannelCodec>, SideMessage>;
@@ -104,15 +116,15 @@ struct Connection {
     sink: Mutex<Option<Sink>>,
     /// Replies awaited, by `xfer_id`; `None` once the reader has ended.
     pending: std::sync::Mutex<Option<HashMap<u64, Pending>>>,
-    /// When a request was last sent or a reply last received.
-    last_active: std::sync::Mutex<Instant>,
-    /// Retired once idle this long (half of P's idle timeout), before P
-    /// closes it under a request in flight.
-    retire_after: Duration,
+    /// When a request was last sent or a reply last received, and how idle
+    /// it may get.
+    idleness: std::sync::Mutex<Idleness>,
     /// Ends the reader when the connection is retired.
     retired: CancellationToken,
     /// How long one renewal holds a request on P (zero: P wants none).
     lease_renewal: Duration,
+    /// What P's hello said of its place and cache.
+    peer: PeerInfo,
     /// Counts this connection among the live ones while it lives.
     _open: crate::side_channel::OpenConnection,
 }
@@ -122,18 +134,23 @@ impl Connection {
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn touch(&self) {
-        *self.last_active.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
+    fn lock_idleness(&self) -> std::sync::MutexGuard<'_, Idleness> {
+        self.idleness.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether it can carry another request: its reader is alive, and it
-    /// has not sat idle long enough that P may be closing it.
-    fn usable(&self) -> bool {
-        let idle = self.last_active.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed();
-        match self.lock_pending().as_ref() {
-            None => false,
-            Some(pending) => !pending.is_empty() || idle < self.retire_after,
-        }
+    /// A request was sent or a reply received at `now`.
+    fn touch(&self, now: Instant) {
+        self.lock_idleness().touch(now);
+    }
+
+    /// Whether it can carry another request at `now`: its reader is alive,
+    /// and it has not sat idle long enough that P may be closing it.
+    fn usable(&self, now: Instant) -> bool {
+        let in_flight = match self.lock_pending().as_ref() {
+            None => return false,
+            Some(pending) => pending.len(),
+        };
+        self.lock_idleness().usable(in_flight, now)
     }
 }
 
@@ -144,13 +161,18 @@ impl SideChannelClient {
         cancel: CancellationToken,
         tracker: TaskTracker,
     ) -> Arc<Self> {
-        Arc::new(Self { peer, settings, cancel, tracker, conn: Mutex::new(None), refused: std::sync::Mutex::new(None) })
+        let refused = std::sync::Mutex::new(RefusalMemory::new());
+        Arc::new(Self { peer, settings, cancel, tracker, conn: Mutex::new(None), refused })
     }
 
     /// Sends one transfer request and waits for its reply (unbounded here:
     /// the caller bounds it with the transfer timeout; dropping the future
-    /// forgets the request).
-    pub(crate) async fn request(&self, request: XferRequest) -> Result<XferReply, PullError> {
+    /// forgets the request). P's progress on it, if any, goes to `progress`.
+    pub(crate) async fn request(
+        &self,
+        request: XferRequest,
+        progress: Option<ProgressSink>,
+    ) -> Result<XferReply, PullError> {
         let xfer_id = request.xfer_id;
         // A reused connection may have died since its last use, also without
         // this end knowing (P's end reset, ours not): retry once on a fresh
@@ -158,14 +180,15 @@ impl SideChannelClient {
         // claimed fails on the second (in flight, or no longer known), both
         // name the same grant, and the outcome is fenced.
         for attempt in 0..2 {
-            let (conn, reused) = self.connection(attempt > 0).await?;
+            let now = Instant::now();
+            let (conn, reused) = self.connection(attempt > 0, now).await?;
             let (tx, rx) = oneshot::channel();
             match conn.lock_pending().as_mut() {
-                Some(pending) => pending.insert(xfer_id, tx),
+                Some(pending) => pending.insert(xfer_id, (tx, progress.clone())),
                 None => continue, // its reader ended: the connection is gone
             };
             let _waiting = Waiting { conn: &conn, xfer_id };
-            conn.touch();
+            conn.touch(now);
             let mut guard = conn.sink.lock().await;
             let Some(sink) = guard.as_mut() else { continue };
             if let Err(e) = sink.send(SideMessage::XferRequest(request.clone())).await {
@@ -196,7 +219,8 @@ impl SideChannelClient {
         match self.conn.try_lock() {
             Err(_) => false, // connecting or in use
             Ok(slot) => {
-                slot.as_ref().is_none_or(|conn| conn.lock_pending().is_none()) && self.recent_refusal().is_none()
+                slot.as_ref().is_none_or(|conn| conn.lock_pending().is_none())
+                    && self.recent_refusal(Instant::now()).is_none()
             }
         }
     }
@@ -205,14 +229,15 @@ impl SideChannelClient {
     /// frames need. Returns how long P holds them from now (zero: P takes
     /// no renewals, and nothing was sent).
     pub(crate) async fn keep_alive(&self, req_ids: &[ReqId]) -> Result<Duration, String> {
-        let (conn, _) = self.connection(false).await.map_err(|e| e.reason)?;
+        let now = Instant::now();
+        let (conn, _) = self.connection(false, now).await.map_err(|e| e.reason)?;
         if conn.lease_renewal.is_zero() {
             return Ok(Duration::ZERO);
         }
         let mut guard = conn.sink.lock().await;
         let Some(sink) = guard.as_mut() else { return Err(format!("connection to {} closed", self.peer)) };
+        conn.touch(now);
         for chunk in keep_alive_chunks(req_ids, self.settings.max_frame_len) {
-            conn.touch();
             sink.send(SideMessage::KeepAlive(KeepAlive { req_ids: chunk.to_vec() }))
                 .await
                 .map_err(|e| format!("renewing on {}: {e}", self.peer))?;
@@ -220,21 +245,29 @@ impl SideChannelClient {
         Ok(conn.lease_renewal)
     }
 
-    /// The live connection (and `true`: reused), or a new one.
-    async fn connection(&self, fresh: bool) -> Result<(Arc<Connection>, bool), PullError> {
+    /// What this prefill worker's hello says of its instance and cache
+    /// (connecting first if no connection is live at `now`).
+    pub(crate) async fn peer_info(&self, now: Instant) -> Result<PeerInfo, PullError> {
+        let (conn, _) = self.connection(false, now).await?;
+        Ok(conn.peer.clone())
+    }
+
+    /// The live connection at `now` (and `true`: reused), or a new one.
+    async fn connection(&self, fresh: bool, now: Instant) -> Result<(Arc<Connection>, bool), PullError> {
         let mut slot = self.conn.lock().await;
         if let Some(conn) = slot.take() {
-            if !fresh && conn.usable() {
+            if !fresh && conn.usable(now) {
                 *slot = Some(conn.clone());
                 return Ok((conn, true));
             }
             conn.retired.cancel();
         }
-        if let Some(error) = self.recent_refusal() {
+        if let Some(error) = self.recent_refusal(now) {
             return Err(error);
         }
         let handshake = tokio::time::timeout(self.settings.connect_timeout, self.handshake()).await;
-        let (framed, idle_timeout, lease_renewal) = match handshake {
+        let answered_at = Instant::now();
+        let (framed, Accepted { idle_timeout, lease_renewal, peer }) = match handshake {
             Err(_) => {
                 return Err(PullError::lost(format!(
                     "connecting to {} timed out after {:?}",
@@ -242,13 +275,14 @@ impl SideChannelClient {
                 )))
             }
             Ok(Err(failure)) => {
-                if failure.error.cause == FailureCause::AuthFailed {
+                if failure.bad_tag {
+                    self.settings.counts.tag_failed();
+                } else if failure.error.cause == FailureCause::AuthFailed {
                     self.settings.counts.auth_failed();
                 }
                 if failure.refused {
                     tracing::error!(peer = %self.peer, cause = %failure.error.cause, reason = %failure.error.reason, "cannot use this prefill worker");
-                    *self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                        Some((Instant::now(), failure.error.clone()));
+                    self.lock_refused().remember(failure.error.clone(), answered_at);
                 }
                 return Err(failure.error);
             }
@@ -259,10 +293,10 @@ impl SideChannelClient {
         let conn = Arc::new(Connection {
             sink: Mutex::new(Some(sink)),
             pending: std::sync::Mutex::new(Some(HashMap::new())),
-            last_active: std::sync::Mutex::new(Instant::now()),
-            retire_after: idle_timeout / 2,
+            idleness: std::sync::Mutex::new(Idleness::new(idle_timeout, answered_at)),
             retired: retired.clone(),
             lease_renewal,
+            peer,
             _open: self.settings.counts.opened(&self.peer.host),
         });
         let counts = self.settings.counts.clone();
@@ -271,19 +305,16 @@ impl SideChannelClient {
         Ok((conn, false))
     }
 
-    /// P's refusal, if it came less than [`REFUSAL_MEMORY`] ago.
-    fn recent_refusal(&self) -> Option<PullError> {
-        let mut refused = self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match refused.as_ref() {
-            Some((at, error)) if at.elapsed() < REFUSAL_MEMORY => Some(error.clone()),
-            _ => {
-                *refused = None;
-                None
-            }
-        }
+    fn lock_refused(&self) -> std::sync::MutexGuard<'_, RefusalMemory<PullError>> {
+        self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Duration, Duration), HandshakeFailure> {
+    /// P's refusal, if it still stands at `now`.
+    fn recent_refusal(&self, now: Instant) -> Option<PullError> {
+        self.lock_refused().recent(now)
+    }
+
+    async fn handshake(&self) -> Result<(Framed<TcpStream, SideChannelCodec>, Accepted), HandshakeFailure> {
         let stream = TcpStream::connect((self.peer.host.as_str(), self.peer.port))
             .await
             .map_err(|e| HandshakeFailure::io(format!("cannot connect to prefill side channel {}: {e}", self.peer)))?;
@@ -328,15 +359,16 @@ impl SideChannelClient {
             ));
         }
         match reply {
-            HelloReply::Accepted { engine_id, idle_timeout, lease_renewal } => {
+            HelloReply::Accepted { engine_id, idle_timeout, lease_renewal, topology, layout } => {
                 tracing::debug!(
                     peer = %self.peer,
                     peer_engine = %engine_id,
                     ?idle_timeout,
                     ?lease_renewal,
+                    ?topology,
                     "side channel connected"
                 );
-                Ok((framed, idle_timeout, lease_renewal))
+                Ok((framed, Accepted { idle_timeout, lease_renewal, peer: PeerInfo { engine_id, topology, layout } }))
             }
             HelloReply::Rejected { reason } => {
                 let cause = rejection_cause(&reason);
@@ -363,9 +395,12 @@ impl SideChannelClient {
                 Err(HandshakeFailure::io(format!("{} failed during hello: {e}", self.peer)))
             }
             // Undecodable (e.g. another protocol version): P speaks something else.
+            Some(Err(e)) if is_bad_tag(&e) => Err(HandshakeFailure {
+                bad_tag: true,
+                ..HandshakeFailure::refused(FailureCause::AuthFailed, format!("{}: {e}", self.peer))
+            }),
             Some(Err(e)) => {
-                let cause = if is_bad_tag(&e) { FailureCause::AuthFailed } else { FailureCause::IncompatiblePeer };
-                Err(HandshakeFailure::refused(cause, format!("{}: {e}", self.peer)))
+                Err(HandshakeFailure::refused(FailureCause::IncompatiblePeer, format!("{}: {e}", self.peer)))
             }
             None => Err(HandshakeFailure::io(format!("{} closed the connection during hello", self.peer))),
         }
@@ -449,18 +484,27 @@ async fn read_replies(
             Some(Ok(SideMessage::XferRefused { xfer_id, reason })) => {
                 (xfer_id, Err(Unanswered::Refused(format!("{peer} refused the transfer request: {reason}"))))
             }
+            Some(Ok(SideMessage::XferProgress(progress))) => {
+                conn.touch(Instant::now());
+                let sink = conn.lock_pending().as_ref().and_then(|p| p.get(&progress.xfer_id)?.1.clone());
+                match sink {
+                    Some(sink) => sink(progress),
+                    None => tracing::trace!(%peer, xfer_id = progress.xfer_id, "progress of no pending transfer"),
+                }
+                continue;
+            }
             Some(Ok(_)) => break PullError::lost("unexpected message from prefill"),
             Some(Err(e)) if is_bad_tag(&e) => {
-                conn_counts.auth_failed();
+                conn_counts.tag_failed();
                 break PullError::new(FailureCause::AuthFailed, format!("frame from prefill failed its tag: {e}"));
             }
             Some(Err(e)) => break PullError::lost(format!("bad frame from prefill: {e}")),
             None => break PullError::lost("prefill closed the connection"),
         };
-        conn.touch();
+        conn.touch(Instant::now());
         let waiter = conn.lock_pending().as_mut().and_then(|p| p.remove(&xfer_id));
         match waiter {
-            Some(waiter) => {
+            Some((waiter, _)) => {
                 let _ = waiter.send(result);
             }
             None => tracing::warn!(%peer, xfer_id, "reply to no pending transfer"),
@@ -468,7 +512,7 @@ async fn read_replies(
     };
     let pending = conn.lock_pending().take().unwrap_or_default();
     tracing::debug!(%peer, reason = %ended.reason, pending = pending.len(), "side-channel connection ended");
-    for (_, waiter) in pending {
+    for (_, (waiter, _)) in pending {
         let error = PullError::new(ended.cause, format!("{peer}: {}", ended.reason));
         let _ = waiter.send(Err(Unanswered::ConnectionLost(error)));
     }

@@ -1,6 +1,6 @@
-//! Live side-channel connections per peer host, and peers that failed
-//! authentication: what the metrics read. Touched once per connection
-//! opened or closed, never per message.
+//! Live side-channel connections per peer host, peers that failed
+//! authentication and frames that failed their tag: what the metrics read.
+//! Touched once per connection opened or closed, never per message.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct Counts {
     open: Mutex<BTreeMap<String, u64>>,
     auth_failures: AtomicU64,
+    tag_failures: AtomicU64,
 }
 
 impl Counts {
@@ -27,6 +28,16 @@ impl Counts {
 
     pub(crate) fn auth_failures(&self) -> u64 {
         self.auth_failures.load(Ordering::Relaxed)
+    }
+
+    /// A frame after the handshake failed its tag (either way): altered or
+    /// injected on the path; the connection ended.
+    pub(crate) fn tag_failed(&self) {
+        self.tag_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn tag_failures(&self) -> u64 {
+        self.tag_failures.load(Ordering::Relaxed)
     }
 
     /// Open connections per host now.

@@ -4,6 +4,7 @@
 pub(crate) mod client;
 mod codec;
 mod counts;
+mod reuse;
 pub(crate) mod server;
 
 pub use codec::{SideChannelCodec, SideChannelError};

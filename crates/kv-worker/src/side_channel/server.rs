@@ -4,14 +4,15 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
+use kv_proto::topology::{self, copies_whole_blocks};
 use kv_proto::{
-    Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HandshakePlaces, Hello, HelloReply,
-    LogThrottle, Outcome, SideMessage, TransportError, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
+    CacheLayout, Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HeadRange, Hello, HelloReply,
+    LogThrottle, Outcome, RankTopology, SideMessage, TransportError, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -19,24 +20,19 @@ use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AuthSecret, DataEndpointPolicy};
-use crate::plan::{plan_request, PlanGeometry};
-use crate::serving::{failed, Claimed, Misdirected, TransferCore, WaitEnd};
+use crate::plan::{plan_request, PlanError, PlanGeometry};
+use crate::sender::Puller;
+use crate::serving::{failed, AdmissionWait, BlockMap, Misdirected, Piece, TransferCore, WaitEnd};
 use crate::side_channel::{SideChannelCodec, SideChannelError};
+use crate::topology::{plan_heads_range, CacheSide, HeadPlan};
 use crate::worker::Shared;
-
-/// The most often P renews on a decode instance's behalf while it makes that
-/// instance's messages wait.
-const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Accepts connections until the worker shuts down. A connection first needs
 /// a handshake place (hello and authentication, bounded in number and time),
 /// then an established place; the two pools are separate, so connections
 /// that never finish a hello cannot crowd out those that did.
 pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
-    let handshakes = HandshakePlaces::new(
-        shared.config.side_channel_max_handshakes,
-        shared.config.side_channel_max_handshakes_per_host,
-    );
+    let handshakes = shared.config.side_channel_limits.handshake_places();
     let mut admission = kv_net::Admission::new(&listener, &handshakes, "side channel");
     // Any host that reaches the port can end connections badly, as fast as
     // it can open them: one line a second for all of them.
@@ -67,7 +63,21 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
+/// What a decode worker's hello says it is, for planning its pulls.
+#[derive(Clone, Copy, Debug)]
+struct DecodeRank {
+    layout: CacheLayout,
+    topology: RankTopology,
+    /// Whether its blocks are copied whole.
+    whole_blocks: bool,
+    /// Which of the decode ranks that pull each request from here it is.
+    puller: Puller,
+    /// Whether it is of this worker's pipeline stage: one of another stage
+    /// only learns this instance's topology, and pulls nothing from here.
+    same_stage: bool,
+}
+
+fn check_hello(shared: &Shared, hello: &Hello) -> Result<DecodeRank, String> {
     let ours = shared.cache.layout();
     let protocol = shared.writer.protocol();
     let decode = format!("decode {}", hello.engine_id);
@@ -76,10 +86,30 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<(), String> {
     if hello.protocol != protocol {
         mismatches.push(format!("transport: {decode} uses {}, {prefill} uses {protocol}", hello.protocol));
     }
-    mismatches.extend(hello.layout.mismatches(&decode, &ours, &prefill));
+    let d = (&hello.layout, &hello.topology);
+    let p = (&ours, &shared.topology);
+    match hello.topology.validate() {
+        Err(e) => mismatches.push(format!("topology: {decode} declares {e}")),
+        Ok(()) => mismatches.extend(topology::mismatches(d, &decode, p, &prefill)),
+    }
     mismatches.extend(hello.identity.mismatches(&decode, &shared.config.identity, &prefill));
+    let whole_blocks = copies_whole_blocks(d, p);
+    let same_stage = topology::same_stage(&hello.topology, &shared.topology);
+    let puller = if whole_blocks || !same_stage || !mismatches.is_empty() {
+        Puller::ONLY
+    } else {
+        let heads = shared.topology.num_kv_heads;
+        match topology::pulls_expected(heads, shared.topology.tp_size, shared.topology.tp_rank, hello.topology.tp_size)
+        {
+            Ok(of) => Puller { rank: hello.topology.tp_rank, of },
+            Err(e) => {
+                mismatches.push(format!("topology: {e}"));
+                Puller::ONLY
+            }
+        }
+    };
     if mismatches.is_empty() {
-        Ok(())
+        Ok(DecodeRank { layout: hello.layout, topology: hello.topology, whole_blocks, puller, same_stage })
     } else {
         Err(format!("{} ({})", crate::side_channel::INCOMPATIBLE, mismatches.join("; ")))
     }
@@ -89,7 +119,7 @@ type Conn = Framed<TcpStream, SideChannelCodec>;
 
 /// Reads the hello, authenticates, checks what must agree and answers; all
 /// of it within one deadline (`connect_timeout`), not one per read.
-async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<Hello>, String> {
+async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<(Hello, DecodeRank)>, String> {
     let first = tokio::select! {
         () = shared.cancel.cancelled() => return Ok(None),
         first = framed.next() => first,
@@ -117,12 +147,14 @@ async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<Hello>, 
             })
             .map_err(|failure| failure.reason)?;
     }
-    if let Err(reason) = check_hello(shared, &hello) {
-        tracing::error!(peer_engine = %hello.engine_id, %reason, "refusing decode instance");
-        reject(framed, &reason).await;
-        return Err(reason);
+    match check_hello(shared, &hello) {
+        Ok(rank) => Ok(Some((hello, rank))),
+        Err(reason) => {
+            tracing::error!(peer_engine = %hello.engine_id, %reason, "refusing decode instance");
+            reject(framed, &reason).await;
+            Err(reason)
+        }
     }
-    Ok(Some(hello))
 }
 
 async fn reject(framed: &mut Conn, reason: &str) {
@@ -142,10 +174,12 @@ async fn serve_connection(
         Err(_) => return Err(format!("hello not completed within {deadline:?}")),
         Ok(Err(reason)) => return Err(reason),
         Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(hello))) => hello,
+        Ok(Ok(Some(accepted))) => accepted,
     };
+    let (hello, decode_rank) = hello;
     let Ok(_established) = shared.established.clone().try_acquire_owned() else {
-        let reason = format!("prefill serves {} decode connections already", shared.config.side_channel_max_conns);
+        let reason =
+            format!("prefill serves {} decode connections already", shared.config.side_channel_limits.max_connections);
         reject(&mut framed, &reason).await;
         return Err(reason);
     };
@@ -154,6 +188,8 @@ async fn serve_connection(
         engine_id: shared.config.engine_id.clone(),
         idle_timeout: shared.config.side_channel_idle_timeout,
         lease_renewal: shared.config.lease_renewal,
+        topology: shared.topology,
+        layout: shared.cache.layout(),
     };
     tokio::time::timeout(deadline, framed.send(SideMessage::HelloReply(accepted)))
         .await
@@ -183,7 +219,7 @@ async fn serve_connection(
             Err(_) => continue,
             Ok(None) => return Ok(()),
             Ok(Some(Err(SideChannelError::Frame(FrameError::BadTag(_))))) => {
-                shared.side_channel_counts.auth_failed();
+                shared.side_channel_counts.tag_failed();
                 return Err("a frame failed its authentication tag".to_owned());
             }
             Ok(Some(Err(e))) => return Err(e.to_string()),
@@ -205,13 +241,14 @@ async fn serve_connection(
             mine.ok().zip(global.ok())
         };
         tokio::pin!(admitted);
-        let renew_every = (shared.config.lease_renewal / 3).max(MIN_RENEW_INTERVAL);
-        let mut renew_tick = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+        // D's wait budget runs from here, however long admission takes.
+        let received_at = Instant::now();
+        let mut waiting = AdmissionWait::new(hello.engine_id.clone(), shared.config.lease_renewal, received_at);
         let permits = loop {
             tokio::select! {
                 () = closed.cancelled() => return Ok(()),
-                _ = renew_tick.tick() => {
-                    shared.lock_sender().renew_all_by(&hello.engine_id, Instant::now());
+                () = crate::timer::sleep_until(waiting.poll_timeout()) => {
+                    waiting.handle_timeout(&mut shared.lock_sender(), Instant::now());
                 }
                 permits = &mut admitted => match permits {
                     Some(permits) => break permits,
@@ -220,7 +257,6 @@ async fn serve_connection(
             }
         };
         tracing::debug!(%peer, xfer_id = request.xfer_id, requests = request.requests.len(), "transfer request admitted");
-        let received_at = Instant::now();
         let job_shared = shared.clone();
         let job_sink = sink.clone();
         let job_closed = closed.clone();
@@ -233,6 +269,7 @@ async fn serve_connection(
             peer_engine = %hello.engine_id,
             grant = %request.grant.id,
             requests = request.requests.len(),
+            heads = %heads_field(request.heads),
         );
         let job = async move {
             let xfer_id = request.xfer_id;
@@ -246,7 +283,8 @@ async fn serve_connection(
                 tracing::warn!(%peer, xfer_id, %reason, "refusing transfer request");
                 SideMessage::XferRefused { xfer_id, reason }
             } else {
-                let transfer = serve_transfer(&job_shared, request, peer.ip(), received_at, &job_closed);
+                let transfer =
+                    serve_transfer(&job_shared, request, &decode_rank, peer.ip(), received_at, &job_closed, &job_sink);
                 SideMessage::XferReply(transfer.await)
             };
             let after = job_shared.config.reply_timeout;
@@ -330,6 +368,7 @@ fn message_name(msg: &SideMessage) -> &'static str {
         SideMessage::AuthProof(_) => "authentication proof",
         SideMessage::XferRefused { .. } => "transfer refusal",
         SideMessage::KeepAlive(_) => "renewal",
+        SideMessage::XferProgress(_) => "transfer progress",
     }
 }
 
@@ -392,33 +431,55 @@ fn allowed_address(resolved: &[SocketAddr], peer_ip: IpAddr, extra: &[IpAddr]) -
         .copied()
 }
 
+/// Where a transfer request's progress goes: D's connection (only when D
+/// asked for pieces, [`XferRequest::piece_blocks`]).
+type ProgressOut = Arc<tokio::sync::Mutex<futures_util::stream::SplitSink<Conn, SideMessage>>>;
+
 /// Serves one transfer request: every request of it is claimed as soon as it
-/// is ready on P (all at once when they are), and each group that becomes
-/// ready is written at once, so one slow request cannot starve the others'
-/// leases. Nothing is written once D's wait budget has passed. The
-/// decisions are [`TransferCore`]'s; this moves bytes and time.
+/// is ready on P (all at once when they are), and written as its KV is
+/// staged (whole when it was ready whole), in D's pieces when D asked for
+/// them, so one slow request cannot starve the others' leases. Nothing is
+/// written once D's wait budget has passed. The decisions are
+/// [`TransferCore`]'s; this moves bytes and time.
 async fn serve_transfer(
     shared: &Shared,
     request: XferRequest,
+    decode: &DecodeRank,
     peer_ip: IpAddr,
     received_at: Instant,
     connection: &CancellationToken,
+    progress: &ProgressOut,
 ) -> XferReply {
-    let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests } = request;
+    let XferRequest { xfer_id, endpoint, grant, wait_budget, region_base_addrs, requests, heads, piece_blocks } =
+        request;
     for r in &requests {
         let decode_req_id = r.decode_req_id.as_ref().map(ToString::to_string);
         tracing::debug!(req_id = %r.req_id, decode_req_id = %decode_req_id.as_deref().unwrap_or("-"), blocks = r.block_ids.len(), "serving");
     }
+    if !decode.same_stage {
+        let reason = format!(
+            "pipeline stage: decode has {}, prefill has {}; a stage pulls only from the same stage",
+            decode.topology.pp_rank, shared.topology.pp_rank
+        );
+        if let Some(suppressed) = refusal_line_allowed(shared) {
+            tracing::warn!(xfer_id, peer = %peer_ip, %reason, suppressed, "refusing transfer request");
+        }
+        let reply = TransferCore::refuse_all(xfer_id, requests, FailureCause::PeerRefused, &reason);
+        count_outcomes(shared, &reply);
+        return reply;
+    }
     let endpoint = match checked_endpoint(shared, &endpoint, peer_ip).await {
         Ok(endpoint) => endpoint,
         Err(reason) => {
-            tracing::error!(xfer_id, peer = %peer_ip, %reason, "refusing transfer request");
+            if let Some(suppressed) = refusal_line_allowed(shared) {
+                tracing::error!(xfer_id, peer = %peer_ip, %reason, suppressed, "refusing transfer request");
+            }
             let reply = TransferCore::refuse_all(xfer_id, requests, FailureCause::PeerRefused, &reason);
             count_outcomes(shared, &reply);
             return reply;
         }
     };
-    let (mut core, misdirected) = TransferCore::new(
+    let (core, misdirected) = TransferCore::new(
         xfer_id,
         requests,
         wait_budget,
@@ -426,27 +487,38 @@ async fn serve_transfer(
         shared.config.abort_request_timeout,
         &shared.config.engine_id,
     );
+    // Mapped by token, a piece of D's blocks is written once P's blocks
+    // holding its tokens are staged.
+    let map = match heads {
+        Some(_) => BlockMap::Tokens { local: shared.cache.layout().block_tokens, remote: decode.layout.block_tokens },
+        None => BlockMap::Whole,
+    };
+    let mut core = core.with_puller(decode.puller).with_pieces(piece_blocks).with_block_map(map);
     if let Some(Misdirected { req_id, refused, reason }) = misdirected {
-        // At most a line a second, whatever the peers send.
-        let allowed =
-            shared.misdirected_log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
-        if let Some(suppressed) = allowed {
+        if let Some(suppressed) = refusal_line_allowed(shared) {
             tracing::warn!(xfer_id, %req_id, refused, suppressed, peer = %peer_ip, %reason, "refusing requests meant for another prefill engine");
         }
     }
     let local_bases = shared.cache.base_addrs();
+    let local_layout = shared.cache.layout();
     let target = Target {
         endpoint: &endpoint,
         grant: &grant,
-        budget_end: core.budget_end(),
         geometry: PlanGeometry {
             local_bases: &local_bases,
             remote_bases: &region_base_addrs,
             block_len: shared.cache.block_len(),
             local_num_blocks: shared.cache.num_blocks(),
         },
+        whole_blocks: decode.whole_blocks,
+        heads: heads.map(|heads| HeadPlan {
+            local: CacheSide { layout: &local_layout, heads: shared.topology.heads, bases: &local_bases },
+            remote: CacheSide { layout: &decode.layout, heads: decode.topology.heads, bases: &region_base_addrs },
+            local_num_blocks: shared.cache.num_blocks(),
+            heads,
+        }),
     };
-    while core.is_waiting() {
+    while core.is_open() {
         let changed = shared.sender_changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
@@ -454,10 +526,27 @@ async fn serve_transfer(
         for ready_for in claimed.iter().filter_map(|c| c.ready_for) {
             shared.metrics.send_waited(ready_for);
         }
-        if !claimed.is_empty() {
-            write_ready(shared, xfer_id, &target, &mut core, claimed).await;
+        tell(shared, &mut core, progress, connection).await;
+        let mut wrote = false;
+        while !connection.is_cancelled() {
+            let batches = core.next_batches(&mut shared.lock_sender());
+            tell(shared, &mut core, progress, connection).await;
+            if batches.is_empty() {
+                break;
+            }
+            for batch in batches {
+                write_batch(shared, xfer_id, &target, &mut core, batch).await;
+                tell(shared, &mut core, progress, connection).await;
+            }
+            wrote = true;
         }
-        if !core.is_waiting() {
+        if wrote {
+            // Their blocks may be freed now, not when the whole transfer request ends.
+            shared.sender_changed.notify_waiters();
+            shared.finished_changed.notify_waiters();
+            continue;
+        }
+        if !core.is_open() {
             break;
         }
         let ended = tokio::select! {
@@ -468,12 +557,36 @@ async fn serve_transfer(
         };
         if let Some(end) = ended {
             core.end_wait(end, &mut shared.lock_sender());
+            tell(shared, &mut core, progress, connection).await;
         }
     }
     shared.finished_changed.notify_waiters();
     let reply = core.reply();
     count_outcomes(shared, &reply);
     reply
+}
+
+/// Tells D what the core has for it (nothing unless D asked for pieces),
+/// bounded like a reply: a D that does not take it loses the connection,
+/// as for a reply (the transfer then ends as for a connection closed).
+async fn tell(shared: &Shared, core: &mut TransferCore, out: &ProgressOut, connection: &CancellationToken) {
+    let progress = core.take_progress();
+    if progress.is_empty() || connection.is_cancelled() {
+        return;
+    }
+    let after = shared.config.reply_timeout;
+    let sent = tokio::time::timeout(after, async {
+        let mut sink = out.lock().await;
+        for p in progress {
+            sink.feed(SideMessage::XferProgress(p)).await?;
+        }
+        sink.flush().await
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        tracing::warn!(?after, "decode did not take the transfer's progress; closing the connection");
+        connection.cancel();
+    }
 }
 
 /// Counts each request of a reply as sent or failed, by cause.
@@ -486,84 +599,117 @@ fn count_outcomes(shared: &Shared, reply: &XferReply) {
     }
 }
 
+/// Whether a line about a transfer request P refuses may be written now
+/// (with how many were held back since the last): at most one a second,
+/// whatever the peers send.
+fn refusal_line_allowed(shared: &Shared) -> Option<u64> {
+    shared.refusal_log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now())
+}
+
 /// Where and under what a transfer request's writes go.
 struct Target<'a> {
     endpoint: &'a Endpoint,
     grant: &'a Grant,
-    budget_end: Instant,
     geometry: PlanGeometry<'a>,
+    /// Whether the two caches are laid out alike (blocks copy whole).
+    whole_blocks: bool,
+    /// The heads D asked for, mapped by token; `None`: whole blocks.
+    heads: Option<HeadPlan<'a>>,
 }
 
-/// Plans and writes the requests that just became ready (claimed, so P holds
-/// their blocks), as one batch; records each one's outcome and releases it.
-async fn write_ready(shared: &Shared, xfer_id: u64, target: &Target<'_>, core: &mut TransferCore, ready: Vec<Claimed>) {
-    let started = Instant::now();
-    let mut ops: Vec<WriteOp> = Vec::new();
-    let mut planned: Vec<usize> = Vec::with_capacity(ready.len());
-    for Claimed { index, blocks: local_blocks, .. } in ready {
-        let before = ops.len();
-        let request = &core.requests()[index];
-        match plan_request(&target.geometry, &local_blocks, &request.block_ids, &mut ops) {
-            Ok(()) => planned.push(index),
+impl Target<'_> {
+    /// Appends the writes of one piece of `request` (whole blocks: P's
+    /// blocks and D's of the piece; mapped by heads: the tokens of D's
+    /// blocks of the piece, from all of P's blocks of the request).
+    fn plan(&self, piece: &Piece, request: &kv_proto::RequestBlocks, ops: &mut Vec<WriteOp>) -> Result<(), PlanError> {
+        match &self.heads {
+            Some(heads) => plan_heads_range(
+                heads,
+                &piece.local,
+                &request.block_ids,
+                request.first_token,
+                piece.remote_range(),
+                ops,
+            ),
+            None if self.whole_blocks || request.block_ids.is_empty() => {
+                plan_request(&self.geometry, &piece.local, &piece.remote, ops)
+            }
+            None => Err(PlanError::Unmappable("decode asked for whole blocks, but the two caches differ".to_owned())),
+        }
+    }
+}
+
+/// The heads a transfer request asks for, for its log line.
+fn heads_field(heads: Option<HeadRange>) -> String {
+    heads.map_or_else(|| "whole blocks".to_owned(), |h| h.to_string())
+}
+
+/// Plans and writes one batch of pieces (their requests claimed, so P
+/// holds their blocks) and hands the result to the core.
+async fn write_batch(shared: &Shared, xfer_id: u64, target: &Target<'_>, core: &mut TransferCore, batch: Vec<Piece>) {
+    let mut planned: Vec<(Piece, Vec<WriteOp>)> = Vec::with_capacity(batch.len());
+    for piece in batch {
+        if !core.is_being_written(piece.index) {
+            continue;
+        }
+        let mut ops = Vec::new();
+        match target.plan(&piece, &core.requests()[piece.index], &mut ops) {
+            Ok(()) => planned.push((piece, ops)),
             Err(e) => {
-                ops.truncate(before);
-                tracing::warn!(xfer_id, req_id = %request.req_id, error = %e, "cannot plan transfer; blocks freed");
-                shared.lock_sender().complete(&request.req_id);
-                core.record(index, failed(FailureCause::PlanFailed, e.to_string()));
+                let req_id = core.requests()[piece.index].req_id.clone();
+                tracing::warn!(xfer_id, %req_id, error = %e, "cannot plan transfer; blocks freed");
+                core.end_writing(
+                    piece.index,
+                    failed(FailureCause::PlanFailed, e.to_string()),
+                    &mut shared.lock_sender(),
+                );
             }
         }
     }
+    // A request that failed to plan sends none of its pieces.
+    planned.retain(|(p, _)| core.is_being_written(p.index));
+    let ops: Vec<WriteOp> = planned.iter().flat_map(|(_, ops)| ops.iter().copied()).collect();
+    let pieces: Vec<Piece> = planned.into_iter().map(|(p, _)| p).collect();
     let written: Result<(), (FailureCause, String)> = if ops.is_empty() {
         Ok(())
     } else {
-        let budget_end = tokio::time::Instant::from_std(target.budget_end);
-        let out_of_budget =
-            || (FailureCause::Timeout, "decode's wait budget passed before the KV was written".to_owned());
+        let budget_end = tokio::time::Instant::from_std(core.budget_end());
         let shutting_down = || (FailureCause::Shutdown, "prefill worker shutting down".to_owned());
         async {
             // Bounded by D's budget: past it D has revoked the grant anyway.
             let slot = tokio::select! {
                 () = shared.cancel.cancelled() => return Err(shutting_down()),
-                () = tokio::time::sleep_until(budget_end) => return Err(out_of_budget()),
+                () = tokio::time::sleep_until(budget_end) => return Err(TransferCore::budget_passed()),
                 // The semaphore is never closed; a closed one would only lift the bound.
                 slot = shared.transfer_slots.acquire() => slot.ok(),
             };
-            if Instant::now() >= target.budget_end {
-                return Err(out_of_budget());
+            let writing = Instant::now();
+            if let Some(passed) = core.out_of_budget(writing) {
+                return Err(passed);
             }
             let bytes: u64 = ops.iter().map(|o| o.len).sum();
-            let writing = Instant::now();
             let result = tokio::select! {
                 () = shared.cancel.cancelled() => Err(shutting_down()),
                 r = tokio::time::timeout_at(budget_end, shared.writer.batch_write(target.endpoint, target.grant, &ops)) => match r {
                     Ok(r) => r.map_err(|e| (write_cause(&e), e.to_string())),
-                    Err(_) => Err(out_of_budget()),
+                    Err(_) => Err(TransferCore::budget_passed()),
                 },
             };
             drop(slot);
-            shared.metrics.batch_written(ops.len(), bytes, writing.elapsed(), result.is_ok());
-            tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = ops.len(), bytes, elapsed_us = started.elapsed().as_micros() as u64, ok = result.is_ok(), "batch written");
+            let took = writing.elapsed();
+            shared.metrics.batch_written(ops.len(), bytes, took, result.is_ok());
+            tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = ops.len(), bytes, elapsed_us = took.as_micros() as u64, ok = result.is_ok(), "batch written");
             result
         }
         .await
     };
-    let mut sender = shared.lock_sender();
-    for index in planned {
-        let req_id = core.requests()[index].req_id.clone();
-        sender.complete(&req_id);
-        let outcome = match &written {
-            Ok(()) => Outcome::Done,
-            Err((cause, reason)) => {
-                tracing::warn!(xfer_id, req_id = %req_id, peer = %target.endpoint, %cause, %reason, "sending KV failed; blocks freed, decode told");
-                failed(*cause, reason)
-            }
-        };
-        core.record(index, outcome);
+    if let Err((cause, reason)) = &written {
+        for p in &pieces {
+            let req_id = &core.requests()[p.index].req_id;
+            tracing::warn!(xfer_id, %req_id, peer = %target.endpoint, %cause, %reason, "sending KV failed; blocks freed, decode told");
+        }
     }
-    drop(sender);
-    shared.sender_changed.notify_waiters();
-    // Their blocks may be freed now, not when the whole transfer request ends.
-    shared.finished_changed.notify_waiters();
+    core.batch_written(&pieces, &written, &mut shared.lock_sender());
 }
 
 #[cfg(test)]

@@ -6,19 +6,30 @@
 //! staging memory); the engine only ever hears of its own device blocks.
 //!
 //! - **P**: a request finished with its KV on the device is copied into
-//!   slots ([`CopyOrder`] `ToStaging`); once the engine says the copy is
-//!   done, the worker gets it ready to send from the slots and the engine
-//!   hears it finished sending (its device blocks are free at once: the
-//!   slots now hold its KV for the pull). The slots come back when the
-//!   worker is done with it (sent, failed, lease ended).
-//! - **D**: a pull gets slots before it starts; the worker pulls into them,
-//!   then, once its grant is fenced and it reports the pull received, the
-//!   engine copies the slots into its blocks (`ToDevice`); only when that
-//!   copy is done does the engine hear the request received. A failed pull
-//!   is reported failed with the device blocks at once.
+//!   slots ([`CopyOrder`] `ToStaging`), in pieces when pieces are set; as
+//!   each piece is done (in order), the worker hears how much of it is in
+//!   the slots ([`StagedStep::staged_sends`]) and may write that much while
+//!   the rest is copied. Once every piece is done the engine hears it
+//!   finished sending (its device blocks are free: the slots hold its KV
+//!   for the pull). The slots come back when the worker is done with it
+//!   (sent, failed, lease ended) and no copy into them runs.
+//! - **D**: a pull gets slots before it starts; the worker pulls into them.
+//!   Each piece P says landed is copied into the engine's blocks
+//!   (`ToDevice`) at once, while the rest is on the wire (a request pulled
+//!   in parts from several prefill workers: once every part landed it, as
+//!   the receiver core's [`PullProgress`] says); the rest is
+//!   copied once the worker reports the pull received (its grant fenced) or
+//!   P said it is done. Only when every copy of it is done does the engine
+//!   hear the request received. A failed pull is reported failed with the
+//!   device blocks once no copy into them runs. Its slots come back once
+//!   the worker reported it (no peer can write them any more) and no copy
+//!   out of them runs.
 //! - A request that finds no free slots waits, at most the pool's bound,
 //!   then fails cleanly: on P its pull is answered `staging_exhausted` and
 //!   its blocks freed, on D it is reported failed (the engine recomputes).
+//! - A copy that fails fails its request the same way (`copy_failed`): on P
+//!   its pull is answered failed (what was staged may have been written);
+//!   on D the engine hears it failed once no other copy of it runs.
 //! - A pull the engine cancels while its slots are being copied to the
 //!   device is one the engine must wait for before it frees the blocks
 //!   ([`StagedStep::wait_for`]).
@@ -26,10 +37,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, ConnectorMetadata, RecvReqMeta, ReqId, SendUpdate};
+use kv_proto::{BlockId, ConnectorMetadata, FailureCause, RecvReqMeta, RemotePrefill, ReqId, SendUpdate};
 
 use super::pool::{Reservation, StagingPool};
-use crate::worker::Finished;
+use crate::receiver::PullProgress;
+use crate::worker::{Finished, Settled};
 
 /// Which way a copy goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +53,8 @@ pub enum CopyDirection {
 }
 
 /// A copy the engine runs between its blocks and the staging slots, and
-/// reports done with [`StagingCore::copies_done`].
+/// reports done with [`StagingCore::copies_done`] (or failed with
+/// [`StagingCore::copies_failed`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyOrder {
     /// Names the copy in [`StagingCore::copies_done`].
@@ -59,12 +72,23 @@ pub struct CopyOrder {
 pub struct StagedStep {
     /// Metadata for [`crate::Worker::start_load_kv`] (staging slots for block ids).
     pub to_worker: ConnectorMetadata,
-    /// P: requests the worker must fail ([`crate::Worker::fail_sends`],
-    /// `staging_exhausted`): no slots within the bound.
-    pub fail_sends: Vec<ReqId>,
+    /// P: requests whose KV is (now) in the first `n` of their slots
+    /// ([`crate::Worker::stage_sends`]); after the driver applied
+    /// `to_worker`.
+    pub staged_sends: Vec<(ReqId, Vec<BlockId>, usize)>,
+    /// P: requests the worker must fail ([`crate::Worker::fail_sends`]):
+    /// no slots within the bound (`staging_exhausted`), or a copy into its
+    /// slots failed (`copy_failed`).
+    pub fail_sends: Vec<(ReqId, FailureCause)>,
     /// D: pulls that failed before they started (no slots within the
     /// bound), for the worker's failure count.
     pub failed_before_pull: Vec<ReqId>,
+    /// D: the prefill instances holding those, told to let go of them at
+    /// once ([`crate::Worker::release_on_prefill`]).
+    pub release_on_prefill: BTreeMap<ReqId, RemotePrefill>,
+    /// D: pulls the worker reported received, now settled for the engine
+    /// ([`crate::Worker::settle_landed`]).
+    pub settled: Vec<(ReqId, Settled)>,
     /// Copies the engine starts now.
     pub copies: Vec<CopyOrder>,
     /// Copies the engine must finish (and report done) before it frees the
@@ -74,20 +98,101 @@ pub struct StagedStep {
     pub finished: Finished,
 }
 
+/// A piece of a copy into slots (P).
+#[derive(Debug)]
+struct SendPiece {
+    copy: u64,
+    /// The request's blocks in the slots once it and those before it are done.
+    end: usize,
+    /// `None`: running; `Some(true)`: done; `Some(false)`: failed.
+    done: Option<bool>,
+}
+
+/// P: a request copied into its slots, then sent from them.
+#[derive(Debug)]
+struct Send {
+    slots: Vec<BlockId>,
+    pieces: Vec<SendPiece>,
+    /// Its first `staged` blocks are in the slots, and the worker knows.
+    staged: usize,
+    /// The worker has it (it reports it finished sending, at the latest at
+    /// its lease's end).
+    given: bool,
+    /// The worker reported it finished: done with its slots.
+    worker_done: bool,
+    /// The engine heard its device blocks are free.
+    told: bool,
+    /// The scheduler withdrew it before it was given to the worker.
+    forgotten: bool,
+    /// A copy of it failed.
+    failed: bool,
+}
+
+impl Send {
+    fn copying(&self) -> bool {
+        self.pieces.iter().any(|p| p.done.is_none())
+    }
+
+    /// The blocks in slots: those of the done pieces before the first that is not.
+    fn done_prefix(&self) -> usize {
+        self.pieces.iter().take_while(|p| p.done == Some(true)).last().map_or(0, |p| p.end)
+    }
+}
+
+/// D: how a pull ends for the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Pending,
+    Received,
+    Failed,
+}
+
+/// D: a request pulled into its slots and copied on into the engine's blocks.
+#[derive(Debug)]
+struct Recv {
+    device: Vec<BlockId>,
+    slots: Vec<BlockId>,
+    /// Copies ordered so far cover its first `ordered` blocks.
+    ordered: usize,
+    /// Copies into the engine's blocks running now.
+    running: BTreeSet<u64>,
+    verdict: Verdict,
+    /// The engine heard it (received or failed).
+    told: bool,
+    /// The worker reported it: no peer can write its slots any more.
+    fenced: bool,
+    /// The worker reported it received (its count waits for the engine).
+    landed: bool,
+    /// A copy of it failed.
+    copy_failed: bool,
+    /// The engine cancelled it: never reported.
+    cancelled: bool,
+}
+
 #[derive(Debug)]
 enum Flow {
     /// P: waiting for slots to copy `device` into.
     SendWaiting { device: Vec<BlockId> },
-    /// P: being copied into its slots.
-    SendCopying { forgotten: bool },
-    /// P: in its slots; the worker has it.
-    SendStaged,
+    /// P: being copied into its slots, then sent from them.
+    Sending(Send),
     /// D: waiting for slots to pull into.
     RecvWaiting { meta: RecvReqMeta },
-    /// D: being pulled into its slots.
-    Pulling { device: Vec<BlockId> },
-    /// D: pulled; its slots being copied into its device blocks.
-    RecvCopying { copy: u64, cancelled: bool },
+    /// D: being pulled into its slots and copied on.
+    Pulling(Recv),
+}
+
+/// What the core counted since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagingCounts {
+    /// Requests that found no free slots and waited.
+    pub waits: u64,
+    /// Requests that found no room within the bound, or needed more slots
+    /// than there are.
+    pub exhausted: u64,
+    /// Copies into slots that failed.
+    pub copies_failed_to_staging: u64,
+    /// Copies into the engine's blocks that failed.
+    pub copies_failed_to_device: u64,
 }
 
 /// The staging bookkeeping of one worker, driven with explicit time.
@@ -95,15 +200,33 @@ enum Flow {
 pub struct StagingCore {
     pool: StagingPool,
     wait: Duration,
+    /// Blocks per copy into slots (P); `usize::MAX`: whole requests.
+    piece: usize,
     flows: HashMap<ReqId, Flow>,
     copies: HashMap<u64, ReqId>,
     next_copy: u64,
+    counts: StagingCounts,
 }
 
 impl StagingCore {
     /// `slots` staging slots; a request waits at most `wait` for its own.
     pub fn new(slots: u32, wait: Duration) -> Self {
-        Self { pool: StagingPool::new(slots), wait, flows: HashMap::new(), copies: HashMap::new(), next_copy: 1 }
+        Self {
+            pool: StagingPool::new(slots),
+            wait,
+            piece: usize::MAX,
+            flows: HashMap::new(),
+            copies: HashMap::new(),
+            next_copy: 1,
+            counts: StagingCounts::default(),
+        }
+    }
+
+    /// P copies a request into its slots in pieces of at most `blocks`
+    /// (`None` or 0: whole); D copies what P says landed as it lands.
+    pub fn with_pieces(mut self, blocks: Option<u32>) -> Self {
+        self.piece = blocks.filter(|&b| b > 0).map_or(usize::MAX, |b| b as usize);
+        self
     }
 
     /// One step's metadata from the engine (device block ids).
@@ -131,33 +254,22 @@ impl StagingCore {
 
     /// The engine finished these copies (at `now`).
     pub fn copies_done(&mut self, ids: impl IntoIterator<Item = u64>, now: Instant) -> StagedStep {
+        self.copies_ended(ids, true, now)
+    }
+
+    /// These copies failed (at `now`): their requests fail (`copy_failed`).
+    pub fn copies_failed(&mut self, ids: impl IntoIterator<Item = u64>, now: Instant) -> StagedStep {
+        self.copies_ended(ids, false, now)
+    }
+
+    /// P's progress on pulls, as the worker kept it
+    /// ([`crate::Worker::take_progress`]): what landed is copied on at once.
+    /// Give it before the [`StagingCore::worker_finished`] of the same poll.
+    pub fn worker_progress(&mut self, progress: Vec<PullProgress>) -> StagedStep {
         let mut step = StagedStep::default();
-        for id in ids {
-            let Some(req) = self.copies.remove(&id) else { continue };
-            match self.flows.remove(&req) {
-                Some(Flow::SendCopying { forgotten: false, .. }) => {
-                    let slots = self.pool.slots_of(&req).map(<[BlockId]>::to_vec).unwrap_or_default();
-                    step.to_worker.reqs_to_send.insert(req.clone(), SendUpdate::Ready { block_ids: slots });
-                    // Its KV is in the slots: the device blocks are free now.
-                    step.finished.sending.insert(req.clone());
-                    self.flows.insert(req, Flow::SendStaged);
-                }
-                Some(Flow::SendCopying { forgotten: true, .. }) => {
-                    self.pool.release(&req);
-                }
-                Some(Flow::RecvCopying { cancelled, .. }) => {
-                    self.pool.release(&req);
-                    if !cancelled {
-                        step.finished.receiving.insert(req);
-                    }
-                }
-                Some(other) => {
-                    self.flows.insert(req, other);
-                }
-                None => {}
-            }
+        for p in progress {
+            self.pull_progress(p, &mut step);
         }
-        self.grant_waiters(now, &mut step);
         step
     }
 
@@ -166,28 +278,42 @@ impl StagingCore {
     pub fn worker_finished(&mut self, finished: Finished, now: Instant) -> StagedStep {
         let mut step = StagedStep::default();
         for req in finished.sending {
-            // Reported to the engine when its copy was done.
-            if matches!(self.flows.remove(&req), Some(Flow::SendStaged)) {
-                self.pool.release(&req);
+            if let Some(Flow::Sending(send)) = self.flows.get_mut(&req) {
+                send.worker_done = true;
+                self.settle_send(&req, &mut step);
             }
         }
         for req in finished.receiving {
-            match self.flows.remove(&req) {
-                Some(Flow::Pulling { device }) => {
-                    let slots = self.pool.slots_of(&req).map(<[BlockId]>::to_vec).unwrap_or_default();
-                    let copy = self.order(&req, CopyDirection::ToDevice, &device, &slots, &mut step);
-                    self.flows.insert(req, Flow::RecvCopying { copy, cancelled: false });
+            match self.flows.get_mut(&req) {
+                Some(Flow::Pulling(recv)) => {
+                    recv.fenced = true;
+                    recv.landed = true;
+                    if recv.verdict == Verdict::Pending {
+                        recv.verdict = Verdict::Received;
+                    }
+                    self.settle_recv(&req, &mut step);
                 }
-                Some(other) => {
-                    self.flows.insert(req, other);
+                // A pull of no blocks (notify-only): nothing was staged.
+                None => {
+                    step.settled.push((req.clone(), Settled::Copied));
+                    step.finished.receiving.insert(req);
                 }
-                None => {}
+                Some(_) => {}
             }
         }
-        for (req, _) in finished.failed_receiving {
-            if let Some(Flow::Pulling { device }) = self.flows.remove(&req) {
-                self.pool.release(&req);
-                step.finished.failed_receiving.insert(req, device);
+        for (req, blocks) in finished.failed_receiving {
+            match self.flows.get_mut(&req) {
+                Some(Flow::Pulling(recv)) => {
+                    recv.fenced = true;
+                    if recv.verdict == Verdict::Pending {
+                        recv.verdict = Verdict::Failed;
+                    }
+                    self.settle_recv(&req, &mut step);
+                }
+                None if blocks.is_empty() => {
+                    step.finished.failed_receiving.insert(req, blocks);
+                }
+                _ => {}
             }
         }
         self.grant_waiters(now, &mut step);
@@ -204,6 +330,11 @@ impl StagingCore {
         &self.pool
     }
 
+    /// What the core counted since it was made.
+    pub fn counts(&self) -> StagingCounts {
+        self.counts
+    }
+
     /// Requests in any stage of staging.
     pub fn len(&self) -> usize {
         self.flows.len()
@@ -214,6 +345,139 @@ impl StagingCore {
         self.flows.is_empty()
     }
 
+    fn copies_ended(&mut self, ids: impl IntoIterator<Item = u64>, ok: bool, now: Instant) -> StagedStep {
+        let mut step = StagedStep::default();
+        for id in ids {
+            let Some(req) = self.copies.remove(&id) else { continue };
+            match self.flows.get_mut(&req) {
+                Some(Flow::Sending(send)) => {
+                    if let Some(piece) = send.pieces.iter_mut().find(|p| p.copy == id) {
+                        piece.done = Some(ok);
+                    }
+                    if !ok {
+                        self.counts.copies_failed_to_staging += 1;
+                        if !send.failed {
+                            send.failed = true;
+                            tracing::warn!(req_id = %req, copy = id, "copying the request's KV into staging failed; its pull will fail");
+                            if !send.forgotten {
+                                step.fail_sends.push((req.clone(), FailureCause::CopyFailed));
+                            }
+                            // Not given: the worker never reports it (the
+                            // failure leaves no entry it would end).
+                            if !send.given {
+                                send.worker_done = true;
+                            }
+                        }
+                    }
+                    self.settle_send(&req, &mut step);
+                }
+                Some(Flow::Pulling(recv)) => {
+                    recv.running.remove(&id);
+                    if !ok {
+                        self.counts.copies_failed_to_device += 1;
+                        if !recv.copy_failed {
+                            tracing::warn!(req_id = %req, copy = id, "copying the pull from staging into the engine's blocks failed; it fails");
+                        }
+                        recv.copy_failed = true;
+                        if !recv.told {
+                            recv.verdict = Verdict::Failed;
+                        }
+                    }
+                    self.settle_recv(&req, &mut step);
+                }
+                _ => {}
+            }
+        }
+        self.grant_waiters(now, &mut step);
+        step
+    }
+
+    /// P: tells the worker what is newly staged, the engine when its device
+    /// blocks are free, and frees the slots once nothing uses them.
+    fn settle_send(&mut self, req: &ReqId, step: &mut StagedStep) {
+        let Some(Flow::Sending(send)) = self.flows.get_mut(req) else { return };
+        let prefix = send.done_prefix();
+        if prefix > send.staged && !send.failed && !send.forgotten && !send.worker_done {
+            send.staged = prefix;
+            send.given = true;
+            step.staged_sends.push((req.clone(), send.slots.clone(), prefix));
+        }
+        let copying = send.copying();
+        if !copying && !send.told && !send.forgotten {
+            // No copy reads its device blocks any more.
+            send.told = true;
+            step.finished.sending.insert(req.clone());
+        }
+        if !copying && (send.worker_done || (send.forgotten && !send.given)) {
+            self.flows.remove(req);
+            self.pool.release(req);
+        }
+    }
+
+    /// D: orders the copies that became due, tells the engine once every
+    /// copy into its blocks ended, frees the slots once nothing uses them.
+    fn settle_recv(&mut self, req: &ReqId, step: &mut StagedStep) {
+        let Some(Flow::Pulling(recv)) = self.flows.get_mut(req) else { return };
+        if recv.verdict == Verdict::Received && !recv.cancelled && recv.ordered < recv.device.len() {
+            let (from, to) = (recv.ordered, recv.device.len());
+            recv.ordered = to;
+            let (device, slots) = (recv.device[from..to].to_vec(), recv.slots[from..to].to_vec());
+            let copy = self.order(req, CopyDirection::ToDevice, &device, &slots, step);
+            if let Some(Flow::Pulling(recv)) = self.flows.get_mut(req) {
+                recv.running.insert(copy);
+            }
+        }
+        let Some(Flow::Pulling(recv)) = self.flows.get_mut(req) else { return };
+        if !recv.told && !recv.cancelled && recv.running.is_empty() {
+            match recv.verdict {
+                Verdict::Received if recv.ordered == recv.device.len() => {
+                    recv.told = true;
+                    step.finished.receiving.insert(req.clone());
+                }
+                Verdict::Failed => {
+                    recv.told = true;
+                    step.finished.failed_receiving.insert(req.clone(), recv.device.clone());
+                }
+                _ => {}
+            }
+        }
+        if recv.fenced && recv.running.is_empty() && (recv.told || recv.cancelled) {
+            if recv.landed {
+                let how = match (recv.cancelled, recv.verdict) {
+                    (true, _) => Settled::Cancelled,
+                    (false, Verdict::Received) => Settled::Copied,
+                    (false, _) => Settled::CopyFailed,
+                };
+                step.settled.push((req.clone(), how));
+            }
+            self.flows.remove(req);
+            self.pool.release(req);
+        }
+    }
+
+    /// D: P said how far a pull got: what landed is copied on at once.
+    fn pull_progress(&mut self, progress: PullProgress, step: &mut StagedStep) {
+        let PullProgress { req, landed, ended } = progress;
+        let Some(Flow::Pulling(recv)) = self.flows.get_mut(&req) else { return };
+        if recv.cancelled || recv.told || recv.verdict == Verdict::Failed {
+            return;
+        }
+        let landed = (landed as usize).min(recv.device.len());
+        if landed > recv.ordered {
+            let from = recv.ordered;
+            recv.ordered = landed;
+            let (device, slots) = (recv.device[from..landed].to_vec(), recv.slots[from..landed].to_vec());
+            let copy = self.order(&req, CopyDirection::ToDevice, &device, &slots, step);
+            if let Some(Flow::Pulling(recv)) = self.flows.get_mut(&req) {
+                recv.running.insert(copy);
+            }
+        }
+        if let (Some(Flow::Pulling(recv)), Some(ended)) = (self.flows.get_mut(&req), ended) {
+            recv.verdict = if ended.is_ok() { Verdict::Received } else { Verdict::Failed };
+        }
+        self.settle_recv(&req, step);
+    }
+
     fn stage_send(&mut self, req: &ReqId, device: &[BlockId], now: Instant, step: &mut StagedStep) {
         if self.flows.contains_key(req) {
             tracing::warn!(req_id = %req, "ready update for a request already being staged; ignored");
@@ -222,37 +486,66 @@ impl StagingCore {
         // D may ask before the copy is done: the worker holds its pull.
         step.to_worker.reqs_to_send.insert(req.clone(), SendUpdate::Expect);
         match self.pool.reserve(req, device.len(), now, self.wait) {
-            Reservation::Granted(slots) => {
-                self.order(req, CopyDirection::ToStaging, device, &slots, step);
-                self.flows.insert(req.clone(), Flow::SendCopying { forgotten: false });
-            }
+            Reservation::Granted(slots) => self.start_send(req, device, slots, step),
             Reservation::Waiting => {
+                self.counts.waits += 1;
                 self.flows.insert(req.clone(), Flow::SendWaiting { device: device.to_vec() });
             }
             Reservation::TooLarge { wanted, capacity } => {
                 tracing::warn!(req_id = %req, wanted, capacity, "request needs more staging slots than there are; its pull will fail");
+                self.counts.exhausted += 1;
                 self.fail_send(req, step);
             }
             Reservation::Duplicate => {}
         }
     }
 
+    /// P: orders the copies of `req` into `slots`, piece by piece.
+    fn start_send(&mut self, req: &ReqId, device: &[BlockId], slots: Vec<BlockId>, step: &mut StagedStep) {
+        let mut pieces = Vec::new();
+        let mut from = 0;
+        while from < device.len() {
+            let to = from.saturating_add(self.piece).min(device.len());
+            let copy = self.order(req, CopyDirection::ToStaging, &device[from..to], &slots[from..to], step);
+            pieces.push(SendPiece { copy, end: to, done: None });
+            from = to;
+        }
+        let given = pieces.is_empty();
+        if given {
+            // Nothing to copy (no blocks): ready at once.
+            step.staged_sends.push((req.clone(), Vec::new(), 0));
+        }
+        let send =
+            Send { slots, pieces, staged: 0, given, worker_done: false, told: false, forgotten: false, failed: false };
+        self.flows.insert(req.clone(), Flow::Sending(send));
+        self.settle_send(req, step);
+    }
+
     fn forget_send(&mut self, req: &ReqId, step: &mut StagedStep) {
-        step.to_worker.reqs_to_send.insert(req.clone(), SendUpdate::Forget);
         match self.flows.get_mut(req) {
             Some(Flow::SendWaiting { .. }) => {
                 self.flows.remove(req);
                 self.pool.release(req);
             }
+            // The worker holds it already: it ends there (pulled, failed or
+            // its lease ended), never by a withdrawal after it was ready.
+            Some(Flow::Sending(send)) if send.given => {
+                tracing::warn!(req_id = %req, "forget update for a request already staged; it ends with its pull or lease");
+                return;
+            }
             // The copy reads blocks the engine freed: its slots come back when it is done.
-            Some(Flow::SendCopying { forgotten, .. }) => *forgotten = true,
+            Some(Flow::Sending(send)) => {
+                send.forgotten = true;
+                self.settle_send(req, step);
+            }
             _ => {}
         }
+        step.to_worker.reqs_to_send.insert(req.clone(), SendUpdate::Forget);
     }
 
     fn fail_send(&mut self, req: &ReqId, step: &mut StagedStep) {
         step.to_worker.reqs_to_send.remove(req);
-        step.fail_sends.push(req.clone());
+        step.fail_sends.push((req.clone(), FailureCause::StagingExhausted));
         // The engine frees its blocks; the worker answers its pull failed.
         step.finished.sending.insert(req.clone());
     }
@@ -270,6 +563,7 @@ impl StagingCore {
         match self.pool.reserve(req, meta.local_block_ids.len(), now, self.wait) {
             Reservation::Granted(slots) => self.start_pull(req, meta, slots, step),
             Reservation::Waiting => {
+                self.counts.waits += 1;
                 // Still wanted: P keeps holding it while it waits here.
                 step.to_worker.reqs_to_unwatch.remove(req);
                 step.to_worker.reqs_to_watch.insert(req.clone(), meta.remote.clone());
@@ -277,18 +571,41 @@ impl StagingCore {
             }
             Reservation::TooLarge { wanted, capacity } => {
                 tracing::warn!(req_id = %req, wanted, capacity, "pull needs more staging slots than there are; it fails");
-                step.failed_before_pull.push(req.clone());
-                step.finished.failed_receiving.insert(req.clone(), meta.local_block_ids.clone());
+                self.counts.exhausted += 1;
+                self.fail_before_pull(req, meta, step);
             }
             Reservation::Duplicate => {}
         }
     }
 
+    /// D: the pull fails without starting; P hears it at once (a pull of
+    /// no blocks frees the request there, as for a full prefix hit).
+    fn fail_before_pull(&mut self, req: &ReqId, meta: &RecvReqMeta, step: &mut StagedStep) {
+        step.to_worker.reqs_to_watch.remove(req);
+        step.to_worker.reqs_to_unwatch.insert(req.clone());
+        step.failed_before_pull.push(req.clone());
+        step.release_on_prefill.insert(req.clone(), meta.remote.clone());
+        step.finished.failed_receiving.insert(req.clone(), meta.local_block_ids.clone());
+    }
+
     fn start_pull(&mut self, req: &ReqId, meta: &RecvReqMeta, slots: Vec<BlockId>, step: &mut StagedStep) {
-        let staged = RecvReqMeta { local_block_ids: slots, remote: meta.remote.clone() };
+        let staged =
+            RecvReqMeta { local_block_ids: slots.clone(), first_token: meta.first_token, remote: meta.remote.clone() };
         step.to_worker.reqs_to_watch.remove(req);
         step.to_worker.reqs_to_recv.insert(req.clone(), staged);
-        self.flows.insert(req.clone(), Flow::Pulling { device: meta.local_block_ids.clone() });
+        let recv = Recv {
+            device: meta.local_block_ids.clone(),
+            slots,
+            ordered: 0,
+            running: BTreeSet::new(),
+            verdict: Verdict::Pending,
+            told: false,
+            fenced: false,
+            landed: false,
+            copy_failed: false,
+            cancelled: false,
+        };
+        self.flows.insert(req.clone(), Flow::Pulling(recv));
     }
 
     fn cancel_recv(&mut self, req: &ReqId, step: &mut StagedStep) {
@@ -300,15 +617,13 @@ impl StagingCore {
                 step.to_worker.reqs_to_watch.remove(req);
                 step.to_worker.reqs_to_unwatch.insert(req.clone());
             }
-            // The worker fences its grant before `start_load_kv` returns;
-            // its slots are free once it has.
-            Some(Flow::Pulling { .. }) => {
-                self.flows.remove(req);
-                self.pool.release(req);
-            }
-            Some(Flow::RecvCopying { copy, cancelled, .. }) => {
-                *cancelled = true;
-                step.wait_for.push(*copy);
+            Some(Flow::Pulling(recv)) => {
+                recv.cancelled = true;
+                // The worker fences a pull still out before `start_load_kv`
+                // returns, and never reports it.
+                recv.fenced = true;
+                step.wait_for.extend(recv.running.iter().copied());
+                self.settle_recv(req, step);
             }
             _ => {}
         }
@@ -320,10 +635,7 @@ impl StagingCore {
         let events = self.pool.poll(now);
         for (req, slots) in events.granted {
             match self.flows.remove(&req) {
-                Some(Flow::SendWaiting { device }) => {
-                    self.order(&req, CopyDirection::ToStaging, &device, &slots, step);
-                    self.flows.insert(req, Flow::SendCopying { forgotten: false });
-                }
+                Some(Flow::SendWaiting { device }) => self.start_send(&req, &device, slots, step),
                 Some(Flow::RecvWaiting { meta }) => self.start_pull(&req, &meta, slots, step),
                 other => {
                     // Not waiting any more (cannot happen: release removes waiters).
@@ -338,14 +650,13 @@ impl StagingCore {
             match self.flows.remove(&req) {
                 Some(Flow::SendWaiting { .. }) => {
                     tracing::warn!(req_id = %req, wait = ?self.wait, "no staging slots for the request within the bound; its pull will fail");
+                    self.counts.exhausted += 1;
                     self.fail_send(&req, step);
                 }
                 Some(Flow::RecvWaiting { meta }) => {
                     tracing::warn!(req_id = %req, wait = ?self.wait, "no staging slots for the pull within the bound; it fails");
-                    step.to_worker.reqs_to_watch.remove(&req);
-                    step.to_worker.reqs_to_unwatch.insert(req.clone());
-                    step.failed_before_pull.push(req.clone());
-                    step.finished.failed_receiving.insert(req, meta.local_block_ids);
+                    self.counts.exhausted += 1;
+                    self.fail_before_pull(&req, &meta, step);
                 }
                 Some(other) => {
                     self.flows.insert(req, other);
@@ -378,11 +689,11 @@ pub fn stages(core: &StagingCore) -> BTreeMap<&'static str, BTreeSet<ReqId>> {
     for (req, flow) in &core.flows {
         let stage = match flow {
             Flow::SendWaiting { .. } => "send_waiting",
-            Flow::SendCopying { .. } => "send_copying",
-            Flow::SendStaged => "send_staged",
+            Flow::Sending(send) if send.copying() => "send_copying",
+            Flow::Sending(_) => "send_staged",
             Flow::RecvWaiting { .. } => "recv_waiting",
-            Flow::Pulling { .. } => "pulling",
-            Flow::RecvCopying { .. } => "recv_copying",
+            Flow::Pulling(recv) if recv.running.is_empty() && !recv.fenced => "pulling",
+            Flow::Pulling(_) => "recv_copying",
         };
         out.entry(stage).or_default().insert(req.clone());
     }

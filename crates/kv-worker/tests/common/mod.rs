@@ -163,7 +163,8 @@ pub fn pull(d: &Instance, host: &str, port: u16, pulls: &[(&str, &[BlockId])]) {
     let reqs_to_recv = pulls
         .iter()
         .map(|(req, blocks)| {
-            let meta = RecvReqMeta { local_block_ids: blocks.to_vec(), remote: remote(host, port, req) };
+            let meta =
+                RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote: remote(host, port, req) };
             (ReqId::new(*req), meta)
         })
         .collect::<BTreeMap<_, _>>();
@@ -184,6 +185,41 @@ pub async fn until(worker: &Worker, mut done: impl FnMut(&Finished) -> bool) -> 
     }
     assert!(Instant::now() < deadline, "reported only at the bound: a wake-up was missed ({all:?})");
     all
+}
+
+/// Polls `worker`'s metrics until `done` holds (a counter a server task
+/// bumps after the client saw the outcome), within [`BOUND`].
+pub async fn metrics_until(
+    worker: &Worker,
+    done: impl Fn(&kv_worker::metrics::MetricsSnapshot) -> bool,
+) -> kv_worker::metrics::MetricsSnapshot {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let metrics = worker.metrics();
+        if done(&metrics) {
+            return metrics;
+        }
+        assert!(Instant::now() < deadline, "metrics never got there: {metrics:#?}");
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Starts an instance's workers on consecutive side-channel ports: runs
+/// `start(base)` from `first`, then `first + stride`, and so on, until it
+/// returns the started workers. `start` answers `None` when a port from
+/// that base was taken (another test's worker holds it).
+pub async fn on_free_ports<T, F>(first: u16, stride: u16, mut start: impl FnMut(u16) -> F) -> (u16, T)
+where
+    F: std::future::Future<Output = Option<T>>,
+{
+    for attempt in 0..20u16 {
+        let base = first + attempt * stride;
+        if let Some(started) = start(base).await {
+            return (base, started);
+        }
+    }
+    panic!("no free run of side-channel ports");
 }
 
 pub fn side_channel(p: &Instance) -> (String, u16) {
@@ -264,53 +300,5 @@ impl BatchWriter for GatedWriter {
     }
     async fn shutdown(&self) {
         self.inner.shutdown().await;
-    }
-}
-
-/// Every log line of a test binary, for counting: installed as the
-/// process's global subscriber, so a binary using it has one test.
-#[derive(Clone, Default)]
-pub struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    /// Captures every event at `level` and above from now on.
-    pub fn install(level: tracing::Level) -> Self {
-        let logs = Self::default();
-        let writer = logs.clone();
-        tracing_subscriber::fmt().with_ansi(false).with_max_level(level).with_writer(move || writer.clone()).init();
-        logs
-    }
-
-    /// Captures what the `tracing` filter `filter` lets through (the syntax
-    /// of `KVLINK_LOG`) from now on.
-    pub fn install_filter(filter: &str) -> Self {
-        let logs = Self::default();
-        let writer = logs.clone();
-        tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(move || writer.clone())
-            .init();
-        logs
-    }
-
-    /// Lines holding every one of `needles`.
-    pub fn lines_with(&self, needles: &[&str]) -> usize {
-        self.text().lines().filter(|line| needles.iter().all(|n| line.contains(n))).count()
-    }
-
-    /// Everything logged so far.
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 }

@@ -102,9 +102,11 @@ def _prompt_len(request: Any) -> int:
 class SchedulerSide:
     """vLLM's scheduler-side connector methods over kvlink's scheduler."""
 
-    def __init__(self, settings: _native.Settings, host: str, dp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, settings: _native.Settings, host: str, dp_rank: int = 0, tp_size: int = 1, pp_size: int = 1):
         self.settings = settings
-        self._native = _native.Scheduler(settings, host, dp_rank, tp_size)
+        # The base port of this data-parallel rank: every stage's workers
+        # listen from it (pp_rank * tp_size + tp_rank).
+        self._native = _native.Scheduler(settings, host, dp_rank, tp_size, pp_size)
 
     @property
     def host(self) -> str:
@@ -176,6 +178,8 @@ class WorkerSide:
         tp_rank: int = 0,
         report_abandoned_pulls: bool = False,
         identity: Mapping[str, Any] | None = None,
+        pp_size: int = 1,
+        pp_rank: int = 0,
     ):
         self.settings = settings
         #: What must agree with the peer instance (see ``connector.model_identity``).
@@ -186,13 +190,14 @@ class WorkerSide:
         self.use_mla = use_mla
         self.num_blocks = num_blocks
         self.dp_rank, self.tp_size, self.tp_rank = dp_rank, tp_size, tp_rank
+        self.pp_size, self.pp_rank = pp_size, pp_rank
         self.layout: layout.CacheLayout | None = None
         self._worker: _native.Worker | None = None
         #: The copies between the cache and the staging (staged only).
         self.stager: staging.Stager | None = None
         self._load_errors: set[int] = set()
         #: This worker's name in connector stats (its gauges are kept per worker).
-        self.stats_key = f"{dp_rank}.{tp_rank}"
+        self.stats_key = f"{dp_rank}.{tp_rank}" if pp_size == 1 else f"{dp_rank}.{pp_rank}.{tp_rank}"
         self._stats_seq = 0
 
     @property
@@ -207,6 +212,12 @@ class WorkerSide:
         staged = staging.should_stage(kv_caches, self.settings.host_staging, self.settings.protocol)
         cache = layout.describe(kv_caches, self.block_size, self.use_mla, self.num_blocks)
         self.layout = cache
+        if cache.attention_layout and not cache.token_layout and self.identity:
+            # What P and D compare at connect (the model's identity, when
+            # the engine declares one), only where blocks are copied whole:
+            # a declared token order is mapped to the peer's at the hello
+            # (NHD against HND), so it need not agree.
+            self.identity["attention_layout"] = cache.attention_layout
         copier = None
         if staged:
             plan = staging.plan(cache, self.settings.staging_bytes)
@@ -234,6 +245,11 @@ class WorkerSide:
                 self.report_abandoned_pulls,
                 staged,
                 json.dumps(self.identity) if self.identity else None,
+                self.pp_size,
+                self.pp_rank,
+                cache.block_heads,
+                cache.token_layout,
+                cache.dtype_bytes,
             )
         except BaseException:
             if copier is not None:
@@ -250,10 +266,16 @@ class WorkerSide:
                 copier.kind,
             )
         logger.info(
-            "kvlink worker started: role=%s protocol=%s layout=%s regions=%d block_len=%d staged=%s side_channel_port=%s data=%s",
+            "kvlink worker started: role=%s protocol=%s layout=%s order=%s heads=%d tp=%d/%d pp=%d/%d regions=%d block_len=%d staged=%s side_channel_port=%s data=%s",
             self.settings.role,
             self.settings.protocol,
             cache.kind,
+            cache.token_layout or "whole blocks",
+            cache.block_heads,
+            self.tp_rank,
+            self.tp_size,
+            self.pp_rank,
+            self.pp_size,
             sum(len(r) for _, r in cache.layers),
             cache.block_len,
             staged,

@@ -122,6 +122,22 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     return tp_size, int(getattr(parallel, "tensor_parallel_rank", 0) or 0)
 
 
+def _pp(vllm_config: Any) -> tuple[int, int]:
+    """(pp_size, pp_rank) of this process: its pipeline stage holds its
+    share of the layers, and its worker pulls them from the same stage of
+    the prefill instance."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if HAVE_VLLM and pp_size > 1:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        try:
+            return pp_size, int(get_pp_group().rank_in_group)
+        except AssertionError:  # no pipeline group: a single stage
+            return pp_size, 0
+    return pp_size, int(getattr(parallel, "pipeline_parallel_rank", 0) or 0)
+
+
 def _text(value: Any) -> str:
     text = "" if value is None else str(value)
     return text.removeprefix("torch.")
@@ -172,6 +188,7 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
         "num_layers": _number(getattr(text_config, "num_hidden_layers", 0)),
         "num_kv_heads": _number(getattr(model, "get_total_num_kv_heads", 0)),
         "head_size": _number(getattr(model, "get_head_size", 0)),
+        # Filled from the cache's strides once it is registered.
         "attention_layout": "",
         "tp_size": _number(getattr(parallel, "tensor_parallel_size", 0)),
         "pp_size": _number(getattr(parallel, "pipeline_parallel_size", 0)),
@@ -210,12 +227,15 @@ class KvlinkConnector(KVConnectorBase_V1):
         settings = adapter.settings_from_transfer_config(vllm_config.kv_transfer_config)
         self.settings = settings
         tp_size, tp_rank = _tp(vllm_config)
+        pp_size, pp_rank = _pp(vllm_config)
         # This host's address is only looked up when none is configured.
         host = settings.advertised_host or _host()
         self.connector_scheduler: adapter.SchedulerSide | None = None
         self.connector_worker: adapter.WorkerSide | None = None
         if _is_scheduler(role):
-            self.connector_scheduler = adapter.SchedulerSide(settings, host, _dp_rank(vllm_config), tp_size)
+            self.connector_scheduler = adapter.SchedulerSide(
+                settings, host, _dp_rank(vllm_config), tp_size, pp_size
+            )
         else:
             cache_config = vllm_config.cache_config
             model_config = getattr(vllm_config, "model_config", None)
@@ -228,6 +248,8 @@ class KvlinkConnector(KVConnectorBase_V1):
                 dp_rank=_dp_rank(vllm_config),
                 tp_size=tp_size,
                 tp_rank=tp_rank,
+                pp_size=pp_size,
+                pp_rank=pp_rank,
                 report_abandoned_pulls=behaviour.report_abandoned_pulls,
                 identity=model_identity(vllm_config),
             )

@@ -62,6 +62,7 @@ class Shape:
     block_size: int
     dtype: str
     staging_bytes: int
+    piece_bytes: int
     protocol: str
     timeout: float
 
@@ -115,6 +116,7 @@ def _settings(role: str, shape: Shape):
         "advertised_host": "127.0.0.1",
         "host_staging": "always" if shape.device == "cpu" else "auto",
         "staging_bytes": shape.staging_bytes,
+        "staging_piece_bytes": shape.piece_bytes,
         "transfer_timeout": shape.timeout,
         # Transfers P runs at once: each batch of 16 MiB or more opens two
         # data connections, and D's TCP listener admits 16 handshakes per
@@ -429,6 +431,7 @@ def run(shape: Shape, min_ratio: float | None = None, as_json: bool = False) -> 
         "tokens": shape.tokens,
         "kv_bytes": total,
         "staging_bytes": shape.staging_bytes,
+        "piece_bytes": shape.piece_bytes,
         "staging_slots": d_result["staging"]["slots"],
         "pinned": d_result["pinned"],
         "d2h_bytes_per_s": d2h,
@@ -452,7 +455,8 @@ def run(shape: Shape, min_ratio: float | None = None, as_json: bool = False) -> 
         print(
             f"kvlink gpu_check: {report['device']}, layout {shape.layout}, {shape.requests} requests x {shape.tokens} tokens, "
             f"{shape.layers} layers: {total / GIB:.3f} GiB of KV; staging {shape.staging_bytes / GIB:.3f} GiB per side "
-            f"({report['staging_slots']} slots, {'pinned' if report['pinned'] else 'pageable'})"
+            f"({report['staging_slots']} slots, {'pinned' if report['pinned'] else 'pageable'}), "
+            + (f"pieces of {shape.piece_bytes / (1 << 20):g} MiB" if shape.piece_bytes else "whole requests")
         )
         print(f"  D2H {copies}      : {_gb(d2h)}")
         print(f"  H2D {copies}      : {_gb(h2d)}")
@@ -519,6 +523,12 @@ def parse(argv: list[str] | None = None) -> tuple[Shape, float | None, bool]:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     ap.add_argument("--dtype", default="bfloat16", help="cache dtype (default bfloat16)")
     ap.add_argument("--staging-bytes", type=int, help="staging per side (default: half of the KV moved, so slots are reused)")
+    ap.add_argument(
+        "--piece-mib",
+        type=float,
+        default=32.0,
+        help="staging_piece_bytes in MiB: requests copied and sent in pieces this large (default 32; 0: whole requests)",
+    )
     ap.add_argument("--protocol", default="tcp", help="mooncake_protocol (default tcp)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the transfers (default 120)")
     ap.add_argument("--min-ratio", type=float, help="exit 1 if the staged rate is below this ratio of the slowest")
@@ -538,11 +548,14 @@ def parse(argv: list[str] | None = None) -> tuple[Shape, float | None, bool]:
         block_size=a.block_size,
         dtype=a.dtype,
         staging_bytes=0,
+        piece_bytes=int(a.piece_mib * (1 << 20)),
         protocol=a.protocol,
         timeout=a.timeout,
     )
     if min(shape.requests, shape.tokens, shape.layers, shape.kv_heads, shape.head_dim, shape.block_size) < 1:
         ap.error("sizes must be positive")
+    if a.piece_mib < 0:
+        ap.error("--piece-mib must be 0 or more")
     per_block = shape.layers * {"flash": 2}.get(shape.layout, 1) * _block_bytes(shape)
     total = shape.requests * shape.blocks_per_request * per_block
     staging = a.staging_bytes if a.staging_bytes is not None else max(total // 2, shape.blocks_per_request * per_block)

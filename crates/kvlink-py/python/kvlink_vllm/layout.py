@@ -26,6 +26,14 @@ A block must be one contiguous run of bytes inside each region (the block
 dimension is outermost after K/V); a region is ``blocks x block bytes``.
 When the kernel's block is smaller than the engine's (``block_size`` a
 multiple of it), consecutive kernel blocks form one engine block.
+
+Where the strides show how a block orders its tokens and heads (NHD:
+``[tokens][heads][head_size]``, HND: ``[heads][tokens][head_size]``, in
+each K, V or latent plane), the layout declares it with the heads per
+block, so a peer of another tensor-parallel size, block size or order can
+map heads and tokens; otherwise (K and V interleaved in one row, as later
+releases' fused layout keeps them) blocks are only copied whole between
+equal layouts.
 """
 
 from __future__ import annotations
@@ -60,6 +68,15 @@ class CacheLayout:
     kind: str  # "split" | "fused" | "mla"
     layers: list[tuple[str, list[Region]]]
     block_len: int
+    #: "NHD" or "HND" where a peer can map heads and tokens by it, else "".
+    token_layout: str = ""
+    #: KV heads in a block (MLA: 1); 0 when undeclared.
+    block_heads: int = 0
+    #: Bytes per element.
+    dtype_bytes: int = 0
+    #: How heads and tokens are ordered ("NHD", "HND"; "" if unknown), for
+    #: the model identity even where it cannot be mapped.
+    attention_layout: str = ""
 
     def native_layers(self) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
         return [(name, [r.as_tuple() for r in regions]) for name, regions in self.layers]
@@ -106,11 +123,13 @@ def describe(
     if not kv_caches:
         raise ConfigError("no KV cache layers to register")
     kinds = set()
+    orders = set()
     layers = []
     block_len = None
     for name, t in kv_caches.items():
         kind, regions = _layer(name, t, block_size, use_mla, num_blocks)
         kinds.add(kind)
+        orders.add(_order(t, kind, use_mla, block_size))
         layers.append((name, regions))
         for r in regions:
             this = r.length // r.num_blocks
@@ -119,7 +138,57 @@ def describe(
     if len(kinds) != 1:
         raise ConfigError(f"KV cache layers mix layouts {sorted(kinds)}; kvlink needs one layout for all layers")
     assert block_len is not None
-    return CacheLayout(kind=kinds.pop(), layers=layers, block_len=block_len)
+    # Layers that disagree on their order (never seen) are only copied whole.
+    (attention, mapped, heads), *others = sorted(orders)
+    if others:
+        attention, mapped, heads = "", "", 0
+    elem = int(next(iter(kv_caches.values())).element_size())
+    return CacheLayout(
+        kind=kinds.pop(),
+        layers=layers,
+        block_len=block_len,
+        token_layout=mapped,
+        block_heads=heads if mapped else 0,
+        dtype_bytes=elem,
+        attention_layout=attention,
+    )
+
+
+def _order(t: Any, kind: str, use_mla: bool, block_size: int) -> tuple[str, str, int]:
+    """How a layer's blocks order tokens and heads: (the attention layout,
+    the same where heads and tokens can be mapped by it else "", heads per
+    block)."""
+    shape, strides = _shape(t), _strides(t)
+    if use_mla:
+        # (blocks, block_size, latent): one head, token-major.
+        return ("NHD", "NHD", 1) if strides[-1] == 1 else ("", "", 0)
+    if len(shape) == 5 and kind == "split":
+        # CPU: (2, blocks, heads, block_size, head_size); CUDA: (2, blocks,
+        # block_size, heads, head_size) (as `_layer` reads them).
+        tokens = 3 if _device(t) == "cpu" else 2
+        plane = (tokens, 5 - tokens, 4)
+    elif len(shape) == 5:
+        # FlashInfer: (blocks, 2, block_size, heads, head_size), K then V.
+        plane = (2, 3, 4)
+    else:
+        # (blocks, heads, block_size, 2 * head_size): K and V of a head and
+        # token side by side in one row, head-major; not two planes.
+        return ("HND" if strides[1] > strides[2] else "NHD", "", 0)
+    tokens, heads, head = plane
+    n_tokens, n_heads, n_head = shape[tokens], shape[heads], shape[head]
+    if strides[head] != 1:
+        return ("", "", 0)
+    if strides[heads] == n_head and strides[tokens] == n_heads * n_head:
+        order = "NHD"
+    elif strides[tokens] == n_head and strides[heads] == n_tokens * n_head:
+        order = "HND"
+    else:
+        return ("", "", 0)
+    # Kernel blocks smaller than the engine's stack whole kernel blocks: a
+    # head's tokens are then no longer one run (HND), rows still are (NHD).
+    mapped = order if (order == "NHD" or n_tokens == block_size) else ""
+    return (order, mapped, n_heads)
+
 
 
 def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | None):

@@ -276,7 +276,8 @@ def reduce(data: Any) -> dict[str, int | float]:
     """The interval in a few figures, for vLLM's periodic log line
     (``KV Transfer metrics: k=v, ...``): per role, the transfers, their
     failures (with each cause that occurred), and the rate in GB/s over the
-    time transfers took."""
+    time transfers took; with host staging, its free slots, waiting
+    requests, waits, exhaustion and failed copies."""
     data = _checked(data)
     roles = set(data["roles"])
     out: dict[str, int | float] = {}
@@ -294,6 +295,13 @@ def reduce(data: Any) -> dict[str, int | float]:
         out["Send GB/s"] = _rate(counter(data, "sent_bytes"), write_seconds)
         out["Lease expiries"] = counter(data, "lease_expiries")
         out["Held requests"] = gauge(data, "held_requests")
+    if gauge(data, "staging_slots"):
+        # Host staging (GPU caches): room, waits, and what failed in it.
+        out["Staging free slots"] = gauge(data, "staging_free_slots")
+        out["Staging waiting"] = gauge(data, "staging_waiting")
+        out["Staging waits"] = counter(data, "staging_waits")
+        out["Staging exhausted"] = counter(data, "staging_exhausted")
+        out["Staging copies failed"] = sum(by_label(data, "staging_copies_failed", "direction").values())
     return out
 
 

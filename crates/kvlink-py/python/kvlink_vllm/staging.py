@@ -28,6 +28,17 @@ kvlink has no CUDA code of its own. A host cache (vLLM's CPU backend with
 copied synchronously: torch copies for torch tensors, ``ctypes.memmove``
 by address otherwise.
 
+Requests are copied in pieces (``staging_piece_bytes``): P's sender
+writes each piece once it is in the slots while the next ones copy, and D
+copies each piece into the engine's blocks as soon as P says it landed,
+while the rest is on the wire.
+
+A copy that fails (its launch raises, or its completion reports an error)
+fails its request cleanly instead of the engine: the worker answers the
+pull failed (P, its blocks freed) or reports it failed (D, the engine
+recomputes), counted under ``copy_failed``, logged at a bounded rate, and
+every slot comes back.
+
 A background thread (``kvlink-staging``) keeps staging moving between the
 engine's steps: it polls copies, hands the finished ones to the worker and
 gives freed slots to waiting requests (an idle prefill instance does not
@@ -41,6 +52,7 @@ import logging
 import mmap
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -57,6 +69,10 @@ STAGED_DEVICES = ("cuda",)
 #: something is being staged, and while nothing is.
 BUSY_POLL_S = 0.002
 IDLE_POLL_S = 0.02
+
+#: At most one log line about failed copies per this many seconds (after
+#: the first), with the count since the last line.
+COPY_FAILURE_LOG_S = 10.0
 
 
 def _device(t: Any) -> str:
@@ -453,6 +469,13 @@ class Stager:
         #: Copies ordered and held un-run (``hold_copies``, a test hook).
         self._queued: list[CopyOrder] = []
         self._held = False
+        #: Copies to fail on launch (``fail_copies``, a test hook).
+        self._fail_next = 0
+        #: Copies that failed, and the log's state: when it last wrote, and
+        #: how many failed since.
+        self.failed_copies = 0
+        self._failure_logged_at: float | None = None
+        self._failures_unlogged = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -482,11 +505,19 @@ class Stager:
                     self._launch(order)
             if cancelled:
                 self._queued = [o for o in self._queued if o.id not in cancelled]
+                failed = []
                 for id_ in cancelled:
                     handle = self._inflight.pop(id_, None)
-                    if handle is not None:
+                    if handle is None:
+                        continue
+                    try:
                         handle.wait()
-                self._worker.copies_done(sorted(cancelled))
+                    except Exception as e:  # noqa: BLE001 - it ended: failed
+                        self._copy_failed(id_, "", e)
+                        failed.append(id_)
+                self._worker.copies_done(sorted(set(cancelled) - set(failed)))
+                if failed:
+                    self._worker.copies_failed(failed)
                 self._launch_taken()
 
     def get_finished(self, finished_req_ids: list[str]) -> tuple[list[str], list[str]]:
@@ -510,13 +541,24 @@ class Stager:
             self._poll()
 
     def _poll(self) -> None:
-        done = [id_ for id_, handle in self._inflight.items() if handle.done()]
-        while done:
-            for id_ in done:
+        while True:
+            done, failed = [], []
+            for id_, handle in self._inflight.items():
+                try:
+                    if handle.done():
+                        done.append(id_)
+                except Exception as e:  # noqa: BLE001 - the copy ended in an error
+                    self._copy_failed(id_, "", e)
+                    failed.append(id_)
+            if not (done or failed):
+                return
+            for id_ in done + failed:
                 del self._inflight[id_]
-            self._worker.copies_done(done)
+            if done:
+                self._worker.copies_done(done)
+            if failed:
+                self._worker.copies_failed(failed)
             self._launch_taken()
-            done = [id_ for id_, handle in self._inflight.items() if handle.done()]
 
     def _take(self) -> list[CopyOrder]:
         return [CopyOrder.from_native(t) for t in self._worker.take_copies()]
@@ -529,7 +571,32 @@ class Stager:
         if self._held:
             self._queued.append(order)
             return
-        self._inflight[order.id] = self.copier.launch(order)
+        try:
+            if self._fail_next > 0:
+                self._fail_next -= 1
+                raise KvlinkError("injected copy failure (Stager.fail_copies)")
+            self._inflight[order.id] = self.copier.launch(order)
+        except Exception as e:  # noqa: BLE001 - fails its request, not the engine
+            self._copy_failed(order.id, order.req, e)
+            self._worker.copies_failed([order.id])
+
+    def _copy_failed(self, id_: int, req: str, error: BaseException) -> None:
+        """Counts a failed copy and logs it: the first at once, then at
+        most one line per :data:`COPY_FAILURE_LOG_S` with the count."""
+        self.failed_copies += 1
+        self._failures_unlogged += 1
+        now = time.monotonic()
+        if self._failure_logged_at is not None and now - self._failure_logged_at < COPY_FAILURE_LOG_S:
+            return
+        logger.warning(
+            "kvlink: a staging copy failed (copy %d%s): %r; its request fails (copy_failed), %d failed copies since the last line",
+            id_,
+            f" of {req}" if req else "",
+            error,
+            self._failures_unlogged,
+        )
+        self._failure_logged_at = now
+        self._failures_unlogged = 0
 
     def _busy(self) -> bool:
         if self._inflight or self._queued:
@@ -568,6 +635,12 @@ class Stager:
                 for order in queued:
                     self._launch(order)
 
+    def fail_copies(self, count: int) -> None:
+        """Test hook: the next ``count`` copies fail as they are launched,
+        as a copy whose launch raises does."""
+        with self._lock:
+            self._fail_next = count
+
     def state(self) -> dict[str, int]:
         with self._lock:
             requests, free, slots = self._worker.staging_state or (0, 0, 0)
@@ -577,6 +650,7 @@ class Stager:
                 "slots": slots,
                 "copies_in_flight": len(self._inflight),
                 "copies_held": len(self._queued),
+                "copies_failed": self.failed_copies,
             }
 
     # Shutdown.

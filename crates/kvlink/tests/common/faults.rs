@@ -6,8 +6,10 @@ use std::time::{Duration, Instant};
 
 use kv_proto::ReqId;
 
+use test_support::process::{open_fds, read_bytes, rss_bytes};
+
 use super::proxy::{shape, tally, Proxy, BATCH, BLOCKS_PER_REQUEST};
-use super::{open_fds, rss_bytes, Proc, BOUND};
+use super::{Proc, BOUND};
 
 /// D's bound on one pull (`--transfer-timeout`), where a test relies on it.
 pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -58,13 +60,6 @@ pub fn assert_back_to_with(p: &Proc, base: Footprint, more_fds: usize) {
         assert!(Instant::now() < deadline, "survivor leaks: {base:?} before the fault, {now:?} {SLACK:?} after");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// Bytes process `pid` has read through system calls (D's `readv` of the
-/// payload included).
-pub fn read_bytes(pid: u32) -> u64 {
-    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
-    io.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
 }
 
 /// Sends a batch and stops it half-way: once D read part of its payload, D

@@ -114,6 +114,18 @@ impl Proc {
         line
     }
 
+    /// The next stdout line (bounded), or `None` if the process ended first.
+    pub fn try_line(&mut self) -> Option<String> {
+        match self.lines.recv_timeout(BOUND) {
+            Ok(line) => {
+                self.stdout.push(line.clone());
+                Some(line)
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            Err(e) => panic!("{}: no output line within {BOUND:?} ({e})", self.name),
+        }
+    }
+
     /// Waits (bounded) for the exit; returns status, stdout, stderr.
     pub fn finish(mut self) -> (ExitStatus, String, String) {
         let deadline = Instant::now() + BOUND;
@@ -155,14 +167,7 @@ impl Proc {
     pub fn stop(&self) {
         self.signal(libc::SIGSTOP);
         let deadline = Instant::now() + BOUND;
-        let all_stopped = || {
-            std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap().all(|task| {
-                let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
-                // The state follows the command name in parentheses.
-                stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
-            })
-        };
-        while !all_stopped() {
+        while !test_support::process::all_threads_stopped(self.pid()) {
             assert!(Instant::now() < deadline, "{} did not stop within {BOUND:?}", self.name);
             std::thread::yield_now();
         }
@@ -252,21 +257,32 @@ fn without_colors(line: &str) -> String {
     out
 }
 
-/// Open file descriptors of process `pid`.
-pub fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
-}
-
-/// Resident set of process `pid`, bytes.
-pub fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
-    kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
-}
-
 /// Starts `kvlink serve` and reads its ready line; returns it and the control address.
 pub fn serve(netns: Option<&str>, args: &[&str]) -> (Proc, String, SocketAddr) {
     serve_logging(netns, args, None)
+}
+
+/// The control address in `kvlink serve`'s first line.
+fn control_of(ready: &str) -> SocketAddr {
+    assert!(ready.starts_with("listening control="), "unexpected first line: {ready:?}");
+    ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("control="))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no control address in {ready:?}"))
+}
+
+/// Like [`serve`], but a server that exits before it listens is its
+/// standard error, for tests that try other ports when one was taken.
+pub fn try_serve(args: &[&str]) -> Result<(Proc, SocketAddr), String> {
+    let mut cmd = kvlink_command(None);
+    cmd.arg("serve").args(args);
+    let mut p = Proc::spawn_command("kvlink serve", cmd);
+    let Some(ready) = p.try_line() else {
+        return Err(p.finish().2);
+    };
+    let control = control_of(&ready);
+    Ok((p, control))
 }
 
 /// Like [`serve`], with `RUST_LOG` set to `filter` (when given), for tests
@@ -279,12 +295,7 @@ pub fn serve_logging(netns: Option<&str>, args: &[&str], filter: Option<&str>) -
     }
     let mut p = Proc::spawn_command("kvlink serve", cmd);
     let ready = p.line();
-    assert!(ready.starts_with("listening control="), "unexpected first line: {ready:?}");
-    let control = ready
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("control="))
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no control address in {ready:?}"));
+    let control = control_of(&ready);
     (p, ready, control)
 }
 

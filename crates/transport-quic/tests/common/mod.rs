@@ -1,11 +1,10 @@
-//! Helpers shared by the transport-quic integration tests: registered test
-//! buffers, byte patterns, a raw QUIC client speaking the wire by hand, and
-//! fake receivers with their own certificates.
+//! Helpers of the transport-quic integration tests: nodes over QUIC, a raw
+//! QUIC client speaking the wire by hand, and fake receivers with their own
+//! certificates. What other crates' tests share too (test memory, byte
+//! patterns, resources) is `test_support`'s.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::net::SocketAddr;
-use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +12,7 @@ use kv_proto::auth::{client_proof, verify_server_proof, AuthSecret, Channel, Tra
 use kv_proto::dataplane::{
     decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, VERDICT_HEADER_LEN,
 };
-use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, MemoryRegion, Protocol, RegionAccess, WriteOp};
+use kv_proto::{Endpoint, Grant, GrantId, Protocol};
 use quinn::{Connection, RecvStream, SendStream};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use transport_quic::details::{EndpointDetails, Fingerprint};
@@ -27,139 +26,26 @@ use transport_quic::{QuicConfig, QuicTransport};
 /// Upper bound on any single wait in these tests (never reached when things work).
 pub const BOUND: Duration = Duration::from_secs(20);
 
-const ALIGN: usize = 4096;
+/// A QUIC transport and its one registered buffer.
+pub type Node = test_support::Node<QuicTransport>;
 
-/// A zeroed, page-aligned allocation.
-pub struct TestBuf {
-    ptr: NonNull<u8>,
-    pub len: usize,
+/// A transport bound with `config`, with a buffer of `len` bytes.
+pub async fn node(config: QuicConfig, len: usize) -> Node {
+    Node::registered(QuicTransport::bind(config).await.unwrap(), len)
 }
 
-impl TestBuf {
-    pub fn new(len: usize) -> Self {
-        let layout = Layout::from_size_align(len, ALIGN).unwrap();
-        // SAFETY: `len` > 0 in every test, so the layout is not zero-sized.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).expect("allocation failed");
-        Self { ptr, len }
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr().expose_provenance() as u64
-    }
-
-    pub fn end(&self) -> u64 {
-        self.addr() + self.len as u64
-    }
-
-    pub fn region(&self) -> MemoryRegion {
-        MemoryRegion::new(self.addr(), self.len as u64)
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is `len` bytes, live until drop; tests read
-        // only while no transfer into it is in flight.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn is_zero(&self) -> bool {
-        self.bytes().iter().all(|&b| b == 0)
-    }
+/// A transport with the default configuration, with a buffer of `len` bytes.
+pub async fn default_node(len: usize) -> Node {
+    node(QuicConfig::default(), len).await
 }
 
-impl Drop for TestBuf {
-    fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len, ALIGN).unwrap();
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), layout) }
-    }
-}
-
-/// A transport and its one registered buffer (a source and a destination,
-/// as for a `kv_both` instance); the transport is dropped first.
-pub struct Node {
-    pub transport: Arc<QuicTransport>,
-    pub buf: TestBuf,
-}
-
-impl Node {
-    pub async fn new(config: QuicConfig, len: usize) -> Self {
-        let transport = QuicTransport::bind(config).await.unwrap();
-        let buf = TestBuf::new(len);
-        // SAFETY: `buf` lives in the returned Node, which drops the transport
-        // first; tests read it only while no grant covering it is live.
-        unsafe {
-            transport.register_regions(&[buf.region()], RegionAccess::Source).unwrap();
-            transport.register_regions(&[buf.region()], RegionAccess::Destination).unwrap();
-        }
-        Self { transport, buf }
-    }
-
-    pub async fn with_defaults(len: usize) -> Self {
-        Self::new(QuicConfig::default(), len).await
-    }
-
-    /// A grant over `[off, off + len)` of the buffer, valid for a minute.
-    pub async fn grant(&self, off: u64, len: u64) -> Grant {
-        let range = MemoryRegion::new(self.buf.addr() + off, len);
-        self.transport.grant(&[range], Duration::from_secs(60)).await.unwrap()
-    }
-
-    /// A grant over the whole buffer, valid for a minute.
-    pub async fn grant_all(&self) -> Grant {
-        self.grant(0, self.buf.len as u64).await
-    }
-}
-
-pub fn pattern(seed: u64, i: usize) -> u8 {
-    ((i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(0x9E37_79B9)) % 251) as u8
-}
-
-/// Fills the source ranges of `ops` (inside `src`) with per-op patterns.
-pub fn fill(src: &mut TestBuf, ops: &[WriteOp]) {
-    let base = src.addr();
-    for (k, op) in ops.iter().enumerate() {
-        let off = (op.src - base) as usize;
-        for (i, b) in src.bytes_mut()[off..off + op.len as usize].iter_mut().enumerate() {
-            *b = pattern(k as u64, i);
-        }
-    }
-}
-
-/// Checks the destination ranges of `ops` (inside `dst`) hold their patterns.
-pub fn check(dst: &TestBuf, ops: &[WriteOp]) {
-    let base = dst.addr();
-    for (k, op) in ops.iter().enumerate() {
-        let off = (op.dst - base) as usize;
-        let got = &dst.bytes()[off..off + op.len as usize];
-        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(k as u64, i)), "op {k} landed wrong");
-    }
-}
-
-/// A new, well-behaved sender writes a patterned batch into `victim` under
-/// a fresh grant and checks it landed: the endpoint still serves.
+/// A new, well-behaved sender (holding the victim's secret, if any)
+/// writes a patterned batch into `victim` under a fresh grant and checks it
+/// landed: the endpoint still serves.
 pub async fn assert_still_serves(victim: &Node) {
-    let mut sender = Node::new(
-        QuicConfig { auth_secret: victim.transport.config().auth_secret.clone(), ..QuicConfig::default() },
-        1 << 16,
-    )
-    .await;
-    let dst_off = 32 * 1024;
-    let ops: Vec<WriteOp> = (0..8)
-        .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + dst_off + k * 1024, len: 1024 })
-        .collect();
-    fill(&mut sender.buf, &ops);
-    let grant = victim.grant(dst_off, 8 * 1024).await;
-    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
-        .await
-        .expect("well-behaved batch timed out")
-        .expect("well-behaved batch failed");
-    victim.transport.revoke(&grant.id).await;
-    check(&victim.buf, &ops);
+    let config = QuicConfig { auth_secret: victim.transport.config().auth_secret.clone(), ..QuicConfig::default() };
+    let mut sender = node(config, 1 << 16).await;
+    test_support::assert_still_serves(&mut sender, victim, BOUND).await;
 }
 
 /// The bytes of a request: header, op list, payload.
@@ -301,7 +187,12 @@ impl RawClient {
     }
 
     pub async fn stream(&self) -> (SendStream, RecvStream) {
-        tokio::time::timeout(BOUND, self.conn.open_bi()).await.unwrap().unwrap()
+        self.try_stream().await.expect("the receiver closed the connection")
+    }
+
+    /// A new stream, or `None` once the receiver has closed the connection.
+    pub async fn try_stream(&self) -> Option<(SendStream, RecvStream)> {
+        tokio::time::timeout(BOUND, self.conn.open_bi()).await.expect("no stream within the bound").ok()
     }
 
     /// Sends `bytes` on a new stream, finishes it, and reads the reply.
@@ -391,22 +282,6 @@ impl FakeReceiver {
 /// A grant no receiver issued (fake receivers do not check grants).
 pub fn any_grant() -> Grant {
     Grant::plain(GrantId::random().unwrap())
-}
-/// Descriptors and live heap at one moment, to come back to within
-/// [`BOUND`].
-#[derive(Clone, Copy, Debug)]
-pub struct Resources(test_support::Resources);
-
-impl Resources {
-    pub fn now() -> Self {
-        Self(test_support::Resources::now())
-    }
-
-    /// Waits (bounded) until this process holds no more descriptors and
-    /// (within the slack) no more live heap than at `self`.
-    pub async fn back(&self, what: &str) {
-        self.0.back(what, BOUND).await;
-    }
 }
 
 /// Runs `test` alone on a runtime of its own and checks that it left no

@@ -3,7 +3,7 @@
 //! queue pair (GID, QPN, PSN) and which of its regions the other may write
 //! (address, length, rkey), over a TCP connection set up by the caller.
 //!
-//! [`codec`] is the pure encoding (bounded, fallible decoding: the peer is
+//! `codec` is the pure encoding (bounded, fallible decoding: the peer is
 //! untrusted); [`exchange()`] sends ours and reads theirs, within a time bound.
 //!
 //! # Wire format
@@ -18,13 +18,24 @@
 //!  region (20 bytes): addr u64 | len u64 | rkey u32
 //! ```
 //!
-//! `version` is [`codec::VERSION`]; `flags` must be 0 (unknown bits are
+//! `version` is 1; `flags` must be 0 (unknown bits are
 //! refused); QPN and PSN are 24-bit; the region count is at most the
 //! receiver's [`HandshakeLimits::max_regions`], checked before the regions
 //! are read; regions must be non-empty, not wrap, and not overlap.
 
+// `codec` and `exchange` (for `read_message`) are public only to the fuzz
+// targets (`--cfg fuzzing`), as quinn-proto does; what the transport and
+// the tests use is re-exported below.
+#[cfg(fuzzing)]
 pub mod codec;
+#[cfg(not(fuzzing))]
+#[allow(unreachable_pub)]
+mod codec;
+#[cfg(fuzzing)]
 pub mod exchange;
+#[cfg(not(fuzzing))]
+#[allow(unreachable_pub)]
+mod exchange;
 pub mod opening;
 
 use std::time::Duration;
@@ -119,6 +130,10 @@ pub enum HandshakeError {
     /// The peer closed the connection before its message was complete.
     #[error("the peer closed the connection during the handshake")]
     PeerClosed,
+    /// The peer's message fails its tag: altered or injected after the
+    /// opening.
+    #[error("rdma handshake {0}")]
+    BadTag(#[from] kv_proto::session::BadTag),
     /// The exchange did not finish within [`HandshakeLimits::timeout`].
     #[error("the handshake did not finish within {0:?}")]
     TimedOut(Duration),

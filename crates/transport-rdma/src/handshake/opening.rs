@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! preamble (sender → receiver, 8 bytes; 40 with FLAG_AUTH)
-//!  | KVRC | version u16 = 1 | flags u16 | [client_nonce, 32 bytes, if FLAG_AUTH]
+//!  | KVRC | version u16 = 2 | flags u16 | [client_nonce, 32 bytes, if FLAG_AUTH]
 //!    flags: bit 0 FLAG_AUTH (the sender holds the shared secret); unknown
 //!    bits are refused
 //! accept (receiver → sender, 8 bytes)
@@ -26,15 +26,21 @@
 //! The proofs are [`kv_proto::auth`]'s over the transcript of
 //! [`Channel::DataRdma`] (so no proof made for another protocol verifies
 //! here), both nonces, and as context the preamble and the accept reply as
-//! sent.
+//! sent. Once both proofs verified, each side derives the connection's
+//! [`Session`] from that transcript: every later frame (the queue-pair
+//! exchange, requests, replies) carries its tag ([`crate::tags`]). Version
+//! 2 is the first whose later frames carry tags.
 
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript, AUTH_TAG_LEN};
+use kv_proto::session::{End, Session};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::tags::FrameTags;
 
 /// First bytes of the preamble and the accept reply.
 pub const MAGIC: [u8; 4] = *b"KVRC";
 /// The opening's version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Preamble flag: the sender holds the shared secret; its nonce follows.
 pub const FLAG_AUTH: u16 = 1;
 /// Bytes of the preamble (the nonce not included) and of the accept reply.
@@ -130,6 +136,10 @@ pub enum OpeningError {
     /// No OS randomness for a nonce (authentication is refused, never weakened).
     #[error("no OS randomness for a nonce")]
     NoRandomness,
+    /// The session keys could not be made (HMAC takes keys of any length,
+    /// so this does not happen; refused rather than left untagged).
+    #[error("cannot derive the control connection's session keys")]
+    NoSessionKeys,
     /// The peer closed the connection during the opening.
     #[error("the peer closed the connection during the opening")]
     PeerClosed,
@@ -178,9 +188,18 @@ async fn write<S: AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) -> Result<()
     Ok(())
 }
 
+/// The tags of the frames after an opening under `secret` and `transcript`.
+fn tags(secret: &AuthSecret, transcript: &Transcript<'_>, end: End) -> Result<FrameTags, OpeningError> {
+    Session::derive(secret, transcript, end)
+        .map(|session| FrameTags::new(Some(session)))
+        .ok_or(OpeningError::NoSessionKeys)
+}
+
 /// The sender's side: proves the secret if it holds one (and checks the
 /// receiver proves it first), and learns whether the receiver admits it.
-pub async fn client<S>(stream: &mut S, secret: Option<&AuthSecret>) -> Result<(), OpeningError>
+/// Returns the tags of the connection's later frames (none without a
+/// secret).
+pub async fn client<S>(stream: &mut S, secret: Option<&AuthSecret>) -> Result<FrameTags, OpeningError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -206,7 +225,7 @@ where
         Status::Busy => return Err(OpeningError::Busy),
         Status::Unknown(code) => return Err(OpeningError::Unknown(code)),
     }
-    let Some(secret) = secret else { return Ok(()) };
+    let Some(secret) = secret else { return Ok(FrameTags::none()) };
     let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
     read(stream, &mut challenge).await?;
     let (server_nonce, server_proof) = challenge.split_at(AUTH_TAG_LEN);
@@ -224,7 +243,7 @@ where
     let mut verdict = [0u8; 1];
     read(stream, &mut verdict).await?;
     match verdict[0] {
-        VERDICT_OK => Ok(()),
+        VERDICT_OK => tags(secret, &transcript, End::Client),
         VERDICT_REFUSED => Err(OpeningError::ProofRefused),
         VERDICT_BUSY => Err(OpeningError::Busy),
         other => Err(OpeningError::Unknown(u16::from(other))),
@@ -234,12 +253,13 @@ where
 /// The receiver's side: checks the preamble, authenticates the sender if
 /// this side holds a secret, and then, once all of that succeeded, takes
 /// the connection's established place with `establish` (a sender for which
-/// it gives none is told so). Returns that place.
+/// it gives none is told so). Returns that place and the tags of the
+/// connection's later frames (none without a secret).
 pub async fn server<S, P>(
     stream: &mut S,
     secret: Option<&AuthSecret>,
     establish: impl FnOnce() -> Option<P>,
-) -> Result<P, OpeningError>
+) -> Result<(P, FrameTags), OpeningError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -273,7 +293,7 @@ where
     write(stream, &accept).await?;
     let secret = match next {
         Err((_, refusal)) => return Err(refusal),
-        Ok(Ok(place)) => return Ok(place),
+        Ok(Ok(place)) => return Ok((place, FrameTags::none())),
         Ok(Err(secret)) => secret,
     };
     let server_nonce = auth::fresh_nonce().ok_or(OpeningError::NoRandomness)?;
@@ -304,7 +324,7 @@ where
     // verdict (so a wrong proof is still told from a broken connection).
     let place = verdict?;
     written?;
-    Ok(place)
+    Ok((place, tags(secret, &transcript, End::Server)?))
 }
 
 #[cfg(test)]
@@ -327,7 +347,7 @@ mod tests {
         sender: Option<&str>,
         receiver: Option<&str>,
         places: usize,
-    ) -> (Result<(), OpeningError>, Result<(), OpeningError>) {
+    ) -> (Result<FrameTags, OpeningError>, Result<((), FrameTags), OpeningError>) {
         let (mut a, mut b) = duplex(4096);
         let (sender, receiver) = (secret(sender), secret(receiver));
         let server = async {
@@ -364,8 +384,9 @@ mod tests {
         let (client, server) = open(sender, receiver, places).await;
         match refusal {
             None => {
-                client.unwrap();
-                server.unwrap();
+                let tagged = sender.is_some();
+                assert_eq!(client.unwrap().is_on(), tagged, "the sender's later frames are tagged iff it proved");
+                assert_eq!(server.unwrap().1.is_on(), tagged, "the receiver's too");
             }
             Some(expected) => {
                 let err = client.unwrap_err();
@@ -426,7 +447,8 @@ mod tests {
 
     #[rstest]
     #[case::bad_magic(*b"KVRX\x01\x00\x00\x00")]
-    #[case::other_version(encode(2, 0))]
+    #[case::version_one_untagged(encode(1, 0))]
+    #[case::a_later_version(encode(VERSION + 1, 0))]
     #[case::unknown_flags(encode(VERSION, 2))]
     #[tokio::test]
     async fn a_bad_preamble_is_refused(#[case] preamble: [u8; OPENING_LEN]) {

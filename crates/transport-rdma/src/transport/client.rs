@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_net::WireError;
-use kv_proto::{Endpoint, Grant, Protocol, SourceError, TransportError, WriteOp};
+use kv_proto::{Endpoint, Grant, Protocol, TransportError, WriteOp};
 use tokio::net::TcpStream;
 
 use super::link::{ChainError, Link};
@@ -18,6 +18,7 @@ use crate::fence::GrantCache;
 use crate::handshake::opening;
 use crate::plan::{plan_batch, Plan, PlanError, WriteSpan};
 use crate::region::{LocalRegion, RegionTable, RemoteRegion};
+use crate::tags::FrameTags;
 use crate::verbs::WcStatus;
 
 /// A grant's windows on one connection, as the planner reads them.
@@ -67,9 +68,16 @@ struct Conn {
     link: Arc<Link>,
     /// The peer transport's instance (from its endpoint details).
     instance: u64,
-    control: tokio::sync::Mutex<TcpStream>,
+    control: tokio::sync::Mutex<Control>,
     grants: Mutex<GrantCache<Windows>>,
     last_used: Mutex<Instant>,
+}
+
+/// The control stream of a connection and the tags of its frames.
+#[derive(Debug)]
+struct Control {
+    stream: TcpStream,
+    tags: FrameTags,
 }
 
 impl Conn {
@@ -80,10 +88,10 @@ impl Conn {
             return false;
         }
         // In use by another batch: alive as far as anyone knows.
-        let Ok(stream) = self.control.try_lock() else { return true };
+        let Ok(control) = self.control.try_lock() else { return true };
         let mut byte = [0u8; 1];
         // The receiver never speaks unasked: readable means closed (or broken).
-        matches!(stream.try_read(&mut byte), Err(err) if err.kind() == std::io::ErrorKind::WouldBlock)
+        matches!(control.stream.try_read(&mut byte), Err(err) if err.kind() == std::io::ErrorKind::WouldBlock)
     }
 
     fn touch(&self) {
@@ -107,19 +115,11 @@ pub(super) async fn batch_write(
     grant: &Grant,
     ops: &[WriteOp],
 ) -> Result<(), TransportError> {
+    peer.check_for(Protocol::Rdma)?;
     let label = peer.to_string();
-    if peer.protocol != Protocol::Rdma {
-        return Err(TransportError::WrongProtocol { peer: label, expected: Protocol::Rdma, got: peer.protocol });
-    }
-    peer.check_address().map_err(|reason| TransportError::BadEndpoint { peer: label.clone(), reason })?;
     let details = EndpointDetails::decode(&peer.details)
         .map_err(|err| TransportError::BadEndpoint { peer: label.clone(), reason: err.to_string() })?;
-    shared.memory.check_sources(ops).map_err(|err| match err {
-        SourceError::Outside { addr, len } | SourceError::TotalOverflows { addr, len } => {
-            TransportError::SourceOutOfBounds { addr, len }
-        }
-        SourceError::Closed => TransportError::Shutdown,
-    })?;
+    shared.memory.check_sources(ops)?;
     if ops.is_empty() {
         return Ok(());
     }
@@ -192,11 +192,12 @@ async fn connect(shared: &Shared, address: &str, instance: u64, label: &str) -> 
             // The receiver's own proof is wrong: counted here, on this side.
             shared.memory.counters().auth_failed();
         }
-        proved.map_err(|e| e.to_string())?;
-        server::set_up(shared, &mut stream, false).await
+        let mut tags = proved.map_err(|e| e.to_string())?;
+        let link = server::set_up(shared, &mut stream, false, &mut tags).await?;
+        Ok::<_, String>((link, tags))
     };
-    let link = match tokio::time::timeout(bound, opened).await {
-        Ok(Ok(link)) => link,
+    let (link, tags) = match tokio::time::timeout(bound, opened).await {
+        Ok(Ok(set_up)) => set_up,
         Ok(Err(reason)) => return Err(failed(reason)),
         Err(_) => return Err(failed(format!("no handshake within {bound:?}"))),
     };
@@ -204,7 +205,7 @@ async fn connect(shared: &Shared, address: &str, instance: u64, label: &str) -> 
     Ok(Conn {
         link,
         instance,
-        control: tokio::sync::Mutex::new(stream),
+        control: tokio::sync::Mutex::new(Control { stream, tags }),
         grants: Mutex::new(GrantCache::new(shared.config.max_cached_grants)),
         last_used: Mutex::new(Instant::now()),
     })
@@ -316,19 +317,21 @@ async fn windows(shared: &Shared, conn: &Conn, label: &str, grant: &Grant) -> Re
     if let Some(windows) = lock(&conn.grants).get(&grant.id) {
         return Ok(windows);
     }
-    let mut request = Vec::with_capacity(control::REQUEST_LEN);
+    let Control { stream, tags } = &mut *control;
+    let mut request = Vec::with_capacity(control::REQUEST_LEN + kv_proto::session::FRAME_TAG_LEN);
     control::encode_request(&Request::Open(grant.id), &mut request);
+    tags.seal(&mut request, 0);
     let started = Instant::now();
     // Each wait is bounded; a progress frame (a large grant being bound)
     // restarts the clock. `Err(None)`: a wait ran out.
     let reply: Result<Reply, Option<ControlError>> =
-        match kv_net::write_all(&mut *control, &request, io_timeout, "open-grant request").await {
+        match kv_net::write_all(stream, &request, io_timeout, "open-grant request").await {
             Err(WireError::Timeout { .. }) => Err(None),
             Err(WireError::Io { source, .. }) => Err(Some(ControlError::Io(source))),
             // A write sees no end of stream; the arm keeps the match whole.
             Err(WireError::Eof { .. }) => Err(Some(ControlError::PeerClosed)),
             Ok(()) => loop {
-                match tokio::time::timeout(io_timeout, control::read_reply(&mut *control, &shared.control)).await {
+                match tokio::time::timeout(io_timeout, control::read_reply(stream, &shared.control, tags)).await {
                     Err(_) => break Err(None),
                     Ok(Ok(Reply::Progress(_))) => continue,
                     Ok(Ok(reply)) => break Ok(reply),
@@ -347,6 +350,9 @@ async fn windows(shared: &Shared, conn: &Conn, label: &str, grant: &Grant) -> Re
             return Err(Failure::Retry(TransportError::Io { peer, source }));
         }
         Err(Some(err)) => {
+            if matches!(err, ControlError::BadTag(_)) {
+                shared.memory.counters().tag_failed();
+            }
             conn.link.kill();
             return Err(Failure::Final(TransportError::Protocol { peer, reason: err.to_string() }));
         }

@@ -200,16 +200,7 @@ impl RdmaTransport {
         let bind_error = |source| TransportError::Io { peer: config.listen_addr.to_string(), source };
         let listener = TcpListener::bind(config.listen_addr).await.map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
-        let address = match &config.advertise_host {
-            Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{}", local_addr.port()),
-            Some(host) => format!("{host}:{}", local_addr.port()),
-            None => {
-                if local_addr.ip().is_unspecified() {
-                    tracing::warn!(%local_addr, "listening on a wildcard address without advertise_host: peers get an unusable endpoint");
-                }
-                local_addr.to_string()
-            }
-        };
+        let address = kv_net::advertised_address(config.advertise_host.as_deref(), local_addr);
         // RoCE: the GID of the address peers reach us at, unless told.
         let advertised = config.advertise_host.as_deref().and_then(|host| host.parse::<IpAddr>().ok());
         let gid = match (config.gid_index, local_addr.ip(), advertised) {
@@ -250,7 +241,8 @@ impl RdmaTransport {
             capacity,
             queue,
             control,
-            conn_limit: Arc::new(Semaphore::new(config.limits.max_connections.clamp(1, Semaphore::MAX_PERMITS))),
+            // 0 refuses every sender, as on TCP and QUIC.
+            conn_limit: config.limits.established_places(),
             handshakes: config.limits.handshake_places(),
             busy_refusals: Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             next_link: AtomicU64::new(1),

@@ -23,6 +23,7 @@ use super::{lock, Shared};
 use crate::control::{self, ControlLimits, Reply, Request};
 use crate::handshake::{self, opening, ConnectionInfo, HandshakeLimits};
 use crate::region::{RegionTable, RemoteRegion};
+use crate::tags::FrameTags;
 use crate::verbs::{BindWindow, MemoryWindow};
 
 /// Accepts control connections until the transport is shut down.
@@ -47,25 +48,37 @@ pub(super) fn tune(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive);
 }
 
-/// Makes a link for `stream`, exchanges queue-pair addresses over it and
-/// connects the queue pair, within the connect timeout.
-pub(super) async fn set_up(shared: &Shared, stream: &mut TcpStream, remote_write: bool) -> Result<Arc<Link>, String> {
+/// Makes a link for `stream`, exchanges queue-pair addresses over it (each
+/// message under `tags`) and connects the queue pair, within the connect
+/// timeout.
+pub(super) async fn set_up(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    remote_write: bool,
+    tags: &mut FrameTags,
+) -> Result<Arc<Link>, String> {
     let link = shared.new_link().map_err(|e| format!("cannot create a queue pair: {e}"))?;
     let limits = HandshakeLimits { max_regions: 0, timeout: shared.config.connect_timeout };
     let ours = ConnectionInfo { qp: link.endpoint(), regions: Vec::new() };
-    let theirs = handshake::exchange(stream, &ours, &limits).await.map_err(|e| e.to_string())?;
+    let theirs = handshake::exchange(stream, &ours, &limits, tags).await.map_err(|e| {
+        if matches!(e, handshake::HandshakeError::BadTag(_)) {
+            shared.memory.counters().tag_failed();
+        }
+        e.to_string()
+    })?;
     link.connect(&theirs.qp, remote_write).map_err(|e| format!("cannot connect the queue pair: {e}"))?;
     Ok(link)
 }
 
 /// The opening (with the proof of the secret, if one is configured), then
 /// the established place, then the queue pair: all of an incoming control
-/// connection's set-up, within one deadline from accept.
+/// connection's set-up, within one deadline from accept. Returns the tags
+/// of the connection's later frames too.
 async fn accept_connection(
     shared: &Shared,
     stream: &mut TcpStream,
     peer: SocketAddr,
-) -> Result<(Arc<Link>, OwnedSemaphorePermit), String> {
+) -> Result<(Arc<Link>, OwnedSemaphorePermit, FrameTags), String> {
     let deadline = shared.config.connect_timeout;
     let set_up = async {
         tune(stream);
@@ -85,9 +98,9 @@ async fn accept_connection(
             // A wrong proof, not a peer gone mid-opening.
             shared.memory.counters().auth_failed();
         }
-        let place = opened.map_err(|e| e.to_string())?;
-        let link = set_up(shared, stream, true).await?;
-        Ok((link, place))
+        let (place, mut tags) = opened.map_err(|e| e.to_string())?;
+        let link = set_up(shared, stream, true, &mut tags).await?;
+        Ok((link, place, tags))
     };
     tokio::time::timeout(deadline, set_up).await.map_err(|_| format!("set-up not completed within {deadline:?}"))?
 }
@@ -96,7 +109,7 @@ async fn accept_connection(
 /// until the peer closes it, it idles, or the transport shuts down; then the
 /// link is destroyed and its windows freed.
 async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, place: HandshakePlace) {
-    let (link, _established) = tokio::select! {
+    let (link, _established, mut tags) = tokio::select! {
         biased;
         () = shared.token.cancelled() => return,
         set_up = accept_connection(&shared, &mut stream, peer) => match set_up {
@@ -115,7 +128,7 @@ async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, pla
             biased;
             () = shared.token.cancelled() => break,
             () = link.died() => break,
-            request = tokio::time::timeout(idle, control::read_request(&mut stream)) => request,
+            request = tokio::time::timeout(idle, control::read_request(&mut stream, &mut tags)) => request,
         };
         let request = match request {
             Ok(request) => request,
@@ -131,11 +144,15 @@ async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, pla
             Ok(Some(Request::Open(grant))) => grant,
             Ok(None) => break,
             Err(err) => {
+                // A bad request (a failed tag among them) ends the connection.
+                if matches!(err, control::ControlError::BadTag(_)) {
+                    shared.memory.counters().tag_failed();
+                }
                 tracing::debug!(%peer, error = %err, "rdma control connection: bad request");
                 break;
             }
         };
-        let mut progress = Progress::new(&mut stream, shared.config.io_timeout);
+        let mut progress = Progress::new(&mut stream, &mut tags, shared.config.io_timeout);
         let (reply, fatal) = open(&shared, &link, grant, peer, &mut progress).await;
         if progress.failed {
             break;
@@ -145,6 +162,7 @@ async fn serve(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, pla
             tracing::warn!(%peer, %grant, error = %err, "rdma control reply cannot be encoded");
             break;
         }
+        tags.seal(&mut bytes, 0);
         let written = kv_net::write_all(&mut stream, &bytes, shared.config.io_timeout, "open-grant reply").await;
         if let Err(error) = written {
             tracing::debug!(%peer, %grant, %error, "rdma control connection: reply not written");
@@ -183,6 +201,7 @@ const OPEN_CHUNK: usize = 4096;
 /// bounded wait for the answer restarts as long as work goes on.
 struct Progress<'a> {
     stream: &'a mut TcpStream,
+    tags: &'a mut FrameTags,
     every: Duration,
     io_timeout: Duration,
     last: Instant,
@@ -190,8 +209,8 @@ struct Progress<'a> {
 }
 
 impl<'a> Progress<'a> {
-    fn new(stream: &'a mut TcpStream, io_timeout: Duration) -> Self {
-        Self { stream, every: io_timeout / 4, io_timeout, last: Instant::now(), failed: false }
+    fn new(stream: &'a mut TcpStream, tags: &'a mut FrameTags, io_timeout: Duration) -> Self {
+        Self { stream, tags, every: io_timeout / 4, io_timeout, last: Instant::now(), failed: false }
     }
 
     /// Tells the sender `ready` windows are ready, if it has not heard from
@@ -204,6 +223,7 @@ impl<'a> Progress<'a> {
         let frame = Reply::Progress(u32::try_from(ready).unwrap_or(u32::MAX));
         // A progress frame has no body: it always encodes.
         let _ = control::encode_reply(&frame, &ControlLimits { max_windows: 0 }, &mut bytes);
+        self.tags.seal(&mut bytes, 0);
         let written = kv_net::write_all(&mut *self.stream, &bytes, self.io_timeout, "progress frame").await;
         self.failed = written.is_err();
         self.last = Instant::now();

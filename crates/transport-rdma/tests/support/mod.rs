@@ -10,6 +10,7 @@ use std::sync::Arc;
 use transport_rdma::handshake::{exchange, ConnectionInfo, HandshakeLimits};
 use transport_rdma::plan::{Plan, SendQueueConfig};
 use transport_rdma::region::RemoteRegion;
+use transport_rdma::tags::FrameTags;
 use transport_rdma::verbs::{
     Completion, CompletionQueue, ConnectOptions, Device, ProtectionDomain, QpCapacity, QueuePair, WcStatus,
 };
@@ -53,11 +54,11 @@ pub(crate) async fn handshake(
     let limits = HandshakeLimits::default();
     let accept = async {
         let (mut stream, _) = listener.accept().await.expect("accept");
-        exchange(&mut stream, &receiver_info, &limits).await.expect("receiver's handshake")
+        exchange(&mut stream, &receiver_info, &limits, &mut FrameTags::none()).await.expect("receiver's handshake")
     };
     let connect = async {
         let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
-        exchange(&mut stream, &sender_info, &limits).await.expect("sender's handshake")
+        exchange(&mut stream, &sender_info, &limits, &mut FrameTags::none()).await.expect("sender's handshake")
     };
     let (learnt_by_receiver, learnt_by_sender) = tokio::join!(accept, connect);
     (learnt_by_sender, learnt_by_receiver)

@@ -1,14 +1,12 @@
-//! Helpers shared by the transport-tcp integration tests: registered test
-//! buffers, byte patterns, and a raw client speaking the wire by hand.
+//! Helpers of the transport-tcp integration tests: nodes over TCP and a raw
+//! client speaking the wire by hand. What other crates' tests share too
+//! (test memory, byte patterns, resources) is `test_support`'s.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::net::SocketAddr;
-use std::ptr::NonNull;
-use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{BatchWriter, Grant, GrantId, MemoryRegion, RegionAccess, WriteOp};
+use kv_proto::GrantId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_tcp::wire::{
@@ -19,156 +17,24 @@ use transport_tcp::{TcpConfig, TcpTransport};
 /// Upper bound on any single wait in these tests (never reached when things work).
 pub const BOUND: Duration = Duration::from_secs(20);
 
-const ALIGN: usize = 4096;
+/// A TCP transport and its one registered buffer.
+pub type Node = test_support::Node<TcpTransport>;
 
-/// A zeroed, page-aligned allocation.
-pub struct TestBuf {
-    ptr: NonNull<u8>,
-    len: usize,
+/// A transport bound with `config`, with a buffer of `len` bytes.
+pub async fn node(config: TcpConfig, len: usize) -> Node {
+    Node::registered(TcpTransport::bind(config).await.unwrap(), len)
 }
 
-impl TestBuf {
-    pub fn new(len: usize) -> Self {
-        let layout = Layout::from_size_align(len, ALIGN).unwrap();
-        // SAFETY: `len` > 0 in every test, so the layout is not zero-sized.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).expect("allocation failed");
-        Self { ptr, len }
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr().expose_provenance() as u64
-    }
-
-    pub fn end(&self) -> u64 {
-        self.addr() + self.len as u64
-    }
-
-    pub fn region(&self) -> MemoryRegion {
-        MemoryRegion::new(self.addr(), self.len as u64)
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is `len` bytes, live until drop; tests read
-        // only while no transfer into it is in flight.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn is_zero(&self) -> bool {
-        self.bytes().iter().all(|&b| b == 0)
-    }
-
-    /// Byte `i`, read while the kernel may be writing into the buffer (a
-    /// volatile read through the raw pointer; no reference is made).
-    pub fn peek_volatile(&self, i: usize) -> u8 {
-        assert!(i < self.len);
-        // SAFETY: `i` is inside the live allocation; a volatile read of a u8
-        // is a plain load the compiler cannot elide or merge.
-        unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(i)) }
-    }
-}
-
-impl Drop for TestBuf {
-    fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len, ALIGN).unwrap();
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), layout) }
-    }
-}
-
-/// A transport and its one registered buffer (a source and a destination,
-/// as on a `kv_both` instance); the transport is dropped first.
-pub struct Node {
-    pub transport: Arc<TcpTransport>,
-    pub buf: TestBuf,
-}
-
-impl Node {
-    pub async fn new(config: TcpConfig, len: usize) -> Self {
-        let transport = TcpTransport::bind(config).await.unwrap();
-        let buf = TestBuf::new(len);
-        // SAFETY: `buf` lives in the returned Node, which drops the transport
-        // first; tests read it only after the batches into it completed or
-        // their grant was revoked.
-        unsafe {
-            transport.register_regions(&[buf.region()], RegionAccess::Source).unwrap();
-            transport.register_regions(&[buf.region()], RegionAccess::Destination).unwrap();
-        }
-        Self { transport, buf }
-    }
-
-    pub async fn with_defaults(len: usize) -> Self {
-        Self::new(TcpConfig::default(), len).await
-    }
-
-    /// A grant over `ranges` of this node's buffer, valid for `BOUND`.
-    pub async fn grant(&self, ranges: &[MemoryRegion]) -> Grant {
-        self.transport.grant(ranges, BOUND).await.unwrap()
-    }
-
-    /// A grant over this node's whole buffer, valid for `BOUND`.
-    pub async fn grant_all(&self) -> Grant {
-        self.grant(&[self.buf.region()]).await
-    }
-}
-
-/// The destination ranges of `ops`, for a grant covering exactly them.
-pub fn dst_ranges(ops: &[WriteOp]) -> Vec<MemoryRegion> {
-    ops.iter().filter(|op| op.len > 0).map(|op| MemoryRegion::new(op.dst, op.len)).collect()
-}
-
-pub fn pattern(seed: u64, i: usize) -> u8 {
-    ((i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(0x9E37_79B9)) % 251) as u8
-}
-
-/// Fills the source ranges of `ops` (inside `src`) with per-op patterns.
-pub fn fill(src: &mut TestBuf, ops: &[WriteOp]) {
-    let base = src.addr();
-    for (k, op) in ops.iter().enumerate() {
-        let off = (op.src - base) as usize;
-        for (i, b) in src.bytes_mut()[off..off + op.len as usize].iter_mut().enumerate() {
-            *b = pattern(k as u64, i);
-        }
-    }
-}
-
-/// Checks the destination ranges of `ops` (inside `dst`) hold their patterns.
-pub fn check(dst: &TestBuf, ops: &[WriteOp]) {
-    let base = dst.addr();
-    for (k, op) in ops.iter().enumerate() {
-        let off = (op.dst - base) as usize;
-        let got = &dst.bytes()[off..off + op.len as usize];
-        assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(k as u64, i)), "op {k} landed wrong");
-    }
-}
-
-/// `count` ops of `len` bytes between the starts of two buffers.
-pub fn ops(src: &TestBuf, dst: &TestBuf, count: usize, len: usize) -> Vec<WriteOp> {
-    (0..count)
-        .map(|k| WriteOp { src: src.addr() + (k * len) as u64, dst: dst.addr() + (k * len) as u64, len: len as u64 })
-        .collect()
+/// A transport with the default configuration, with a buffer of `len` bytes.
+pub async fn default_node(len: usize) -> Node {
+    node(TcpConfig::default(), len).await
 }
 
 /// A new, well-behaved sender writes a patterned batch into `victim` and
 /// checks it landed: the listener still serves.
 pub async fn assert_still_serves(victim: &Node) {
-    let mut sender = Node::with_defaults(1 << 16).await;
-    let dst_off = 32 * 1024;
-    let ops: Vec<WriteOp> = (0..8)
-        .map(|k| WriteOp { src: sender.buf.addr() + k * 1024, dst: victim.buf.addr() + dst_off + k * 1024, len: 1024 })
-        .collect();
-    fill(&mut sender.buf, &ops);
-    let grant = victim.grant(&dst_ranges(&ops)).await;
-    tokio::time::timeout(BOUND, sender.transport.batch_write(&victim.transport.endpoint(), &grant, &ops))
-        .await
-        .expect("well-behaved batch timed out")
-        .expect("well-behaved batch failed");
-    victim.transport.revoke(&grant.id).await;
-    check(&victim.buf, &ops);
+    let mut sender = default_node(1 << 16).await;
+    test_support::assert_still_serves(&mut sender, victim, BOUND).await;
 }
 
 /// A raw client speaking the data-plane wire by hand.
@@ -287,23 +153,6 @@ impl RawClient {
         .await
         .expect("the receiver kept a hostile connection open");
         got
-    }
-}
-
-/// Descriptors and live heap at one moment, to come back to within
-/// [`BOUND`].
-#[derive(Clone, Copy, Debug)]
-pub struct Resources(test_support::Resources);
-
-impl Resources {
-    pub fn now() -> Self {
-        Self(test_support::Resources::now())
-    }
-
-    /// Waits (bounded) until this process holds no more descriptors and
-    /// (within the slack) no more live heap than at `self`.
-    pub async fn back(&self, what: &str) {
-        self.0.back(what, BOUND).await;
     }
 }
 
