@@ -324,9 +324,9 @@ impl ReceiverCore {
     }
 
     /// The prefill workers whose hold on requests of `instance` this
-    /// worker renews: those it pulls from, once the instance is known;
-    /// until then the one it would pull from were the instance laid out
-    /// like this one.
+    /// worker renews: those it pulls from, once the instance is known
+    /// (see [`ReceiverCore::learn`]); until then the one it would pull from
+    /// were the instance laid out like this one.
     pub fn renewal_peers(&self, instance: &SideChannelAddr) -> Vec<SideChannelAddr> {
         if let Some(InstanceState::Known { parts, .. }) = self.instances.get(instance) {
             let mut peers: Vec<SideChannelAddr> = parts.iter().map(|(peer, _)| peer.clone()).collect();
@@ -340,6 +340,20 @@ impl ReceiverCore {
         topology::side_channel_port(instance.port, rank)
             .map(|port| vec![SideChannelAddr { host: instance.host.clone(), port }])
             .unwrap_or_default()
+    }
+
+    /// A request of `instance` (naming `engine` as its prefill engine) is
+    /// watched: the instance is learned now, if it is not known or being
+    /// learned, so the request's renewals go to the prefill workers its
+    /// pull will use ([`ReceiverCore::renewal_peers`] once
+    /// [`ReceiverCore::handle_discovered`] has run), not to the one the
+    /// guess before the hello names. Nothing to learn with fixed pairing.
+    pub fn learn(&mut self, instance: &SideChannelAddr, engine: Option<&EngineId>) {
+        if matches!(self.pairing, Pairing::Fixed(_)) || self.known_instance(instance, engine).is_some() {
+            return;
+        }
+        self.instances.insert(instance.clone(), InstanceState::Discovering(Vec::new()));
+        self.to_discover.push(instance.clone());
     }
 
     /// Prefill instances to learn (each the address of its first worker):

@@ -15,8 +15,19 @@ pub struct WatchList {
     /// P's ids of the watched requests, by prefill worker, each with the
     /// number of D's requests naming it (a proxy may send one twice).
     by_peer: BTreeMap<SideChannelAddr, BTreeMap<ReqId, usize>>,
-    /// D's id to the prefill workers and P's id.
-    peer_of: HashMap<ReqId, (Vec<SideChannelAddr>, ReqId)>,
+    /// D's id to what it is watched as.
+    peer_of: HashMap<ReqId, Watched>,
+}
+
+/// One watched request of D.
+#[derive(Debug)]
+struct Watched {
+    /// The prefill instance it names (the address of its first worker).
+    instance: SideChannelAddr,
+    /// The prefill workers it is renewed on.
+    peers: Vec<SideChannelAddr>,
+    /// P's id of it.
+    remote: ReqId,
 }
 
 impl WatchList {
@@ -35,30 +46,60 @@ impl WatchList {
             return;
         }
         self.unwatch(req);
-        for peer in &peers {
-            *self.by_peer.entry(peer.clone()).or_default().entry(remote.remote_request_id.clone()).or_default() += 1;
+        let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
+        self.insert(req.clone(), Watched { instance, peers, remote: remote.remote_request_id.clone() });
+    }
+
+    /// `instance` was learned: every request of it is renewed on `peers`
+    /// from now on (the prefill workers its pulls use), wherever it was
+    /// renewed before. Returns how many requests moved.
+    pub fn repoint(&mut self, instance: &SideChannelAddr, peers: &[SideChannelAddr]) -> usize {
+        if peers.is_empty() {
+            return 0;
         }
-        self.peer_of.insert(req.clone(), (peers, remote.remote_request_id.clone()));
+        let moved: Vec<ReqId> = self
+            .peer_of
+            .iter()
+            .filter(|(_, watched)| &watched.instance == instance && watched.peers != peers)
+            .map(|(req, _)| req.clone())
+            .collect();
+        for req in &moved {
+            if let Some(watched) = self.remove(req) {
+                self.insert(req.clone(), Watched { peers: peers.to_vec(), ..watched });
+            }
+        }
+        moved.len()
     }
 
     /// Stops renewing `req` (unknown ids are ignored).
     pub fn unwatch(&mut self, req: &ReqId) {
-        let Some((peers, remote)) = self.peer_of.remove(req) else {
-            return;
-        };
+        self.remove(req);
+    }
+
+    fn insert(&mut self, req: ReqId, watched: Watched) {
+        for peer in &watched.peers {
+            *self.by_peer.entry(peer.clone()).or_default().entry(watched.remote.clone()).or_default() += 1;
+        }
+        self.peer_of.insert(req, watched);
+    }
+
+    fn remove(&mut self, req: &ReqId) -> Option<Watched> {
+        let watched = self.peer_of.remove(req)?;
+        let Watched { peers, remote, .. } = &watched;
         for peer in peers {
-            if let Some(reqs) = self.by_peer.get_mut(&peer) {
-                if let Some(count) = reqs.get_mut(&remote) {
+            if let Some(reqs) = self.by_peer.get_mut(peer) {
+                if let Some(count) = reqs.get_mut(remote) {
                     *count -= 1;
                     if *count == 0 {
-                        reqs.remove(&remote);
+                        reqs.remove(remote);
                     }
                 }
                 if reqs.is_empty() {
-                    self.by_peer.remove(&peer);
+                    self.by_peer.remove(peer);
                 }
             }
         }
+        Some(watched)
     }
 
     /// Whether any request is watched on `peer`.
@@ -158,6 +199,26 @@ mod tests {
         let mut list = WatchList::new();
         list.watch(&ReqId::new("a"), &remote("p1", u16::MAX), Vec::new());
         assert!(list.is_empty());
+    }
+
+    #[test]
+    fn a_learned_instance_moves_its_requests_to_the_workers_its_pulls_use() {
+        let mut list = WatchList::new();
+        watch(&mut list, "a", "p1", 8000);
+        watch(&mut list, "b", "p1", 8000);
+        watch(&mut list, "c", "p2", 8000);
+        let learned = [at("p1", 8000), at("p1", 8001)];
+        assert_eq!(list.repoint(&at("p1", 8000), &learned), 2);
+        assert_eq!(
+            peers(&list),
+            [named("p1:8000", &["p-a", "p-b"]), named("p1:8001", &["p-a", "p-b"]), named("p2:8002", &["p-c"])],
+            "the old guess (p1:8002) is gone, the other instance untouched"
+        );
+        assert_eq!(list.repoint(&at("p1", 8000), &learned), 0, "already there");
+        assert_eq!(list.repoint(&at("p2", 8000), &[]), 0, "no peer: left where it is");
+        list.unwatch(&ReqId::new("a"));
+        list.unwatch(&ReqId::new("b"));
+        assert_eq!(peers(&list), [named("p2:8002", &["p-c"])]);
     }
 
     #[test]

@@ -325,14 +325,20 @@ fn spawn_discovery(shared: &Arc<Shared>, instance: SideChannelAddr) {
             () = shared.cancel.cancelled() => Err(PullError::new(FailureCause::Shutdown, "decode worker shutting down")),
             info = client.peer_info(Instant::now()) => info,
         };
-        let batches = {
+        let (batches, moved) = {
             let mut receiver = shared.lock_receiver();
             let batches =
                 receiver.handle_discovered(&instance, learned.map_err(|e| (e.cause, e.reason)), Instant::now());
             shared.record_reports(&mut receiver);
-            batches
+            // Its watched requests are renewed where their pulls will go
+            // (under the receiver's lock: see `start_load_kv`).
+            let moved = shared.lock_watches().repoint(&instance, &receiver.renewal_peers(&instance));
+            (batches, moved)
         };
         shared.finished_changed.notify_waiters();
+        if moved > 0 {
+            shared.watches_changed.notify_one();
+        }
         for batch in batches {
             spawn_pull(&shared, batch);
         }
@@ -722,27 +728,32 @@ impl Worker {
         if self.shared.config.role.receives()
             && !(meta.reqs_to_watch.is_empty() && meta.reqs_to_unwatch.is_empty() && meta.reqs_to_recv.is_empty())
         {
-            let peers: Vec<Vec<SideChannelAddr>> = {
-                let receiver = self.shared.lock_receiver();
-                meta.reqs_to_watch
-                    .values()
-                    .map(|remote| {
-                        let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
-                        receiver.renewal_peers(&instance)
-                    })
-                    .collect()
+            // An instance not known yet is learned now; until its hello is
+            // read its requests are renewed where the guess says, then
+            // moved (`spawn_discovery`). Both locks are held (receiver, then
+            // watches, as there) so a hello read meanwhile cannot move the
+            // requests before they are watched.
+            let discoveries = {
+                let mut receiver = self.shared.lock_receiver();
+                let mut watches = self.shared.lock_watches();
+                // A pull holds its requests on P from when P reads it.
+                for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
+                    watches.unwatch(req);
+                }
+                for (req, remote) in meta.reqs_to_watch.iter().filter(|(req, _)| !meta.reqs_to_recv.contains_key(*req))
+                {
+                    let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
+                    receiver.learn(&instance, remote.remote_engine_id.as_ref());
+                    watches.watch(req, remote, receiver.renewal_peers(&instance));
+                }
+                receiver.take_discoveries()
             };
-            let mut watches = self.shared.lock_watches();
-            // A pull holds its requests on P from when P reads it.
-            for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
-                watches.unwatch(req);
-            }
-            for ((req, remote), peers) in meta.reqs_to_watch.iter().zip(peers) {
-                if !meta.reqs_to_recv.contains_key(req) {
-                    watches.watch(req, remote, peers);
+            if !discoveries.is_empty() {
+                let _guard = self.runtime.enter();
+                for instance in discoveries {
+                    spawn_discovery(&self.shared, instance);
                 }
             }
-            drop(watches);
             if !meta.reqs_to_watch.is_empty() {
                 self.shared.watches_changed.notify_one();
             }

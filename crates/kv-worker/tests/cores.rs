@@ -765,6 +765,37 @@ fn requests_wait_for_their_instance_to_be_learned_once() {
     assert!(core.take_discoveries().is_empty());
 }
 
+/// A watched request's instance is learned before its pull: asked once
+/// (a pull meanwhile waits for the same hello), and its renewals move from
+/// the guess (D's own rank) to the workers its pull uses.
+#[test]
+fn a_watched_instance_is_learned_before_its_pull() {
+    let t0 = Instant::now();
+    let mut core = discovering(2, 1);
+    assert_eq!(core.renewal_peers(&instance(9000)), [instance(9001)], "the guess: D's own rank");
+    core.learn(&instance(9000), None);
+    core.learn(&instance(9000), None);
+    assert!(core.start(&reqs(&[("a", recv("p", 9000, &[1]))]), t0).is_empty(), "waits for the hello asked");
+    assert_eq!(core.take_discoveries(), [instance(9000)], "asked once");
+    let batches = core.handle_discovered(&instance(9000), Ok(prefill_info(1)), t0);
+    assert_eq!(batches.iter().map(|b| b.peer.port).collect::<Vec<_>>(), [9000]);
+    assert_eq!(core.renewal_peers(&instance(9000)), [instance(9000)], "P has one worker");
+    core.learn(&instance(9000), None);
+    assert!(core.take_discoveries().is_empty(), "known");
+    // Learned from another engine than the request names: asked again.
+    core.learn(&instance(9000), Some(&EngineId::new("restarted")));
+    assert_eq!(core.take_discoveries(), [instance(9000)]);
+}
+
+/// With fixed pairing there is nothing to learn.
+#[test]
+fn a_fixed_receiver_learns_nothing() {
+    let mut core = ReceiverCore::new(3, Duration::from_secs(5));
+    core.learn(&instance(9000), None);
+    assert!(core.take_discoveries().is_empty());
+    assert_eq!(core.renewal_peers(&instance(9000)), [instance(9003)]);
+}
+
 /// D at one rank, P at two: one part per prefill worker, each its head;
 /// the request is reported once both parts are fenced, failed if either
 /// failed.

@@ -181,16 +181,28 @@ async fn transfer(backend: Backend, p: Layout, d: Layout, reqs: &[Request]) {
     let Some(net) = Net::new(backend) else { return };
     let (base, prefill) = start_instance(&net, KvRole::Producer, "p", p).await;
     let (_, decode) = start_instance(&net, KvRole::Consumer, "d", d).await;
+    ready_on_every_rank(&prefill, reqs);
+    pull_and_verify(base, prefill, decode, reqs).await;
+}
+
+/// Every prefill worker holds each request's rows, ready to send.
+fn ready_on_every_rank(prefill: &[Rank], reqs: &[Request]) {
     let mut sends = ConnectorMetadata::default();
     for req in reqs {
-        for rank in &prefill {
+        for rank in prefill {
             fill_rows(rank, req);
         }
         sends.reqs_to_send.insert(p_id(req.id), SendUpdate::Ready { block_ids: req.prefill_blocks.clone() });
     }
-    for rank in &prefill {
+    for rank in prefill {
         rank.instance.worker.start_load_kv(&sends);
     }
+}
+
+/// Every decode worker pulls every request from the instance at `base`
+/// and checks each byte of its rows; every prefill worker frees each
+/// request once. Then every worker is shut down.
+async fn pull_and_verify(base: u16, prefill: Vec<Rank>, decode: Vec<Rank>, reqs: &[Request]) {
     let pulls = ConnectorMetadata {
         reqs_to_recv: reqs
             .iter()
@@ -296,6 +308,33 @@ async fn pipeline_stages_each_pull_their_layers(#[case] tp_p: u32, #[case] tp_d:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_tcp(#[case] p: Layout, #[case] d: Layout) {
     transfer(Backend::Tcp, p, d, &two_requests(&p, &d)).await;
+}
+
+/// D's renewals go to the prefill workers its pulls use, which only P's
+/// hello says: with P at TP 1 and D at TP 2, both decode workers renew on
+/// P's only worker (not on one at D's own rank, which P does not have),
+/// before they pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_decode_worker_renews_on_the_prefill_workers_it_pulls_from() {
+    let net = Net::new(Backend::InMemory).unwrap();
+    let (p, d) = (split(TokenLayout::Nhd, 1), split(TokenLayout::Nhd, 2));
+    let (base, prefill) = start_instance(&net, KvRole::Producer, "p", p).await;
+    let (_, decode) = start_instance(&net, KvRole::Consumer, "d", d).await;
+    let reqs = [request("a", 1, 40, &p, &d, 0)];
+    ready_on_every_rank(&prefill, &reqs);
+    let mut watch = ConnectorMetadata::default();
+    watch
+        .reqs_to_watch
+        .insert(ReqId::new("a"), RemotePrefill { remote_engine_id: None, ..remote("127.0.0.1", base, "a") });
+    for rank in &decode {
+        rank.instance.worker.start_load_kv(&watch);
+    }
+    for rank in &decode {
+        metrics_until(&rank.instance.worker, |m| m.renewals_sent >= 1).await;
+    }
+    let p_metrics = metrics_until(&prefill[0].instance.worker, |m| m.renewals_received >= 2).await;
+    assert_eq!(prefill[0].instance.worker.renewed_requests(), 1, "{p_metrics:#?}");
+    pull_and_verify(base, prefill, decode, &reqs).await;
 }
 
 /// Pipeline parallelism on one side only cannot be mapped: every pull
