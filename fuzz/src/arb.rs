@@ -60,7 +60,7 @@ fn protocol(u: &mut Unstructured<'_>) -> Result<Protocol> {
 
 fn layout(u: &mut Unstructured<'_>) -> Result<CacheLayout> {
     Ok(CacheLayout {
-        kind: *u.choose(&[LayoutKind::SplitKv, LayoutKind::Fused, LayoutKind::Mla])?,
+        kind: *u.choose(&[LayoutKind::SplitKv, LayoutKind::Fused, LayoutKind::Mla, LayoutKind::FusedRows])?,
         region_count: u.arbitrary()?,
         block_len: u.arbitrary()?,
         block_tokens: u.arbitrary()?,

@@ -324,15 +324,16 @@ pub fn side_channel_port(base: u16, global_rank: u32) -> Option<u16> {
 pub fn regions_per_layer(kind: LayoutKind) -> u32 {
     match kind {
         LayoutKind::SplitKv => 2,
-        LayoutKind::Fused | LayoutKind::Mla => 1,
+        LayoutKind::Fused | LayoutKind::Mla | LayoutKind::FusedRows => 1,
     }
 }
 
-/// K/V (or latent) planes in one block of one layer.
+/// K/V (or latent) planes in one block of one layer (rows of K and V side
+/// by side are one plane, each row a head's K and V of one token).
 pub fn planes_per_layer(kind: LayoutKind) -> u32 {
     match kind {
         LayoutKind::SplitKv | LayoutKind::Fused => 2,
-        LayoutKind::Mla => 1,
+        LayoutKind::Mla | LayoutKind::FusedRows => 1,
     }
 }
 
@@ -370,9 +371,10 @@ pub fn copies_whole_blocks(ours: (&CacheLayout, &RankTopology), theirs: (&CacheL
 /// Blocks copy whole where both ranks' layouts and tensor-parallel sizes
 /// agree. Otherwise heads and tokens are mapped, which needs each side's
 /// heads and token layout declared and everything else to agree: layers,
-/// bytes per head, the model's KV heads, and MLA on both sides or neither.
-/// Tokens per block, NHD or HND, and split or fused K/V may differ (the
-/// mapping is a permutation of whole head rows). Pipeline parallelism must
+/// bytes per head, the model's KV heads, MLA on both sides or neither, and
+/// rows of K and V side by side ([`LayoutKind::FusedRows`]) on both sides
+/// or neither. Tokens per block, NHD or HND, and split or fused K/V planes
+/// may differ (the mapping is a permutation of whole head rows). Pipeline parallelism must
 /// be the same on both sides; ranks of different stages hold different
 /// layers, so only that is compared between them (a decode worker may ask
 /// any prefill worker what its instance looks like, but pulls only from
@@ -409,6 +411,17 @@ pub fn mismatches(
     };
     let mla = |layout: &CacheLayout| if layout.kind == LayoutKind::Mla { "MLA" } else { "K and V" };
     differ(&mut out, names, "attention kind", mla(d_layout), mla(p_layout));
+    if d_layout.kind != LayoutKind::Mla && p_layout.kind != LayoutKind::Mla {
+        // A row of K and V side by side cannot be cut into planes.
+        let rows = |layout: &CacheLayout| {
+            if layout.kind == LayoutKind::FusedRows {
+                "side by side in each row"
+            } else {
+                "apart"
+            }
+        };
+        differ(&mut out, names, "K and V", rows(d_layout), rows(p_layout));
+    }
     let layers = |layout: &CacheLayout| layout.region_count / regions_per_layer(layout.kind);
     differ(&mut out, names, "layers", layers(d_layout), layers(p_layout));
     differ(&mut out, names, "bytes per head and token", d_head, p_head);
@@ -562,6 +575,17 @@ mod tests {
         assert_eq!(mismatches((&d_layout, &d_topo), "d", p, "p"), Vec::<String>::new());
     }
 
+    /// Rows of K and V side by side map between two such caches, whatever
+    /// their tensor-parallel sizes, block sizes and orders.
+    #[rstest]
+    #[case::other_tp(layout(LayoutKind::FusedRows, TokenLayout::Hnd, 16, 2), rank(2, 1))]
+    #[case::other_block_size(layout(LayoutKind::FusedRows, TokenLayout::Hnd, 32, 4), rank(1, 0))]
+    #[case::nhd(layout(LayoutKind::FusedRows, TokenLayout::Nhd, 16, 4), rank(1, 0))]
+    fn rows_of_k_and_v_map_to_rows_of_k_and_v(#[case] d_layout: CacheLayout, #[case] d_topo: RankTopology) {
+        let p = (&layout(LayoutKind::FusedRows, TokenLayout::Hnd, 16, 4), &rank(1, 0));
+        assert_eq!(mismatches((&d_layout, &d_topo), "d", p, "p"), Vec::<String>::new());
+    }
+
     #[rstest]
     #[case::mla(
         layout(LayoutKind::Mla, TokenLayout::Nhd, 16, 4),
@@ -582,6 +606,11 @@ mod tests {
         layout(LayoutKind::SplitKv, TokenLayout::Nhd, 16, 4),
         rank(2, 0),
         "heads: d has 4 per block but heads 0..2 of the model"
+    )]
+    #[case::rows_of_k_and_v(
+        layout(LayoutKind::FusedRows, TokenLayout::Hnd, 16, 2),
+        rank(2, 0),
+        "K and V: d has side by side in each row, p has apart"
     )]
     fn unmappable_caches_name_both_values(
         #[case] d_layout: CacheLayout,

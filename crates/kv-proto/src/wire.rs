@@ -31,6 +31,11 @@ pub enum LayoutKind {
     Fused,
     /// One region per layer holding MLA's compressed latent.
     Mla,
+    /// One region per layer whose blocks hold, for each head and token, one
+    /// row of K then V (vLLM's later `(blocks, heads, block_size, 2 x
+    /// head_size)`): heads and tokens map as whole rows; K and V are never
+    /// apart, so it maps only to a peer laid out the same way.
+    FusedRows,
 }
 
 /// The shape of a registered KV cache that P and D must agree on.

@@ -124,7 +124,7 @@ impl RegisteredCache {
     pub fn new(kind: LayoutKind, engine_block_size: u32, layers: &[LayerCache]) -> Result<Self, LayoutError> {
         let expected_tensors = match kind {
             LayoutKind::SplitKv => 2,
-            LayoutKind::Fused | LayoutKind::Mla => 1,
+            LayoutKind::Fused | LayoutKind::Mla | LayoutKind::FusedRows => 1,
         };
         let mut regions: Vec<MemoryRegion> = Vec::new();
         let mut first: Option<LayerTensor> = None;
@@ -330,7 +330,7 @@ impl CacheShape {
     /// [`ShapeError::Overflow`] naming the first size that does not fit.
     pub fn try_new(dims: CacheDims) -> Result<Self, ShapeError> {
         let overflow = |what| ShapeError::Overflow { what, dims };
-        let kv: u64 = if dims.kind == LayoutKind::Fused { 2 } else { 1 };
+        let kv: u64 = if matches!(dims.kind, LayoutKind::Fused | LayoutKind::FusedRows) { 2 } else { 1 };
         let block_len = [
             u64::from(dims.num_kv_heads),
             u64::from(dims.head_dim),

@@ -106,7 +106,7 @@ impl RegionRows {
                 let (layer, planes) = match kind {
                     LayoutKind::SplitKv => (region / 2, vec![(region % 2, 0)]),
                     LayoutKind::Fused => (region, vec![(0, 0), (1, plane_len)]),
-                    LayoutKind::Mla => (region, vec![(0, 0)]),
+                    LayoutKind::Mla | LayoutKind::FusedRows => (region, vec![(0, 0)]),
                 };
                 RegionRows {
                     layer: first_layer + layer,

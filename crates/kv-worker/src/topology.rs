@@ -1,7 +1,8 @@
 //! Planning a transfer between caches laid out differently (sans-IO):
 //! another tensor-parallel size (P writes only the heads D's rank holds,
 //! into their place in D's blocks), another block size (tokens are mapped,
-//! not block ids), NHD against HND, split against fused K/V.
+//! not block ids), NHD against HND, split against fused K/V planes; rows
+//! of K and V side by side map as whole rows between two such caches.
 //!
 //! The request's tokens are cut into segments that lie in one block on
 //! both sides; each segment of each layer's K and V (or latent) plane
@@ -57,7 +58,7 @@ fn locate(kind: LayoutKind, block_len: u64, layer: usize, plane: u32) -> (usize,
     match kind {
         LayoutKind::SplitKv => (2 * layer + plane as usize, 0),
         LayoutKind::Fused => (layer, u64::from(plane) * (block_len / 2)),
-        LayoutKind::Mla => (layer, 0),
+        LayoutKind::Mla | LayoutKind::FusedRows => (layer, 0),
     }
 }
 
@@ -149,7 +150,8 @@ pub fn plan_heads_range(
     }
     let planes = planes_per_layer(local.layout.kind);
     if planes != planes_per_layer(remote.layout.kind) {
-        return Err(unmappable("MLA on one side only".to_owned()));
+        let (here, there) = (local.layout.kind, remote.layout.kind);
+        return Err(unmappable(format!("{here:?} here, {there:?} on decode: the planes of a layer differ")));
     }
     let layers = local.bases.len() / regions_per_layer(local.layout.kind) as usize;
     let remote_regions = layers * regions_per_layer(remote.layout.kind) as usize;

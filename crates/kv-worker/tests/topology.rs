@@ -1,10 +1,11 @@
 //! Prefill and decode instances laid out differently, end to end in one
 //! process: every tensor-parallel size pair of {1, 2, 4} for split K/V in
-//! NHD and HND and for MLA, other block sizes on each side, pipeline
-//! parallelism, and a mix of layouts. Every worker of each instance has
-//! its own cache and side channel; each decode worker checks every byte of
-//! every head row it holds, and every prefill worker frees each request
-//! exactly once, after the last decode worker that asks it has.
+//! NHD and HND, for MLA and for vLLM 0.32's rows of K and V side by side,
+//! other block sizes on each side, pipeline parallelism, and a mix of
+//! layouts. Every worker of each instance has its own cache and side
+//! channel; each decode worker checks every byte of every head row it
+//! holds, and every prefill worker frees each request exactly once, after
+//! the last decode worker that asks it has.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -39,6 +40,11 @@ struct Layout {
 
 fn split(order: TokenLayout, tp: u32) -> Layout {
     Layout { kind: LayoutKind::SplitKv, order, block_size: 16, tp, pp: 1 }
+}
+
+/// vLLM 0.32's rows of K and V side by side, head-major.
+fn fused_rows(tp: u32) -> Layout {
+    Layout { kind: LayoutKind::FusedRows, ..split(TokenLayout::Hnd, tp) }
 }
 
 fn mla(tp: u32) -> Layout {
@@ -280,11 +286,22 @@ async fn other_block_sizes_map_by_token(
     transfer(Backend::InMemory, p, d, &reqs).await;
 }
 
+/// Rows of K and V side by side (vLLM 0.32), every tensor-parallel size
+/// pair: each row moves whole, K and V together.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_of_k_and_v_move_every_head(#[values(1, 2, 4)] tp_p: u32, #[values(1, 2, 4)] tp_d: u32) {
+    let (p, d) = (fused_rows(tp_p), fused_rows(tp_d));
+    transfer(Backend::InMemory, p, d, &two_requests(&p, &d)).await;
+}
+
 /// NHD against HND and fused against split K/V: a permutation of head rows.
 #[rstest]
 #[case::nhd_to_hnd(split(TokenLayout::Nhd, 2), split(TokenLayout::Hnd, 1))]
 #[case::hnd_to_nhd(split(TokenLayout::Hnd, 1), split(TokenLayout::Nhd, 4))]
 #[case::fused_to_split(Layout { kind: LayoutKind::Fused, ..split(TokenLayout::Nhd, 2) }, split(TokenLayout::Hnd, 2))]
+#[case::fused_rows_to_larger_blocks(fused_rows(2), Layout { block_size: 32, ..fused_rows(1) })]
+#[case::fused_rows_nhd_to_hnd(Layout { order: TokenLayout::Nhd, ..fused_rows(1) }, fused_rows(2))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_token_layouts_map_head_rows(#[case] p: Layout, #[case] d: Layout) {
     transfer(Backend::InMemory, p, d, &two_requests(&p, &d)).await;
@@ -337,13 +354,16 @@ async fn every_decode_worker_renews_on_the_prefill_workers_it_pulls_from() {
     pull_and_verify(base, prefill, decode, &reqs).await;
 }
 
-/// Pipeline parallelism on one side only cannot be mapped: every pull
-/// fails at once as an incompatible peer, naming both sizes; none hangs.
+/// What cannot be mapped fails every pull at once as an incompatible
+/// peer (the hello names both values); none hangs: pipeline parallelism on
+/// one side only, and rows of K and V side by side against K and V apart.
+#[rstest]
+#[case::pipeline_on_one_side(Layout { pp: 2, ..split(TokenLayout::Nhd, 1) }, split(TokenLayout::Nhd, 1))]
+#[case::rows_against_planes(fused_rows(2), split(TokenLayout::Hnd, 1))]
+#[case::planes_against_rows(split(TokenLayout::Hnd, 1), fused_rows(2))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pipeline_parallelism_on_one_side_fails_pulls_at_once() {
+async fn unmappable_instances_fail_pulls_at_once(#[case] p: Layout, #[case] d: Layout) {
     let net = Net::new(Backend::InMemory).unwrap();
-    let p = Layout { pp: 2, ..split(TokenLayout::Nhd, 1) };
-    let d = split(TokenLayout::Nhd, 1);
     let (base, prefill) = start_instance(&net, KvRole::Producer, "p", p).await;
     let (_, decode) = start_instance(&net, KvRole::Consumer, "d", d).await;
     let started = Instant::now();

@@ -102,9 +102,10 @@ fn layout_kind(name: &str) -> Result<LayoutKind> {
         "split" => Ok(LayoutKind::SplitKv),
         "fused" => Ok(LayoutKind::Fused),
         "mla" => Ok(LayoutKind::Mla),
-        other => {
-            Err(Error::Config(format!("unknown KV cache layout {other:?}; expected \"split\", \"fused\" or \"mla\"")))
-        }
+        "fused_rows" => Ok(LayoutKind::FusedRows),
+        other => Err(Error::Config(format!(
+            "unknown KV cache layout {other:?}; expected \"split\", \"fused\", \"fused_rows\" or \"mla\""
+        ))),
     }
 }
 

@@ -46,7 +46,7 @@ def test_flashinfer_fused_and_mla_layouts():
 def test_later_releases_fused_kv_in_the_last_dimension():
     # vLLM 0.32's CPU backend: (blocks, heads, block_size, 2 * head_dim).
     c = layout.describe({"l0": t((N, H, B, 2 * D)), "l1": t((N, H, B, 2 * D), addr=BASE + 10**8)}, B, num_blocks=N)
-    assert c.kind == "fused" and c.block_len == H * B * 2 * D * E
+    assert c.kind == "fused_rows" and c.block_len == H * B * 2 * D * E
     (_, (r0,)), (_, (r1,)) = c.layers
     assert (r0.addr, r1.addr) == (BASE, BASE + 10**8)
     assert r0.num_blocks == N and r0.length == N * c.block_len and r0.block_size == B
@@ -125,14 +125,18 @@ def test_a_cache_kvlink_cannot_handle_is_a_startup_error_naming_the_device(devic
         ((2, N, B, H, D), "cuda", (N * H * B * D, H * B * D, D, B * D, 1), False, B, ("HND", "HND", H)),
         # FlashInfer (blocks, 2, block_size, heads, head_size): K then V, token-major.
         ((N, 2, B, H, D), "cuda", None, False, B, ("NHD", "NHD", H)),
-        # Later releases: K and V of a row side by side, head-major; only copied whole.
-        ((N, H, B, 2 * D), "cpu", None, False, B, ("HND", "", 0)),
+        # Later releases: K and V of a row side by side, head-major; a row
+        # of K and V is one head row.
+        ((N, H, B, 2 * D), "cpu", None, False, B, ("HND", "HND", H)),
+        # The same with tokens outermost.
+        ((N, H, B, 2 * D), "cpu", (H * B * 2 * D, 2 * D, H * 2 * D, 1), False, B, ("NHD", "NHD", H)),
         # MLA: one latent per token.
         ((N, B, 576), "cpu", None, True, B, ("NHD", "NHD", 1)),
         # Two kernel blocks per engine block: rows stay token-major (NHD), a
         # head's tokens are no longer one run (HND).
         ((2, N, B, H, D), "cuda", None, False, 2 * B, ("NHD", "NHD", H)),
         ((2, N, H, B, D), "cpu", None, False, 2 * B, ("HND", "", 0)),
+        ((N, H, B, 2 * D), "cpu", None, False, 2 * B, ("HND", "", 0)),
     ],
 )
 def test_token_order_and_heads_are_read_from_the_strides(shape, device, strides, use_mla, block_size, expected):

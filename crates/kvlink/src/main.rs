@@ -61,6 +61,9 @@ enum Layout {
     Fused,
     /// One region per layer (MLA latent).
     Mla,
+    /// One region per layer, each head's K and V side by side in one row
+    /// per token (vLLM's later releases).
+    FusedRows,
 }
 
 /// How K, V and heads are ordered inside a block.
@@ -158,6 +161,7 @@ impl From<Layout> for LayoutKind {
             Layout::Split => LayoutKind::SplitKv,
             Layout::Fused => LayoutKind::Fused,
             Layout::Mla => LayoutKind::Mla,
+            Layout::FusedRows => LayoutKind::FusedRows,
         }
     }
 }

@@ -13,14 +13,15 @@ backend                shape                                kvlink layout
 FlashAttention (0.14)  ``(2, blocks, block_size, H, D)``    split K/V
 CPU (0.14)             ``(2, blocks, H, block_size, D)``    split K/V
 FlashInfer (0.14)      ``(blocks, 2, block_size, H, D)``    fused
-later releases         ``(blocks, H, block_size, 2 * D)``   fused
+later releases         ``(blocks, H, block_size, 2 * D)``   fused rows
 MLA backends           ``(blocks, block_size, D)``          mla
 =====================  ===================================  ===============
 
 Later releases (0.32) keep K and V of a block together in the last
 dimension (the logical ``[blocks, heads, tokens, content]`` of vLLM's
 ``KVCacheLayout``): one region per layer, a block being K and V of all
-its heads and tokens.
+its heads and tokens, each head's K and V of one token side by side in
+one row ("fused rows").
 
 A block must be one contiguous run of bytes inside each region (the block
 dimension is outermost after K/V); a region is ``blocks x block bytes``.
@@ -31,9 +32,9 @@ Where the strides show how a block orders its tokens and heads (NHD:
 ``[tokens][heads][head_size]``, HND: ``[heads][tokens][head_size]``, in
 each K, V or latent plane), the layout declares it with the heads per
 block, so a peer of another tensor-parallel size, block size or order can
-map heads and tokens; otherwise (K and V interleaved in one row, as later
-releases' fused layout keeps them) blocks are only copied whole between
-equal layouts.
+map heads and tokens (fused rows map as whole rows, K and V together, so
+only to a peer with fused rows too); otherwise blocks are only copied
+whole between equal layouts.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Region:
 class CacheLayout:
     """The regions of every layer, in registration order."""
 
-    kind: str  # "split" | "fused" | "mla"
+    kind: str  # "split" | "fused" | "fused_rows" | "mla"
     layers: list[tuple[str, list[Region]]]
     block_len: int
     #: "NHD" or "HND" where a peer can map heads and tokens by it, else "".
@@ -172,8 +173,9 @@ def _order(t: Any, kind: str, use_mla: bool, block_size: int) -> tuple[str, str,
         plane = (2, 3, 4)
     else:
         # (blocks, heads, block_size, 2 * head_size): K and V of a head and
-        # token side by side in one row, head-major; not two planes.
-        return ("HND" if strides[1] > strides[2] else "NHD", "", 0)
+        # token side by side in one row, a row being one "head row" of
+        # twice the head size (one plane, not two).
+        plane = (2, 1, 3)
     tokens, heads, head = plane
     n_tokens, n_heads, n_head = shape[tokens], shape[heads], shape[head]
     if strides[head] != 1:
@@ -225,14 +227,14 @@ def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | 
         # the last dimension.
         if num_blocks and shape[0] % num_blocks:
             raise bad(f"the first dimension is not a multiple of the {num_blocks} blocks")
-        kind, kv_dim, block_dim, kernel_dim = "fused", None, 0, 2
+        kind, kv_dim, block_dim, kernel_dim = "fused_rows", None, 0, 2
     else:
         raise bad("expected 5 dimensions, or 4 (K and V fused in the last), or 3 with MLA")
 
     kernel_block = shape[kernel_dim]
     blocks = shape[block_dim]
     inner = [d for d in range(len(shape)) if d not in (kv_dim, block_dim)]
-    if kind == "fused":
+    if kind in ("fused", "fused_rows"):
         inner = [d for d in range(len(shape)) if d != block_dim]
     block_bytes = strides[block_dim] * elem
     dense = _dense_bytes(tuple(shape[d] for d in inner), tuple(strides[d] for d in inner), elem)
