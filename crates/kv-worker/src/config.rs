@@ -10,6 +10,12 @@ use kv_proto::{EngineId, KvRole, KvTransferConfig, ListenerOverrides, ModelIdent
 /// Default [`WorkerConfig::lease_renewal`].
 pub const DEFAULT_LEASE_RENEWAL: Duration = Duration::from_secs(10);
 
+/// Default [`WorkerConfig::max_ops_per_batch`]: what every data listener
+/// with default limits accepts in one batch, secret or not (2 Mi ops, a
+/// 32 MiB op list).
+pub const DEFAULT_MAX_OPS_PER_BATCH: usize =
+    (kv_net::DEFAULT_UNAUTHENTICATED_OP_LIST_BUDGET / kv_proto::dataplane::OP_LEN as u64) as usize;
+
 /// Default `max_connections` of [`WorkerConfig::side_channel_limits`]: the
 /// decode connections one prefill worker serves at once.
 pub const DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS: usize = 512;
@@ -101,6 +107,12 @@ pub struct WorkerConfig {
     /// pod network) shares that address's `max_handshakes_per_host`: raise
     /// it where many do.
     pub data_limits: ListenerLimits,
+    /// P: the most ops one batch it writes holds (default
+    /// [`DEFAULT_MAX_OPS_PER_BATCH`]); a request with more (a long prompt
+    /// whose heads are mapped one token row per op) goes out in several
+    /// batches under its grant. Keep it within what decode's data listener
+    /// accepts.
+    pub max_ops_per_batch: usize,
     /// P: an established side-channel connection with no transfer request
     /// in progress for this long is closed (default 300 s); D learns it in
     /// the hello and retires its connection before.
@@ -209,6 +221,7 @@ impl WorkerConfig {
             data_endpoint_policy: DataEndpointPolicy::SamePeerHost,
             side_channel_limits: default_side_channel_limits(),
             data_limits: ListenerLimits::default(),
+            max_ops_per_batch: DEFAULT_MAX_OPS_PER_BATCH,
             side_channel_idle_timeout: Duration::from_secs(300),
             reply_timeout: Duration::from_secs(30),
             identity: ModelIdentity::this_kvlink(),

@@ -44,7 +44,7 @@ mod worker;
 pub use cache::{AllocError, BlockError, OwnedKvCache};
 pub use config::{
     default_side_channel_limits, AuthSecret, DataEndpointPolicy, ListenerLimits, Placement, WorkerConfig,
-    DEFAULT_LEASE_RENEWAL, DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS,
+    DEFAULT_LEASE_RENEWAL, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS,
 };
 pub use error::WorkerError;
 pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};

@@ -60,3 +60,46 @@ async fn a_workers_listener_limits_reach_its_listeners(
     p.worker.shutdown().await;
     d.worker.shutdown().await;
 }
+
+/// A request with more ops than decode's data listener takes in one batch
+/// (a long prompt whose heads are mapped one token row per op; here
+/// scattered blocks, one op each per region) goes out in several batches
+/// under its grant, each within P's `max_ops_per_batch`: it lands whole.
+/// With P's bound above decode's limit, the batch is refused and the pull
+/// fails, as it did before P split its writes.
+#[cfg(feature = "tcp")]
+#[rstest]
+#[case::within_the_limit(4, true)]
+#[case::past_the_limit(64, false)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_more_ops_than_a_batch_takes_goes_out_in_several(
+    #[case] prefill_max_ops: usize,
+    #[case] lands: bool,
+) {
+    use std::sync::Arc;
+
+    use transport_tcp::{OpListLimits, TcpConfig, TcpTransport};
+
+    let net = Net::new(Backend::Tcp).unwrap();
+    let p_config = WorkerConfig { max_ops_per_batch: prefill_max_ops, ..net.config(KvRole::Producer, "p") };
+    let p = start_owned(p_config, common::shape()).await;
+    let limits = OpListLimits { max_ops_per_batch: 4, ..OpListLimits::default() };
+    let d_writer = TcpTransport::bind(TcpConfig { op_lists: limits, ..TcpConfig::default() }).await.unwrap();
+    let d = common::start(net.config(KvRole::Consumer, "d"), Arc::clone(&d_writer) as _).await;
+    // 4 scattered blocks in each of the shape's 4 regions: 16 ops.
+    let (from, to) = ([0, 2, 4, 6], [1, 3, 5, 7]);
+    fill(&p.cache, 7, &from);
+    ready(&p, "r", &from);
+    let (host, port) = side_channel(&p);
+    pull(&d, &host, port, &[("r", &to)]);
+    let req = ReqId::new("r");
+    let finished = until(&d.worker, |f| f.receiving.contains(&req) || f.failed_receiving.contains_key(&req)).await;
+    assert_eq!(finished.receiving.contains(&req), lands, "{finished:?}");
+    assert_eq!(holds(&d.cache, 7, &to), lands, "the blocks");
+    if lands {
+        let batches = common::metrics_until(&p.worker, |m| m.sends_done >= 1).await.ops_per_batch;
+        assert_eq!((batches.count(), batches.sum), (4, 16.0), "16 ops in batches of 4");
+    }
+    p.worker.shutdown().await;
+    d.worker.shutdown().await;
+}

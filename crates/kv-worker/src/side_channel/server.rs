@@ -687,18 +687,27 @@ async fn write_batch(shared: &Shared, xfer_id: u64, target: &Target<'_>, core: &
             if let Some(passed) = core.out_of_budget(writing) {
                 return Err(passed);
             }
-            let bytes: u64 = ops.iter().map(|o| o.len).sum();
-            let result = tokio::select! {
-                () = shared.cancel.cancelled() => Err(shutting_down()),
-                r = tokio::time::timeout_at(budget_end, shared.writer.batch_write(target.endpoint, target.grant, &ops)) => match r {
-                    Ok(r) => r.map_err(|e| (write_cause(&e), e.to_string())),
-                    Err(_) => Err(TransferCore::budget_passed()),
-                },
-            };
+            // No more ops in one batch than decode's listener takes; the
+            // batches go out one after another, the first failure ends them.
+            let mut result = Ok(());
+            for batch in ops.chunks(shared.config.max_ops_per_batch.max(1)) {
+                let started = Instant::now();
+                let bytes: u64 = batch.iter().map(|o| o.len).sum();
+                result = tokio::select! {
+                    () = shared.cancel.cancelled() => Err(shutting_down()),
+                    r = tokio::time::timeout_at(budget_end, shared.writer.batch_write(target.endpoint, target.grant, batch)) => match r {
+                        Ok(r) => r.map_err(|e| (write_cause(&e), e.to_string())),
+                        Err(_) => Err(TransferCore::budget_passed()),
+                    },
+                };
+                let took = started.elapsed();
+                shared.metrics.batch_written(batch.len(), bytes, took, result.is_ok());
+                tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = batch.len(), bytes, elapsed_us = took.as_micros() as u64, ok = result.is_ok(), "batch written");
+                if result.is_err() {
+                    break;
+                }
+            }
             drop(slot);
-            let took = writing.elapsed();
-            shared.metrics.batch_written(ops.len(), bytes, took, result.is_ok());
-            tracing::debug!(xfer_id, peer = %target.endpoint, grant = %target.grant.id, ops = ops.len(), bytes, elapsed_us = took.as_micros() as u64, ok = result.is_ok(), "batch written");
             result
         }
         .await
