@@ -13,7 +13,9 @@ use crate::bounded;
 /// An instance's model, KV storage, topology and versions.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ModelIdentity {
-    /// The model's name (vLLM's `model`, e.g. a Hugging Face id).
+    /// What the model is (vLLM's connector sends the architecture's class
+    /// names, e.g. `Qwen2ForCausalLM`): not a path or a served name, which
+    /// differ between hosts that run one model.
     #[serde(deserialize_with = "bounded::text")]
     pub model: String,
     /// A hash of the model's architecture config (what determines the KV

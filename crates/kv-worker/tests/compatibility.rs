@@ -114,6 +114,7 @@ fn undeclared() -> CacheLayout {
 #[case::mla(CacheLayout { kind: LayoutKind::Mla, region_count: 2, block_len: 16 * 64, block_heads: 1, ..layout() }, rank(2, 0, 1, 0), "attention kind: decode d has MLA, prefill p has K and V")]
 #[case::head_bytes(CacheLayout { block_len: 16 * 2 * 64, ..layout() }, rank(2, 0, 1, 0), "bytes per head and token: decode d has 64, prefill p has 32")]
 #[case::layers(CacheLayout { region_count: 6, ..layout() }, rank(2, 0, 1, 0), "layers: decode d has 3, prefill p has 2")]
+#[case::rows_against_planes(CacheLayout { kind: LayoutKind::FusedRows, region_count: 2, block_len: 2 * layout().block_len, ..layout() }, rank(2, 0, 1, 0), "K and V: decode d has side by side in each row, prefill p has apart")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unmappable_topology_or_layout_is_refused_at_the_hello_with_both_values(
     #[case] layout: CacheLayout,

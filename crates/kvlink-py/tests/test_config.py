@@ -200,7 +200,11 @@ def test_the_model_identity_is_read_from_vllms_config_and_what_is_missing_is_und
 
     from kvlink_vllm.connector import model_identity
 
-    hf = SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 64, "_name_or_path": "/a"}')
+    hf = SimpleNamespace(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        to_json_string=lambda use_diff=False: '{"hidden_size": 64, "_name_or_path": "/a"}',
+    )
     config = SimpleNamespace(
         model_config=SimpleNamespace(
             model="tiny-llama",
@@ -214,7 +218,7 @@ def test_the_model_identity_is_read_from_vllms_config_and_what_is_missing_is_und
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     identity = model_identity(config)
-    assert identity["model"] == "", "a path differs between hosts: not compared"
+    assert identity["model"] == "LlamaForCausalLM", "the architecture, not the path or served name"
     assert identity["kv_dtype"] == "bfloat16"
     assert identity["cache_dtype"] == "auto"
     assert (identity["num_layers"], identity["num_kv_heads"], identity["head_size"]) == (2, 4, 16)
@@ -225,5 +229,7 @@ def test_the_model_identity_is_read_from_vllms_config_and_what_is_missing_is_und
     moved = SimpleNamespace(**{**vars(config), "model_config": SimpleNamespace(**{**vars(config.model_config), "hf_config": SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 64, "_name_or_path": "/b"}')})})
     assert model_identity(moved)["config_hash"] == identity["config_hash"], "the same model at another path"
     assert model_identity(other)["config_hash"] != identity["config_hash"]
+    typed = SimpleNamespace(**{**vars(config), "model_config": SimpleNamespace(**{**vars(config.model_config), "hf_config": SimpleNamespace(model_type="llama")})})
+    assert model_identity(typed)["model"] == "llama", "no architectures: the model type"
     bare = model_identity(SimpleNamespace())
     assert all(v in ("", 0) for v in bare.values()), bare

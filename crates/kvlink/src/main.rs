@@ -41,6 +41,10 @@ enum Command {
         /// Data-plane transport (`rdma` needs the `rdma` feature and a device).
         #[arg(long, value_enum, default_value = "tcp")]
         protocol: ProtocolArg,
+        /// Tokens per block of prefill (and of decode unless
+        /// --block-size-decode says otherwise).
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
         #[command(flatten)]
         topology: TopologyArgs,
     },
@@ -547,10 +551,11 @@ fn print_report(title: &str, r: &RunReport) {
     );
 }
 
-async fn demo(requests: usize, protocol: Protocol, topology: TopologyArgs) -> anyhow::Result<bool> {
+async fn demo(requests: usize, protocol: Protocol, block_size: u32, topology: TopologyArgs) -> anyhow::Result<bool> {
     topology.check()?;
+    anyhow::ensure!(block_size > 0, "--block-size starts at 1");
     // The runner sizes `num_blocks` for the requests in flight.
-    let shape = CacheShape::llama3_8b(0)?;
+    let shape = CacheShape::try_new(CacheDims { block_size, ..CacheShape::llama3_8b(0)?.dims() })?;
     let mut opts = RunOptions {
         requests,
         pattern: BlockPattern::Random,
@@ -561,7 +566,8 @@ async fn demo(requests: usize, protocol: Protocol, topology: TopologyArgs) -> an
     topology.apply(&mut opts);
     println!(
         "kvlink demo: prefill -> decode over loopback {protocol}, llama-3-8B-shaped cache \
-         (32 layers, K/V split, 8 KV heads x 128 dims, bf16, 16-token blocks: {} KiB per block per region)",
+         (32 layers, K/V split, 8 KV heads x 128 dims, bf16, {}-token blocks: {} KiB per block per region)",
+        shape.block_size(),
         shape.block_len() / 1024
     );
     if !topology.is_plain() {
@@ -576,7 +582,9 @@ async fn demo(requests: usize, protocol: Protocol, topology: TopologyArgs) -> an
         );
     }
     println!(
-        "  {requests} requests of 1,024 prompt tokens, 4 in flight, random block ids, every 5th with a partial prefix-cache hit on decode"
+        "  {requests} requests of {} prompt tokens, {} in flight, random block ids, every 5th with a partial prefix-cache hit on decode",
+        u64::from(shape.block_size()) * opts.blocks_per_request as u64,
+        opts.in_flight
     );
     let bar = progress_bar(requests);
     let report = run(&opts, &bar).await.context("demo failed")?;
@@ -827,7 +835,9 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Demo { requests, protocol, topology } => demo(requests, protocol.into(), topology).await,
+            Command::Demo { requests, protocol, block_size, topology } => {
+                demo(requests, protocol.into(), block_size, topology).await
+            }
             Command::Bench(args) => bench(args).await,
             Command::Serve(args) => serve(args).await,
         }

@@ -240,6 +240,19 @@ fn two_pipeline_stages_on_both_sides_move_every_layer() {
     assert_eq!(report["tp"], serde_json::json!([2, 1]), "{report}");
 }
 
+/// `kvlink demo` runs other tensor-parallel sizes and block sizes per side
+/// too (8-token blocks on prefill at TP 2, 16 on decode at TP 1) and
+/// verifies every byte, as it does in its plain form.
+#[test]
+fn the_demo_runs_other_topologies_and_block_sizes() {
+    let args = ["demo", "--requests", "2", "--block-size", "8", "--block-size-decode", "16", "--tp-prefill", "2"];
+    let (status, stdout, stderr) = Proc::spawn("kvlink demo", None, &args).finish();
+    assert!(status.success(), "demo failed: {status}\nstdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.contains("8-token blocks"), "{stdout}");
+    assert!(stdout.contains("decode: 1 x 1, 16-token blocks"), "{stdout}");
+    assert!(stdout.contains("OK: every byte verified"), "{stdout}");
+}
+
 /// Topologies `kvlink bench` cannot run are one line before any worker starts.
 #[rstest]
 #[case::zero_tp(&["--tp-prefill", "0"], "parallel sizes start at 1")]

@@ -151,6 +151,17 @@ def _number(get: Any) -> int:
         return 0
 
 
+def _model_name(hf_config: Any) -> str:
+    """The architecture's class names (``Qwen2ForCausalLM``), else its
+    ``model_type``; empty where the config says neither."""
+    try:
+        architectures = getattr(hf_config, "architectures", None) or []
+        name = ",".join(str(a) for a in architectures)
+        return name or _text(getattr(hf_config, "model_type", ""))
+    except Exception:  # a config this release shapes otherwise: undeclared
+        return ""
+
+
 def model_identity(vllm_config: Any) -> dict[str, Any]:
     """What must agree between this instance and its peers for KV to mean
     the same (kv-proto's ``ModelIdentity``): P refuses a decode instance
@@ -179,9 +190,9 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
 
         engine_version = _text(getattr(vllm, "__version__", ""))
     return {
-        # The model's path or name differs between hosts that mount one
-        # checkpoint at different places: the architecture hash stands for it.
-        "model": "",
+        # What the model is, not where it lives or what it is served as: a
+        # path and a served name differ between hosts that run one model.
+        "model": _model_name(hf_config),
         "config_hash": config_hash,
         "kv_dtype": _text(getattr(model, "dtype", "")),
         "cache_dtype": _text(getattr(cache, "cache_dtype", "")),
