@@ -681,6 +681,51 @@ impl Worker {
         }
     }
 
+    /// D, staged: a copy of what landed of these pulls into the engine's
+    /// blocks failed while they were still out. Each ends as a cancelled
+    /// pull does (its grant revoked before this returns, never reported:
+    /// P's further writes are refused and its send ends) but counts failed
+    /// (`copy_failed`); one that already ended counts as it ended (landed:
+    /// failed `copy_failed`, as [`Worker::settle_landed`] counts it).
+    pub fn fail_pulls<'a>(&self, reqs: impl IntoIterator<Item = &'a ReqId>) {
+        if !self.shared.config.role.receives() {
+            return;
+        }
+        let (mut grants, mut pulling, mut ended) = (Vec::new(), Vec::new(), Vec::new());
+        {
+            let mut receiver = self.shared.lock_receiver();
+            self.shared.record_reports(&mut receiver);
+            for req in reqs {
+                let before = receiver.in_flight();
+                for grant in receiver.cancel([req]) {
+                    if !grants.contains(&grant) {
+                        grants.push(grant);
+                    }
+                }
+                if receiver.in_flight() < before {
+                    pulling.push(req)
+                } else {
+                    ended.push(req)
+                }
+            }
+            // Counted failed below, not cancelled.
+            let mut reports = receiver.take_reports();
+            reports.cancelled = 0;
+            self.shared.record_pulls(reports);
+        }
+        self.fence_now(&grants);
+        self.shared.finished_changed.notify_waiters();
+        let (now, cause) = (Instant::now(), FailureCause::CopyFailed);
+        for req in pulling {
+            self.shared.metrics.pull_failed(cause);
+            let reason = "a copy of what landed into the engine's blocks failed; the pull was cut short";
+            let _ = self.shared.failure_log.failed(cause, req, req, &"-", reason, now);
+        }
+        for req in ended {
+            self.settle_landed(req, Settled::CopyFailed);
+        }
+    }
+
     /// D: tells the prefill workers holding `reqs` to let go of them at once
     /// (this worker failed them before pulling): a pull of no blocks to
     /// each prefill worker a pull would go to (learning a prefill instance

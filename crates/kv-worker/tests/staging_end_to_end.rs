@@ -52,9 +52,13 @@ const SLOT_BYTES: u64 = 4 * 16 * 2 * 16 * 2;
 
 /// A side whose requests move in pieces of `piece_blocks` blocks (0: whole).
 async fn side_with(net: &Net, role: KvRole, name: &str, slots: u64, piece_blocks: u64) -> Side {
+    side_configured(net.config(role, name), slots, piece_blocks).await
+}
+
+async fn side_configured(config: kv_worker::WorkerConfig, slots: u64, piece_blocks: u64) -> Side {
     let device = OwnedKvCache::allocate(shape_with(16)).unwrap();
     let staging = Arc::new(OwnedKvCache::allocate(shape_with(slots)).unwrap());
-    let config = kv_worker::WorkerConfig { piece_bytes: piece_blocks * SLOT_BYTES, ..net.config(role, name) };
+    let config = kv_worker::WorkerConfig { piece_bytes: piece_blocks * SLOT_BYTES, ..config };
     let worker = kv_worker::Worker::start(config, staging.clone()).await.unwrap();
     Side { device, staging, staged: StagedWorker::new(worker, WAIT), copies: Vec::new(), heard: Finished::default() }
 }
@@ -403,6 +407,83 @@ async fn a_failed_copy_fails_the_request_cleanly(#[case] failing: &str) {
         assert_eq!(on_p.staging.copies_failed_to_staging, 2, "both pieces' copies failed");
         assert!(p.heard.sending.contains(&p_id("a")), "P's engine got its blocks back");
     }
+}
+
+/// Whether any byte of `slots` of `side`'s staging was written (it starts zeroed).
+fn slots_written(side: &Side, slots: &[BlockId]) -> bool {
+    let mut buf = vec![0u8; side.staging.block_len()];
+    (0..side.staging.shape().region_count()).any(|region| {
+        slots.iter().any(|&slot| {
+            // SAFETY: no pull may write the slot any more (its grant was revoked).
+            unsafe { side.staging.read_block(region as usize, slot, &mut buf) }.unwrap();
+            buf.iter().any(|&b| b != 0)
+        })
+    })
+}
+
+/// Pieces of two blocks, a request of six: D's copy of the second piece
+/// into its blocks fails while P has yet to stage the third. D cuts the
+/// pull short at once (its grant revoked, counted failed `copy_failed`
+/// once, never cancelled): P's write of the third piece is refused, so P
+/// ends its send and frees its slots long before the transfer timeout,
+/// and no byte of it reaches D's staging; every slot comes back on both
+/// sides and the engines go on (the next request lands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_failing_mid_pull_cuts_the_pull_short_and_p_lets_go_at_once() {
+    const TIMEOUT: Duration = Duration::from_secs(40);
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
+    let d_config = kv_worker::WorkerConfig { transfer_timeout: TIMEOUT, ..net.config(KvRole::Consumer, "d") };
+    let mut d = side_configured(d_config, 8, 2).await;
+    let p_blocks: Vec<BlockId> = vec![0, 1, 2, 3, 4, 5];
+    let d_blocks: Vec<BlockId> = vec![10, 11, 12, 13, 14, 15];
+    filled(&p, 9, &p_blocks);
+    let mut expect = ConnectorMetadata::default();
+    expect.reqs_to_send.insert(p_id("a"), kv_proto::SendUpdate::Expect);
+    p.start(&expect);
+    p.start(&ready_meta(&[("a", p_blocks.clone())]));
+    assert_eq!(p.copies.len(), 3, "P copies into its slots in three pieces");
+    let meta = recv_meta(&p, &[("a", d_blocks.clone())]);
+    d.start(&meta);
+    // The first piece lands and is copied into D's blocks.
+    p.run_one();
+    poll_until(&mut p, &mut d, "D copying the first piece", |_, d| !d.copies.is_empty()).await;
+    d.run_one();
+    // The second lands; its copy fails.
+    p.run_one();
+    poll_until(&mut p, &mut d, "D copying the second piece", |_, d| !d.copies.is_empty()).await;
+    let started = Instant::now();
+    d.fail_copies();
+    d.poll();
+    assert_eq!(d.heard.failed_receiving, BTreeMap::from([(ReqId::new("a"), d_blocks.clone())]));
+    assert_eq!(d.staged.staging_state(), (0, 8), "every slot back once fenced");
+    // P stages its third piece and writes it: refused, P ends its send.
+    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, 8)).await;
+    let took = started.elapsed();
+    assert!(took < TIMEOUT / 4, "P let go after {took:?}, not at the transfer timeout");
+    assert_eq!(p.staged.worker().transfers_in_progress(), 0);
+    assert!(p.heard.sending.contains(&p_id("a")), "P's engine got its blocks back");
+    assert!(!slots_written(&d, &[4, 5]), "no byte of the third piece reached D's staging");
+    assert!(d.heard.receiving.is_empty());
+    let on_d = d.staged.worker().metrics();
+    assert_eq!(on_d.pulls_failed.get(&FailureCause::CopyFailed), Some(&1));
+    assert_eq!((on_d.pulls_received, on_d.pulls_failed_total(), on_d.pulls_cancelled), (0, 1, 0), "counted once");
+    assert_eq!(on_d.staging.copies_failed_to_device, 1);
+    assert_eq!(on_p_sends_failed(&p), 1, "P's send ended failed");
+
+    // Both go on: the next request lands byte-exact in the same slots.
+    filled(&p, 10, &[6, 7]);
+    p.start(&ready_meta(&[("b", vec![6, 7])]));
+    let meta = recv_meta(&p, &[("b", vec![8, 9])]);
+    d.start(&meta);
+    drive(&mut p, &mut d, |_, d| d.heard.receiving.contains(&ReqId::new("b"))).await;
+    assert!(device_holds(&d, 10, &[8, 9]));
+    assert_eq!(d.heard.failed_receiving.len(), 1, "a is heard once");
+    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 8) && d.staged.staging_state() == (0, 8)).await;
+}
+
+fn on_p_sends_failed(p: &Side) -> u64 {
+    p.staged.worker().metrics().sends_failed_total()
 }
 
 /// D fails a pull it has no room to stage: P, holding the request in its

@@ -315,25 +315,32 @@ enum Ev {
 /// D: each piece P says landed is copied into the engine's blocks at once,
 /// the rest once the pull is received (or P said it is done); the engine
 /// hears the pull only once no copy into its blocks runs (received only if
-/// every copy was done), never when cancelled; the slots come back only
-/// once the pull is fenced and no copy reads them; a pull the worker
-/// reported received is settled once (`settled`: how it counts).
+/// every copy was done), never when cancelled; a copy failing while the
+/// pull is still out cuts it short (`cut`: the worker fences it and never
+/// reports it); the slots come back only once the pull is fenced and no
+/// copy reads them; a pull the worker reported received is settled once
+/// (`settled`: how it counts).
 #[rstest::rstest]
-#[case::pieces_then_received(&[Ev::Landed(2, None), Ev::Landed(4, None), Ev::Done(0), Ev::Done(1), Ev::Received, Ev::Done(2)], Some(true), Some(Settled::Copied), 3)]
-#[case::received_while_a_piece_copies(&[Ev::Landed(2, None), Ev::Received, Ev::Done(1), Ev::Done(0)], Some(true), Some(Settled::Copied), 2)]
-#[case::a_count_going_back_orders_nothing(&[Ev::Landed(4, None), Ev::Landed(2, None), Ev::Done(0), Ev::Received, Ev::Done(1)], Some(true), Some(Settled::Copied), 2)]
-#[case::p_said_done_before_the_reply(&[Ev::Landed(2, None), Ev::Landed(0, Some(Ok(()))), Ev::Done(0), Ev::Done(1), Ev::Received], Some(true), Some(Settled::Copied), 2)]
-#[case::p_said_failed_before_the_reply(&[Ev::Landed(2, None), Ev::Landed(2, Some(Err(FailureCause::CopyFailed))), Ev::Done(0), Ev::PullFailed], Some(false), None, 1)]
-#[case::pull_failed_while_a_piece_copies(&[Ev::Landed(2, None), Ev::PullFailed, Ev::Done(0)], Some(false), None, 1)]
-#[case::copy_failed_while_pulling(&[Ev::Landed(2, None), Ev::Landed(4, None), Ev::Fail(0), Ev::Done(1), Ev::Received], Some(false), Some(Settled::CopyFailed), 2)]
-#[case::copy_failed_after_received(&[Ev::Received, Ev::Fail(0)], Some(false), Some(Settled::CopyFailed), 1)]
-#[case::cancelled_while_a_piece_copies(&[Ev::Landed(2, None), Ev::Cancel, Ev::Done(0)], None, None, 1)]
-#[case::cancelled_after_received_mid_copy(&[Ev::Received, Ev::Cancel, Ev::Done(0)], None, Some(Settled::Cancelled), 1)]
+#[case::pieces_then_received(&[Ev::Landed(2, None), Ev::Landed(4, None), Ev::Done(0), Ev::Done(1), Ev::Received, Ev::Done(2)], Some(true), Some(Settled::Copied), 3, false)]
+#[case::received_while_a_piece_copies(&[Ev::Landed(2, None), Ev::Received, Ev::Done(1), Ev::Done(0)], Some(true), Some(Settled::Copied), 2, false)]
+#[case::a_count_going_back_orders_nothing(&[Ev::Landed(4, None), Ev::Landed(2, None), Ev::Done(0), Ev::Received, Ev::Done(1)], Some(true), Some(Settled::Copied), 2, false)]
+#[case::p_said_done_before_the_reply(&[Ev::Landed(2, None), Ev::Landed(0, Some(Ok(()))), Ev::Done(0), Ev::Done(1), Ev::Received], Some(true), Some(Settled::Copied), 2, false)]
+#[case::p_said_failed_before_the_reply(&[Ev::Landed(2, None), Ev::Landed(2, Some(Err(FailureCause::CopyFailed))), Ev::Done(0), Ev::PullFailed], Some(false), None, 1, false)]
+#[case::pull_failed_while_a_piece_copies(&[Ev::Landed(2, None), Ev::PullFailed, Ev::Done(0)], Some(false), None, 1, false)]
+#[case::copy_failed_while_pulling(&[Ev::Landed(2, None), Ev::Landed(4, None), Ev::Fail(0), Ev::Done(1)], Some(false), None, 2, true)]
+#[case::copy_failed_while_pulling_then_p_says_more(&[Ev::Landed(2, None), Ev::Fail(0), Ev::Landed(4, Some(Ok(())))], Some(false), None, 1, true)]
+#[case::copy_failed_once_p_said_done(&[Ev::Landed(2, None), Ev::Landed(4, Some(Ok(()))), Ev::Fail(0), Ev::Done(1), Ev::Done(2), Ev::Received], Some(false), Some(Settled::CopyFailed), 3, false)]
+#[case::copy_failed_after_p_said_failed(&[Ev::Landed(2, None), Ev::Landed(2, Some(Err(FailureCause::Other))), Ev::Fail(0), Ev::PullFailed], Some(false), None, 1, false)]
+#[case::copy_failed_after_received(&[Ev::Received, Ev::Fail(0)], Some(false), Some(Settled::CopyFailed), 1, false)]
+#[case::cancelled_while_a_piece_copies(&[Ev::Landed(2, None), Ev::Cancel, Ev::Done(0)], None, None, 1, false)]
+#[case::cancelled_after_received_mid_copy(&[Ev::Received, Ev::Cancel, Ev::Done(0)], None, Some(Settled::Cancelled), 1, false)]
+#[case::cancelled_after_a_copy_failed_mid_pull(&[Ev::Landed(2, None), Ev::Landed(4, None), Ev::Fail(1), Ev::Cancel, Ev::Done(0)], None, None, 2, true)]
 fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
     #[case] events: &[Ev],
     #[case] heard: Option<bool>,
     #[case] settled: Option<Settled>,
     #[case] copies_ordered: usize,
+    #[case] cut: bool,
 ) {
     let t0 = Instant::now();
     let device = [10, 11, 12, 13, 14];
@@ -345,6 +352,7 @@ fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
     let mut fenced = false;
     let mut told: Option<bool> = None;
     let mut how: Vec<Settled> = Vec::new();
+    let mut cut_short = 0;
     for &ev in events {
         let step = match ev {
             Ev::Landed(n, ended) => core.worker_progress(progress("a", n, ended)),
@@ -357,10 +365,12 @@ fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
                 core.copies_failed([ordered[k]], t0)
             }
             Ev::Received => {
+                assert_eq!(cut_short, 0, "the worker never reports a pull it cut short");
                 fenced = true;
                 core.worker_finished(received("a"), t0)
             }
             Ev::PullFailed => {
+                assert_eq!(cut_short, 0, "the worker never reports a pull it cut short");
                 fenced = true;
                 let slots = vec![0, 1, 2, 3, 4];
                 core.worker_finished(
@@ -379,6 +389,12 @@ fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
                 step
             }
         };
+        if step.fail_pulls.contains(&r("a")) {
+            assert!(!fenced, "{ev:?}: cut short once, only while out");
+            // The driver fences it before the step's other orders apply.
+            cut_short += 1;
+            fenced = true;
+        }
         for copy in &step.copies {
             assert_eq!(copy.direction, CopyDirection::ToDevice);
             ordered.push(copy.id);
@@ -396,6 +412,7 @@ fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
         }
     }
     assert_eq!(told, heard);
+    assert_eq!(cut_short, usize::from(cut));
     assert_eq!(how, settled.into_iter().collect::<Vec<_>>());
     assert_eq!(ordered.len(), copies_ordered);
     if heard == Some(true) {
@@ -403,6 +420,64 @@ fn d_copies_pieces_as_they_land_and_reports_only_when_safe(
     }
     assert_eq!(core.pool().free(), 8, "every slot comes back");
     assert!(core.is_empty());
+}
+
+/// D, pieces of two, a pull of six blocks through six slots with "b"
+/// waiting for two of them: the copy of the second piece fails while P is
+/// still writing the pull (the first piece's copy done, or still running).
+/// The worker is told at once to cut the pull short (fenced before anything
+/// else of the step applies: P's further writes are refused and P lets go
+/// of it); the engine hears it failed once, once no copy into its blocks
+/// runs; its slots come back (and go to "b") only in a step that fences it
+/// or after one; nothing P says later orders a copy or a report.
+#[rstest::rstest]
+#[case::first_piece_copied(true)]
+#[case::first_piece_still_copying(false)]
+fn d_a_copy_failing_mid_pull_cuts_the_pull_short_and_fails_it_once(#[case] first_done: bool) {
+    let t0 = Instant::now();
+    let mut core = StagingCore::new(6, WAIT).with_pieces(Some(2));
+    let step = core.start_load_kv(&recv(&[("a", &[10, 11, 12, 13, 14, 15])]), t0);
+    assert_eq!(slots_of(&step, "a"), [0, 1, 2, 3, 4, 5]);
+    let step = core.start_load_kv(&recv(&[("b", &[20, 21])]), t0);
+    assert!(step.to_worker.reqs_to_recv.is_empty(), "b waits for slots");
+
+    let first = core.worker_progress(progress("a", 2, None)).copies[0].id;
+    let second = core.worker_progress(progress("a", 4, None)).copies[0].id;
+    let t1 = t0 + Duration::from_millis(100);
+    if first_done {
+        let step = core.copies_done([first], t1);
+        assert!(step.fail_pulls.is_empty() && step.finished.is_empty());
+    }
+
+    let step = core.copies_failed([second], t1);
+    assert_eq!(step.fail_pulls, [r("a")], "the worker cuts the pull short at once");
+    assert!(step.to_worker.reqs_to_cancel.is_empty(), "not an engine cancel: it counts failed");
+    assert!(step.settled.is_empty(), "never reported by the worker, so never settled");
+    assert_eq!(core.counts().copies_failed_to_device, 1);
+    let mut heard = step.finished.failed_receiving.clone();
+    let step = if first_done {
+        step
+    } else {
+        assert!(heard.is_empty(), "not while the first piece's copy runs");
+        assert!(step.to_worker.reqs_to_recv.is_empty(), "a's slots are read by the first piece's copy");
+        assert_eq!(core.pool().free(), 0);
+        let step = core.copies_done([first], t1);
+        assert!(step.fail_pulls.is_empty(), "cut short once");
+        heard = step.finished.failed_receiving.clone();
+        step
+    };
+    assert_eq!(heard, BTreeMap::from([(r("a"), vec![10, 11, 12, 13, 14, 15])]), "failed once, every block");
+    assert!(step.finished.receiving.is_empty());
+    assert_eq!(slots_of(&step, "b"), [0, 1], "b gets a's slots once a is fenced");
+    assert_eq!(core.pool().free(), 4);
+
+    // What P said before it heard: no copy, no report.
+    let step = core.worker_progress(progress("a", 6, Some(Ok(()))));
+    assert!(step.copies.is_empty() && step.finished.is_empty() && step.fail_pulls.is_empty());
+    // The engine's later cancel (it heard a failed) changes nothing.
+    let step = core.start_load_kv(&cancel("a"), t1);
+    assert!(step.wait_for.is_empty() && step.finished.is_empty());
+    assert_eq!(stages(&core).get("pulling"), Some(&BTreeSet::from([r("b")])));
 }
 
 /// D fails a pull for lack of room (now or at its bound): the prefill
@@ -490,6 +565,10 @@ proptest::proptest! {
             }
             for req in step.to_worker.reqs_to_cancel.iter() {
                 pulling.remove(req.as_str());
+            }
+            for req in &step.fail_pulls {
+                // Fenced by the worker, never reported by it.
+                assert!(pulling.remove(req.as_str()), "{req} cut short while the worker does not hold it");
             }
             for (req, _, _) in &step.staged_sends {
                 sending.insert(req.as_str().to_owned());

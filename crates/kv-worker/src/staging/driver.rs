@@ -71,7 +71,8 @@ impl StagedWorker {
     }
 
     /// These copies failed (the engine could not run them): their requests
-    /// fail cleanly (`copy_failed`), and every slot comes back.
+    /// fail cleanly (`copy_failed`), and every slot comes back. A pull
+    /// still out is fenced before this returns (P stops writing it).
     pub fn copies_failed(&self, ids: impl IntoIterator<Item = u64>) -> CopyWork {
         let mut core = self.lock_core();
         let step = core.copies_failed(ids, Instant::now());
@@ -114,6 +115,7 @@ impl StagedWorker {
             fail_sends,
             failed_before_pull,
             release_on_prefill,
+            fail_pulls,
             settled,
             copies,
             wait_for,
@@ -128,6 +130,10 @@ impl StagedWorker {
         }
         if !failed_before_pull.is_empty() {
             self.worker.count_failed_pulls(&failed_before_pull, FailureCause::StagingExhausted);
+        }
+        if !fail_pulls.is_empty() {
+            // Fenced first: this step may hand their slots to other pulls.
+            self.worker.fail_pulls(&fail_pulls);
         }
         if to_worker != ConnectorMetadata::default() {
             self.worker.start_load_kv(&to_worker);

@@ -29,7 +29,9 @@
 //!   its blocks freed, on D it is reported failed (the engine recomputes).
 //! - A copy that fails fails its request the same way (`copy_failed`): on P
 //!   its pull is answered failed (what was staged may have been written);
-//!   on D the engine hears it failed once no other copy of it runs.
+//!   on D the engine hears it failed once no other copy of it runs, and a
+//!   pull still out is cut short ([`StagedStep::fail_pulls`]: fenced, so P
+//!   stops writing and lets go of it; its slots come back after the fence).
 //! - A pull the engine cancels while its slots are being copied to the
 //!   device is one the engine must wait for before it frees the blocks
 //!   ([`StagedStep::wait_for`]).
@@ -86,6 +88,11 @@ pub struct StagedStep {
     /// D: the prefill instances holding those, told to let go of them at
     /// once ([`crate::Worker::release_on_prefill`]).
     pub release_on_prefill: BTreeMap<ReqId, RemotePrefill>,
+    /// D: pulls still out whose copy into the engine's blocks failed: the
+    /// worker fences them before anything else of this step is applied and
+    /// never reports them; they count failed, `copy_failed`
+    /// ([`crate::Worker::fail_pulls`]).
+    pub fail_pulls: Vec<ReqId>,
     /// D: pulls the worker reported received, now settled for the engine
     /// ([`crate::Worker::settle_landed`]).
     pub settled: Vec<(ReqId, Settled)>,
@@ -379,6 +386,14 @@ impl StagingCore {
                             tracing::warn!(req_id = %req, copy = id, "copying the pull from staging into the engine's blocks failed; it fails");
                         }
                         recv.copy_failed = true;
+                        if !recv.fenced && !recv.cancelled && recv.verdict == Verdict::Pending {
+                            // Still being pulled: cut it short, so P stops
+                            // writing and lets go of it now. The driver
+                            // fences it before its slots can be reused.
+                            tracing::info!(req_id = %req, copy = id, "cancelling the pull whose copy failed");
+                            step.fail_pulls.push(req.clone());
+                            recv.fenced = true;
+                        }
                         if !recv.told {
                             recv.verdict = Verdict::Failed;
                         }

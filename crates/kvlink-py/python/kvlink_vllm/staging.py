@@ -36,8 +36,10 @@ while the rest is on the wire.
 A copy that fails (its launch raises, or its completion reports an error)
 fails its request cleanly instead of the engine: the worker answers the
 pull failed (P, its blocks freed) or reports it failed (D, the engine
-recomputes), counted under ``copy_failed``, logged at a bounded rate, and
-every slot comes back.
+recomputes; a pull still on the wire is cut short, so P stops writing it
+and lets go), counted under ``copy_failed``, logged at a bounded rate, and
+every slot comes back. A copy whose completion errors later, at a query on
+the background thread, is reported failed the same way; the thread goes on.
 
 A background thread (``kvlink-staging``) keeps staging moving between the
 engine's steps: it polls copies, hands the finished ones to the worker and
