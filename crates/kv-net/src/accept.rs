@@ -1,25 +1,24 @@
 //! Admitting connections on a listener: every connection first gets a
 //! handshake place ([`HandshakePlaces`]: bounded in total and per source
 //! host) or is closed at once; what peers can provoke (refusals, accept
-//! errors) is logged at most once per [`LOG_INTERVAL`], with the count left
-//! out; an accept error (out of descriptors and the like) backs off for
-//! [`ACCEPT_BACKOFF`] instead of spinning. One copy for every listener: the
-//! TCP data plane, RDMA's control port, the side channel, the bench's
-//! control port.
+//! errors) is logged through a [`RefusalLog`] each, at most once per
+//! [`crate::LOG_INTERVAL`] with the count left out; an accept error (out of
+//! descriptors and the like) backs off for [`ACCEPT_BACKOFF`] instead of
+//! spinning. One copy for every listener: the TCP data plane, RDMA's control
+//! port, the side channel, the bench's control port, the metrics endpoint.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kv_proto::{HandshakePlace, HandshakePlaces, LogThrottle};
+use kv_proto::{HandshakePlace, HandshakePlaces};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::RefusalLog;
 
 /// How long the listener waits after a failed accept: long enough for
 /// closing connections to give descriptors back, short enough that a new
 /// connection barely notices.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
-/// At most one log line per this interval for each kind a peer can provoke.
-pub const LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One listener's admission of new connections.
 #[derive(Debug)]
@@ -31,22 +30,15 @@ pub struct Admission<'a> {
     /// Written (best effort, never waiting) to a connection refused for
     /// want of a handshake place, before it is closed.
     refusal: &'a [u8],
-    refusals: LogThrottle,
-    accept_errors: LogThrottle,
+    refusals: RefusalLog,
+    accept_errors: RefusalLog,
 }
 
 impl<'a> Admission<'a> {
     /// Admits connections of `listener` into `places`; `name` names the
     /// listener in log lines.
     pub fn new(listener: &'a TcpListener, places: &'a HandshakePlaces, name: &'static str) -> Self {
-        Self {
-            listener,
-            places,
-            name,
-            refusal: &[],
-            refusals: LogThrottle::new(LOG_INTERVAL),
-            accept_errors: LogThrottle::new(LOG_INTERVAL),
-        }
+        Self { listener, places, name, refusal: &[], refusals: RefusalLog::new(), accept_errors: RefusalLog::new() }
     }
 
     /// Tells each connection refused a handshake place why, with `reply`.

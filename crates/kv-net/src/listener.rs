@@ -1,21 +1,21 @@
 //! What a data plane's listener shares among its incoming connections: its
-//! places, the op-list budget, and the throttles of the log lines a peer
-//! can provoke. One copy for every data plane that receives batches.
+//! places, the op-list budget, and the [`RefusalLog`] of each kind of log
+//! line a peer can provoke. One copy for every data plane that receives
+//! batches.
 
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use kv_proto::{HandshakePlaces, LogThrottle};
-use tokio::sync::Semaphore;
+use kv_proto::HandshakePlaces;
 
-use crate::{ListenerLimits, OpListBudget, OpListLimits, LOG_INTERVAL};
+use crate::{EstablishedPlaces, ListenerLimits, OpListBudget, OpListLimits, RefusalLog};
 
 /// A kind of log line a peer can provoke on a data plane's listener; each
-/// kind is written at most once per [`LOG_INTERVAL`], with the count of
-/// those left out.
+/// kind has its own [`RefusalLog`]: at most one line per
+/// [`crate::LOG_INTERVAL`], with the count of those left out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeerLog {
-    /// A connection refused for want of a place.
+    /// A connection refused for want of a handshake place (one refused an
+    /// established place is [`EstablishedPlaces`]' own line).
     Busy,
     /// A batch refused for want of op-list room.
     Budget,
@@ -30,13 +30,14 @@ pub enum PeerLog {
 /// The state a data plane's listener shares among its connections.
 #[derive(Debug)]
 pub struct DataListener {
-    /// Places for established incoming connections.
-    pub established: Arc<Semaphore>,
+    /// Places for established incoming connections, with the line about a
+    /// peer refused one.
+    pub established: EstablishedPlaces,
     /// Places for incoming connections in their handshake.
     pub handshakes: HandshakePlaces,
     /// Op lists all incoming connections (or streams) hold at once.
     pub op_lists: OpListBudget,
-    logs: [Mutex<LogThrottle>; 4],
+    logs: [RefusalLog; 4],
 }
 
 impl DataListener {
@@ -44,36 +45,46 @@ impl DataListener {
     /// `op_lists` (smaller unless peers must prove a secret).
     pub fn new(limits: &ListenerLimits, op_lists: &OpListLimits, secret_required: bool) -> Self {
         Self {
-            established: limits.established_places(),
+            established: EstablishedPlaces::new(limits),
             handshakes: limits.handshake_places(),
             op_lists: OpListBudget::new(op_lists.budget_in_force(secret_required)),
-            logs: std::array::from_fn(|_| Mutex::new(LogThrottle::new(LOG_INTERVAL))),
+            logs: std::array::from_fn(|_| RefusalLog::new()),
         }
     }
 
     /// Whether a line of `kind` may be written now: `Some` with how many
     /// were left out since the last one, or `None` (leave it out).
     pub fn log_allowed(&self, kind: PeerLog) -> Option<u64> {
-        let throttle = match kind {
+        self.log_allowed_at(kind, Instant::now())
+    }
+
+    /// [`Self::log_allowed`] at `now`.
+    pub fn log_allowed_at(&self, kind: PeerLog, now: Instant) -> Option<u64> {
+        let log = match kind {
             PeerLog::Busy => &self.logs[0],
             PeerLog::Budget => &self.logs[1],
             PeerLog::Batch => &self.logs[2],
             PeerLog::Fault => &self.logs[3],
         };
-        throttle.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now())
+        log.allow(now)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::LOG_INTERVAL;
 
     #[test]
     fn each_kind_of_line_has_its_own_throttle() {
+        let t0 = Instant::now();
         let listener = DataListener::new(&ListenerLimits::default(), &OpListLimits::default(), true);
-        assert_eq!(listener.log_allowed(PeerLog::Batch), Some(0));
-        assert_eq!(listener.log_allowed(PeerLog::Batch), None, "a second line within the interval");
-        assert_eq!(listener.log_allowed(PeerLog::Busy), Some(0), "another kind");
+        assert_eq!(listener.log_allowed_at(PeerLog::Batch, t0), Some(0));
+        assert_eq!(listener.log_allowed_at(PeerLog::Batch, t0), None, "a second line within the interval");
+        for kind in [PeerLog::Busy, PeerLog::Budget, PeerLog::Fault] {
+            assert_eq!(listener.log_allowed_at(kind, t0), Some(0), "{kind:?}: a kind of its own");
+        }
+        assert_eq!(listener.log_allowed_at(PeerLog::Batch, t0 + LOG_INTERVAL), Some(1), "the count held back");
         assert_eq!(listener.op_lists.limit(), OpListLimits::default().budget_in_force(true));
     }
 }

@@ -27,6 +27,7 @@
 //! Decoding of anything a peer sends is bounded and fallible: a malformed
 //! input is an error value, never a panic and never an unbounded allocation.
 
+mod accept;
 mod admission;
 pub mod auth;
 mod bounded;
@@ -53,6 +54,7 @@ pub mod topology;
 mod wire;
 mod writer;
 
+pub use accept::AcceptStatus;
 pub use admission::{
     HandshakePlace, HandshakePlaces, NoPlace, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST,
 };

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use crate::grant::{GrantError, GrantId};
 use crate::memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
 use crate::stats::{BatchRefusal, TransportCounters, TransportStats};
+use crate::writer::TransportError;
 
 /// A transport's registered regions, their grants, and the flag that ends
 /// all access. Shared by the transport's tasks.
@@ -40,6 +41,15 @@ struct State {
     sources: RegionSet,
     destinations: RegionSet,
     closed: bool,
+}
+
+impl State {
+    fn insert(&mut self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), RegionError> {
+        match access {
+            RegionAccess::Source => self.sources.insert(regions),
+            RegionAccess::Destination => self.destinations.insert(regions),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -203,11 +213,27 @@ impl RegisteredMemory {
     /// (destinations) until [`RegisteredMemory::close`] has returned: the
     /// transport relies on it for every range this type admits.
     pub unsafe fn register(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), RegionError> {
+        self.write().insert(regions, access)
+    }
+
+    /// [`Self::register`] as a transport's `BatchWriter::register_regions`
+    /// does it: refused with [`TransportError::Shutdown`] once the memory is
+    /// closed, checked under the same lock as the insert so a racing close
+    /// cannot slip between them.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Self::register`].
+    pub unsafe fn register_while_open(
+        &self,
+        regions: &[MemoryRegion],
+        access: RegionAccess,
+    ) -> Result<(), TransportError> {
         let mut state = self.write();
-        match access {
-            RegionAccess::Source => state.sources.insert(regions),
-            RegionAccess::Destination => state.destinations.insert(regions),
+        if state.closed {
+            return Err(TransportError::Shutdown);
         }
+        Ok(state.insert(regions, access)?)
     }
 
     /// The regions registered with `access`, sorted by address.

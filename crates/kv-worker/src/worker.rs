@@ -72,7 +72,7 @@ pub(crate) struct Shared {
     /// P: log lines about transfer requests it refuses (meant for another
     /// prefill engine, another pipeline stage, or an endpoint it will not
     /// write to; any D can send them as fast as it likes).
-    pub(crate) refusal_log: Mutex<kv_proto::LogThrottle>,
+    pub(crate) refusal_log: kv_net::RefusalLog,
     /// What the worker counts.
     pub(crate) metrics: Metrics,
     /// D: failed pulls, logged by cause at a bounded rate.
@@ -486,7 +486,7 @@ impl Worker {
             clients: Mutex::new(HashMap::new()),
             watches: Mutex::new(WatchList::new()),
             watches_changed: Notify::new(),
-            refusal_log: Mutex::new(kv_proto::LogThrottle::new(std::time::Duration::from_secs(1))),
+            refusal_log: kv_net::RefusalLog::new(),
             metrics: Metrics::default(),
             failure_log: FailureLog::default(),
             side_channel_counts: Arc::default(),

@@ -792,8 +792,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<bool> {
     if args.figures {
         println!("figures {}", ProcessFigures::sample());
     }
-    // Any peer can provoke refusals: at most one line a second about them.
-    let mut refusals = kv_proto::LogThrottle::new(Duration::from_secs(1));
+    // Any peer can provoke refusals: the listeners' one rate limit on them.
+    let refusals = kv_net::RefusalLog::new();
     let summary = server
         .run(stop, |s| {
             match (&s.outcome, s.admitted) {

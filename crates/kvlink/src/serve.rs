@@ -28,13 +28,14 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
+use kv_net::RefusalLog;
 use kv_proto::auth::{self, Channel, Transcript};
-use kv_proto::{HandshakePlace, HandshakePlaces, KvRole, KvTransferParams, LayoutKind, LogThrottle, Protocol};
+use kv_proto::{HandshakePlace, HandshakePlaces, KvRole, KvTransferParams, LayoutKind, Protocol};
 use kv_worker::{AuthSecret, CacheDims, CacheShape, ListenerLimits, WorkerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -56,9 +57,6 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on any wait a client asks for (`drain`, `complete`), and on
 /// waiting for prefill blocks to be freed before a `prefill`.
 const MAX_WAIT: Duration = Duration::from_secs(120);
-/// At most one line per this interval for each kind of log line a peer can
-/// provoke at will.
-const LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Bound on waiting for the last connection's task to be released before
 /// sampling the idle server's figures.
@@ -363,7 +361,8 @@ impl Server {
         let cancel = CancellationToken::new();
         let mut connections = JoinSet::new();
         let instances = Arc::new(Instances::new(opts.max_sessions));
-        let refusals = Arc::new(Mutex::new(LogThrottle::new(LOG_INTERVAL)));
+        // Any peer can provoke refusals at will: one rate limit for all of them.
+        let refusals = Arc::new(RefusalLog::new());
         let over_limit_reply = error_frame(&format!(
             "too many connections in their handshake (at most {} at once, {} from one host); try again",
             opts.max_handshakes, opts.max_handshakes_per_host
@@ -945,7 +944,7 @@ async fn session(
     cancel: CancellationToken,
     instances: &Instances,
     place: HandshakePlace,
-    refusals: &Mutex<LogThrottle>,
+    refusals: &RefusalLog,
 ) -> SessionReport {
     let mut report = SessionReport { peer, admitted: false, requests: 0, outcome: Ok(()), idle_figures: None };
     let local_ip = match stream.local_addr() {
@@ -969,8 +968,7 @@ async fn session(
     let admitted = match admitted {
         Ok(admitted) => admitted,
         Err(reason) => {
-            let allowed = refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(std::time::Instant::now());
-            if let Some(suppressed) = allowed {
+            if let Some(suppressed) = refusals.allow(std::time::Instant::now()) {
                 tracing::warn!(%peer, %reason, suppressed, "control connection refused");
             }
             // Within the same deadline: a client that does not read its
@@ -986,8 +984,7 @@ async fn session(
     let mut served = match instances.join(&opts, admitted, local_ip).await {
         Ok(served) => served,
         Err(reason) => {
-            let allowed = refusals.lock().unwrap_or_else(PoisonError::into_inner).allow(std::time::Instant::now());
-            if let Some(suppressed) = allowed {
+            if let Some(suppressed) = refusals.allow(std::time::Instant::now()) {
                 tracing::warn!(%peer, %reason, suppressed, "cannot start a session");
             }
             let _ = send(&mut conn, &ServerMsg::Error { message: reason.clone() }).await;

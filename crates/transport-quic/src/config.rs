@@ -1,6 +1,6 @@
 //! [`QuicConfig`]: where to listen and every bound the transport keeps.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_net::{ListenerLimits, OpListLimits};
@@ -87,11 +87,11 @@ pub struct QuicConfig {
 impl Default for QuicConfig {
     fn default() -> Self {
         Self {
-            listen_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            listen_addr: kv_net::DEFAULT_LISTEN_ADDR,
             advertise_host: None,
-            connect_timeout: Duration::from_secs(5),
-            io_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(120),
+            connect_timeout: kv_net::DEFAULT_CONNECT_TIMEOUT,
+            io_timeout: kv_net::DEFAULT_IO_TIMEOUT,
+            idle_timeout: kv_net::DEFAULT_IDLE_TIMEOUT,
             op_lists: OpListLimits::default(),
             max_concurrent_streams: 64,
             limits: ListenerLimits::default(),

@@ -89,6 +89,9 @@ impl StreamError {
     }
 }
 
+/// Names this listener in kv-net's log lines.
+const LISTENER: &str = "quic data plane";
+
 /// Accepts connections until the transport's token is cancelled or the
 /// endpoint is closed.
 pub(crate) async fn accept_loop(shared: Arc<Shared>) {
@@ -147,12 +150,7 @@ async fn establish(
 
 /// An established place, or why there is none (rate-limited log line).
 fn established_place(shared: &Shared, peer: SocketAddr) -> Result<OwnedSemaphorePermit, String> {
-    Arc::clone(&shared.listener.established).try_acquire_owned().map_err(|_| {
-        let allowed = shared.listener.log_allowed(PeerLog::Busy);
-        if let Some(suppressed) = allowed {
-            warn!(%peer, limit = shared.config.limits.max_connections, suppressed,
-                "connection limit reached, refusing a peer that finished its hello");
-        }
+    shared.listener.established.take(LISTENER, peer).ok_or_else(|| {
         "the receiver serves its maximum of data-plane connections (QuicConfig::limits.max_connections) already"
             .to_owned()
     })

@@ -5,7 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use kv_proto::{
@@ -201,15 +201,11 @@ impl QuicTransport {
         self.shared.bytes_received.load(Ordering::Relaxed)
     }
 
-    /// Bytes of op lists incoming batches hold now (charged to the op-list
-    /// budget in force, [`kv_net::OpListLimits::budget_in_force`]).
-    pub fn op_list_bytes(&self) -> u64 {
-        self.shared.listener.op_lists.used()
-    }
-
-    /// The most bytes of op lists incoming batches ever held at once.
-    pub fn op_list_bytes_peak(&self) -> u64 {
-        self.shared.listener.op_lists.peak()
+    /// The op-list budget incoming batches share: the bytes they hold now
+    /// and the most they ever held at once (its limit is the budget in
+    /// force, [`kv_net::OpListLimits::budget_in_force`]).
+    pub fn op_list_budget(&self) -> &kv_net::OpListBudget {
+        &self.shared.listener.op_lists
     }
 
     /// Grants issued and neither revoked nor expired and purged.
@@ -236,15 +232,11 @@ impl BatchWriter for QuicTransport {
     }
 
     unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
-        if self.shared.token.is_cancelled() || self.shared.memory.is_closed() {
-            return Err(TransportError::Shutdown);
-        }
         // SAFETY: forwarded from the caller (the trait's memory-lifetime
         // rule: valid until `shutdown` or `close` returned or the last handle
         // was dropped); `close`, which `shutdown` and `Drop` call, closes
         // the memory before any of those returns, as `register` requires.
-        unsafe { self.shared.memory.register(regions, access) }?;
-        Ok(())
+        unsafe { self.shared.memory.register_while_open(regions, access) }
     }
 
     fn endpoint(&self) -> Endpoint {
@@ -255,17 +247,13 @@ impl BatchWriter for QuicTransport {
     }
 
     async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
-        let id = self.shared.memory.grant(ranges, Instant::now(), valid_for)?;
-        debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
-        Ok(Grant::plain(id))
+        kv_net::issue_grant(&self.shared.memory, ranges, valid_for)
     }
 
     async fn revoke(&self, grant: &GrantId) {
         // The fence: waits for a copy under this grant in progress (a short
         // synchronous copy of one read's chunks), and none starts after.
-        if self.shared.memory.revoke(grant) {
-            debug!(grant = %grant, "grant revoked");
-        }
+        kv_net::revoke_grant(&self.shared.memory, grant);
     }
 
     async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {

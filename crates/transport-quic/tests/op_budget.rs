@@ -136,7 +136,7 @@ fn streams_announcing_huge_op_lists_stay_within_one_budget() {
             .collect();
         // The attack holds the budget before the honest batch starts.
         let deadline = tokio::time::Instant::now() + BOUND;
-        while victim.transport.op_list_bytes() < BUDGET / 2 {
+        while victim.transport.op_list_budget().used() < BUDGET / 2 {
             assert!(tokio::time::Instant::now() < deadline, "the attack never filled the budget");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -155,7 +155,7 @@ fn streams_announcing_huge_op_lists_stay_within_one_budget() {
             }
             attacks += verdicts.len();
         }
-        let peak = victim.transport.op_list_bytes_peak();
+        let peak = victim.transport.op_list_budget().peak();
         let grown = peak_heap_growth(heap_from);
         let resident = peak_rss_growth(rss_from);
         eprintln!(
@@ -169,7 +169,7 @@ fn streams_announcing_huge_op_lists_stay_within_one_budget() {
         );
         assert!(peak <= BUDGET, "op lists held {peak} bytes, the budget is {BUDGET}");
         assert!(grown <= BUDGET + HEAP_SLACK, "live heap grew by {grown} bytes under a {BUDGET}-byte budget");
-        assert_eq!(victim.transport.op_list_bytes(), 0, "every share was given back");
+        assert_eq!(victim.transport.op_list_budget().used(), 0, "every share was given back");
         victim.transport.revoke(&grant.id).await;
         check(&victim.buf, &ops);
 

@@ -1,7 +1,7 @@
 //! [`RdmaConfig`]: the device, where the control listener binds, and every
 //! bound the transport keeps.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_net::ListenerLimits;
@@ -85,13 +85,13 @@ pub struct RdmaConfig {
 impl Default for RdmaConfig {
     fn default() -> Self {
         Self {
-            listen_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            listen_addr: kv_net::DEFAULT_LISTEN_ADDR,
             advertise_host: None,
             device: None,
             port: 1,
             gid_index: None,
-            connect_timeout: Duration::from_secs(5),
-            io_timeout: Duration::from_secs(30),
+            connect_timeout: kv_net::DEFAULT_CONNECT_TIMEOUT,
+            io_timeout: kv_net::DEFAULT_IO_TIMEOUT,
             send_queue_depth: 256,
             max_sge: 16,
             max_wr_bytes: 1 << 20,

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
-use kv_proto::{BatchWriter, MemoryRegion, RegionAccess, TransportError, WriteOp};
+use kv_proto::{AcceptStatus, BatchWriter, MemoryRegion, RegionAccess, TransportError, WriteOp};
 use test_support::TestBuf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use transport_rdma::handshake::opening::{self, FLAG_AUTH, MAGIC, OPENING_LEN, VERSION};
+use transport_rdma::handshake::opening::{FLAG_AUTH, MAGIC, OPENING_LEN, VERSION};
 use transport_rdma::{ListenerLimits, RdmaConfig, RdmaTransport};
 
 const LEN: usize = 1 << 16;
@@ -131,7 +131,7 @@ impl Stall {
             let mut accept_and_challenge = [0u8; OPENING_LEN + 64];
             tokio::time::timeout(BOUND, stream.read_exact(&mut accept_and_challenge)).await.unwrap().unwrap();
             let status = u16::from_le_bytes([accept_and_challenge[6], accept_and_challenge[7]]);
-            assert_eq!(opening::Status::from_code(status), opening::Status::Accepted);
+            assert_eq!(AcceptStatus::from_code(status), AcceptStatus::Accepted);
         }
         stream
     }

@@ -1,6 +1,6 @@
 //! [`TcpConfig`]: where to listen and every bound the transport keeps.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_net::{ListenerLimits, OpListLimits};
@@ -106,12 +106,12 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         Self {
-            listen_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            listen_addr: kv_net::DEFAULT_LISTEN_ADDR,
             advertise_host: None,
-            connect_timeout: Duration::from_secs(5),
-            io_timeout: Duration::from_secs(30),
+            connect_timeout: kv_net::DEFAULT_CONNECT_TIMEOUT,
+            io_timeout: kv_net::DEFAULT_IO_TIMEOUT,
             handshake_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
+            idle_timeout: kv_net::DEFAULT_IDLE_TIMEOUT,
             op_lists: OpListLimits::default(),
             max_idle_conns_per_peer: 4,
             max_connecting_per_peer: DEFAULT_MAX_CONNECTING_PER_PEER,

@@ -40,6 +40,9 @@ use kv_net::{carry_out, read_exact, write_all, Admission, Carried, PeerLog, Wire
 /// Scratch buffer for discarding a refused batch's payload.
 const DRAIN_CHUNK: usize = 64 * 1024;
 
+/// Names this listener in kv-net's log lines.
+const LISTENER: &str = "tcp data plane";
+
 /// Why an incoming connection was closed.
 #[derive(Debug, thiserror::Error)]
 enum ConnError {
@@ -87,7 +90,7 @@ enum End {
 /// Accepts connections until the transport's token is cancelled.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let local = listener.local_addr().ok();
-    let mut admission = Admission::new(&listener, &shared.listener.handshakes, "tcp data plane");
+    let mut admission = Admission::new(&listener, &shared.listener.handshakes, LISTENER);
     loop {
         let (stream, peer, place) = tokio::select! {
             biased;
@@ -286,15 +289,8 @@ impl Connection<'_> {
     /// An established place, or the error that tells why there is none
     /// (rate-limited log line).
     fn establish(&self) -> Result<OwnedSemaphorePermit, ConnError> {
-        let shared = self.shared;
-        Arc::clone(&shared.listener.established).try_acquire_owned().map_err(|_| {
-            let allowed = shared.listener.log_allowed(PeerLog::Busy);
-            if let Some(suppressed) = allowed {
-                warn!(peer = %self.peer, limit = shared.config.limits.max_connections, suppressed,
-                    "connection limit reached, refusing a peer that finished its handshake");
-            }
-            ConnError::Busy(shared.config.limits.max_connections)
-        })
+        let established = &self.shared.listener.established;
+        established.take(LISTENER, self.peer).ok_or(ConnError::Busy(established.limit()))
     }
 
     /// Logs a refused batch: at most one line a second for all connections

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use kv_proto::{
@@ -121,15 +121,11 @@ impl TcpTransport {
         self.shared.pool.len()
     }
 
-    /// Bytes of op lists incoming batches hold now (charged to the op-list
-    /// budget in force, [`kv_net::OpListLimits::budget_in_force`]).
-    pub fn op_list_bytes(&self) -> u64 {
-        self.shared.listener.op_lists.used()
-    }
-
-    /// The most bytes of op lists incoming batches ever held at once.
-    pub fn op_list_bytes_peak(&self) -> u64 {
-        self.shared.listener.op_lists.peak()
+    /// The op-list budget incoming batches share: the bytes they hold now
+    /// and the most they ever held at once (its limit is the budget in
+    /// force, [`kv_net::OpListLimits::budget_in_force`]).
+    pub fn op_list_budget(&self) -> &kv_net::OpListBudget {
+        &self.shared.listener.op_lists
     }
 
     /// Grants issued and neither revoked nor expired and purged.
@@ -354,16 +350,12 @@ impl BatchWriter for TcpTransport {
     }
 
     unsafe fn register_regions(&self, regions: &[MemoryRegion], access: RegionAccess) -> Result<(), TransportError> {
-        if self.shared.token.is_cancelled() || self.shared.memory.is_closed() {
-            return Err(TransportError::Shutdown);
-        }
         // SAFETY: the caller guarantees (this method's contract) that each
         // region is valid for reads (and writes, for destinations) until
         // `shutdown().await` or `close()` returned or the last handle was
         // dropped; each of those closes the memory first, which is what
         // `RegisteredMemory::register` requires.
-        unsafe { self.shared.memory.register(regions, access) }?;
-        Ok(())
+        unsafe { self.shared.memory.register_while_open(regions, access) }
     }
 
     fn endpoint(&self) -> Endpoint {
@@ -373,16 +365,13 @@ impl BatchWriter for TcpTransport {
     }
 
     async fn grant(&self, ranges: &[MemoryRegion], valid_for: Duration) -> Result<Grant, TransportError> {
-        let id = self.shared.memory.grant(ranges, Instant::now(), valid_for)?;
-        debug!(grant = %id, ranges = ranges.len(), ?valid_for, "grant issued");
-        Ok(Grant::plain(id))
+        kv_net::issue_grant(&self.shared.memory, ranges, valid_for)
     }
 
     async fn revoke(&self, grant: &GrantId) {
         // The fence: returns once no `readv` under the grant is in progress,
         // and none can start (see `memory`).
-        let was_live = self.shared.memory.revoke(grant);
-        debug!(grant = %grant, was_live, "grant revoked");
+        kv_net::revoke_grant(&self.shared.memory, grant);
     }
 
     async fn batch_write(&self, peer: &Endpoint, grant: &Grant, ops: &[WriteOp]) -> Result<(), TransportError> {

@@ -13,6 +13,8 @@ use kv_proto::receive::HeaderFields;
 use kv_proto::{GrantId, GRANT_ID_LEN};
 
 pub use kv_proto::dataplane::{decode_op, encode_op, OpEntry, MAX_REASON_LEN, OP_LEN};
+/// The receiver's answer to a [`Preamble`], as every data plane codes it.
+pub use kv_proto::AcceptStatus;
 
 /// The four bytes a data-plane connection starts with.
 pub const MAGIC: [u8; 4] = *b"KVLT";
@@ -146,60 +148,6 @@ fn take_magic(buf: &mut &[u8]) -> Result<(), [u8; 4]> {
         Ok(())
     } else {
         Err(magic)
-    }
-}
-
-/// The receiver's answer to a [`Preamble`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AcceptStatus {
-    /// The connection is accepted; batches (or authentication) may follow.
-    Accepted,
-    /// The receiver does not speak the sender's version; it closes.
-    UnsupportedVersion,
-    /// The sender asked for flags the receiver does not know; it closes.
-    UnsupportedFlags,
-    /// The receiver requires the shared secret and the sender did not
-    /// announce it; it closes.
-    AuthRequired,
-    /// The sender announced the shared secret but the receiver has none; it
-    /// closes (a sender with a secret writes only to authenticated peers).
-    AuthUnavailable,
-    /// The receiver serves its most connections already; it closes.
-    Busy,
-    /// The receiver requires tagged payloads ([`FLAG_PAYLOAD_AUTH`]) and the
-    /// sender did not announce them; it closes.
-    PayloadAuthRequired,
-    /// A status this build does not know.
-    Unknown(u16),
-}
-
-impl AcceptStatus {
-    /// The status code on the wire.
-    pub fn code(self) -> u16 {
-        match self {
-            AcceptStatus::Accepted => 0,
-            AcceptStatus::UnsupportedVersion => 1,
-            AcceptStatus::UnsupportedFlags => 2,
-            AcceptStatus::AuthRequired => 3,
-            AcceptStatus::AuthUnavailable => 4,
-            AcceptStatus::Busy => 5,
-            AcceptStatus::PayloadAuthRequired => 6,
-            AcceptStatus::Unknown(c) => c,
-        }
-    }
-
-    /// The status of a wire code.
-    pub fn from_code(code: u16) -> Self {
-        match code {
-            0 => AcceptStatus::Accepted,
-            1 => AcceptStatus::UnsupportedVersion,
-            2 => AcceptStatus::UnsupportedFlags,
-            3 => AcceptStatus::AuthRequired,
-            4 => AcceptStatus::AuthUnavailable,
-            5 => AcceptStatus::Busy,
-            6 => AcceptStatus::PayloadAuthRequired,
-            c => AcceptStatus::Unknown(c),
-        }
     }
 }
 

@@ -113,7 +113,7 @@ fn connections_announcing_huge_op_lists_stay_within_one_budget() {
             .collect();
         // The attack holds the budget before the honest batch starts.
         let deadline = tokio::time::Instant::now() + BOUND;
-        while victim.transport.op_list_bytes() < BUDGET / 2 {
+        while victim.transport.op_list_budget().used() < BUDGET / 2 {
             assert!(tokio::time::Instant::now() < deadline, "the attack never filled the budget");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -132,7 +132,7 @@ fn connections_announcing_huge_op_lists_stay_within_one_budget() {
             }
             attacks += verdicts.len();
         }
-        let peak = victim.transport.op_list_bytes_peak();
+        let peak = victim.transport.op_list_budget().peak();
         let grown = peak_heap_growth(heap_from);
         let resident = peak_rss_growth(rss_from);
         eprintln!(
@@ -148,8 +148,12 @@ fn connections_announcing_huge_op_lists_stay_within_one_budget() {
         assert!(grown <= BUDGET + HEAP_SLACK, "live heap grew by {grown} bytes under a {BUDGET}-byte budget");
         // Every share is given back (the last one just after its reply).
         let deadline = tokio::time::Instant::now() + BOUND;
-        while victim.transport.op_list_bytes() > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "{} bytes still charged", victim.transport.op_list_bytes());
+        while victim.transport.op_list_budget().used() > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} bytes still charged",
+                victim.transport.op_list_budget().used()
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         victim.transport.revoke(&grant.id).await;

@@ -78,7 +78,7 @@ async fn each_refusal_is_counted_once_by_reason() {
     let held: Vec<(u64, u64)> = (0..BUDGET_OPS).map(|k| (base + k, 1)).collect();
     holder.batch(3, live.id, &held, BUDGET_OPS, &[]).await;
     let deadline = tokio::time::Instant::now() + BOUND;
-    while rx.transport.op_list_bytes() < BUDGET_OPS * OP_LEN as u64 {
+    while rx.transport.op_list_budget().used() < BUDGET_OPS * OP_LEN as u64 {
         assert!(tokio::time::Instant::now() < deadline, "the holder's op list was never charged");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }

@@ -12,7 +12,7 @@ use kv_proto::session::{End, Session};
 use kv_proto::topology::{self, copies_whole_blocks};
 use kv_proto::{
     CacheLayout, Endpoint, FailureCause, FrameCodec, FrameError, Grant, HandshakePlace, HeadRange, Hello, HelloReply,
-    LogThrottle, Outcome, RankTopology, SideMessage, TransportError, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
+    Outcome, RankTopology, SideMessage, TransportError, WriteOp, XferReply, XferRequest, PROTOCOL_VERSION,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -36,7 +36,7 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
     let mut admission = kv_net::Admission::new(&listener, &handshakes, "side channel");
     // Any host that reaches the port can end connections badly, as fast as
     // it can open them: one line a second for all of them.
-    let dropped = Arc::new(std::sync::Mutex::new(LogThrottle::new(kv_net::LOG_INTERVAL)));
+    let dropped = Arc::new(kv_net::RefusalLog::new());
     loop {
         let (stream, peer, handshake) = tokio::select! {
             () = shared.cancel.cancelled() => break,
@@ -48,16 +48,12 @@ pub(crate) async fn run_listener(shared: Arc<Shared>, listener: TcpListener) {
         shared.tracker.spawn(async move {
             match serve_connection(conn_shared, stream, peer, handshake).await {
                 Ok(()) => tracing::debug!(%peer, "side-channel connection closed"),
-                Err(reason) => {
-                    let allowed =
-                        dropped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now());
-                    match allowed {
-                        Some(suppressed) => {
-                            tracing::warn!(%peer, %reason, suppressed, "side-channel connection dropped");
-                        }
-                        None => tracing::debug!(%peer, %reason, "side-channel connection dropped"),
+                Err(reason) => match dropped.allow(Instant::now()) {
+                    Some(suppressed) => {
+                        tracing::warn!(%peer, %reason, suppressed, "side-channel connection dropped");
                     }
-                }
+                    None => tracing::debug!(%peer, %reason, "side-channel connection dropped"),
+                },
             }
         });
     }
@@ -603,7 +599,7 @@ fn count_outcomes(shared: &Shared, reply: &XferReply) {
 /// (with how many were held back since the last): at most one a second,
 /// whatever the peers send.
 fn refusal_line_allowed(shared: &Shared) -> Option<u64> {
-    shared.refusal_log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).allow(Instant::now())
+    shared.refusal_log.allow(Instant::now())
 }
 
 /// Where and under what a transfer request's writes go.

@@ -12,14 +12,15 @@
 //! - after the answer, what the client still sends is read and dropped for
 //!   at most [`LINGER`] (so closing does not reset the answer away), then
 //!   the connection is closed;
-//! - what a client can provoke is logged at debug level, at most one line
-//!   per second.
+//! - what a client can provoke is logged at debug level through one
+//!   [`kv_net::RefusalLog`], at most one line per [`kv_net::LOG_INTERVAL`].
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
-use kv_proto::{HandshakePlace, HandshakePlaces, LogThrottle};
+use kv_net::RefusalLog;
+use kv_proto::{HandshakePlace, HandshakePlaces};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -43,8 +44,6 @@ pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
 pub const LINGER: Duration = Duration::from_secs(1);
 /// Bound on the bytes read (and dropped) while lingering.
 const LINGER_BYTES: usize = 64 * 1024;
-/// At most one log line per this interval about what clients did.
-const LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +81,7 @@ impl MetricsEndpoint {
         let places = HandshakePlaces::new(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_HOST);
         let mut admission = kv_net::Admission::new(&self.listener, &places, "metrics").with_refusal(request::BUSY);
         let exposition = Arc::new(Exposition::new(hub));
-        let log = Arc::new(Mutex::new(LogThrottle::new(LOG_INTERVAL)));
+        let log = Arc::new(RefusalLog::new());
         let mut connections = JoinSet::new();
         loop {
             tokio::select! {
@@ -134,7 +133,7 @@ async fn connection(
     peer: SocketAddr,
     _place: HandshakePlace,
     exposition: Arc<Exposition>,
-    log: Arc<Mutex<LogThrottle>>,
+    log: Arc<RefusalLog>,
 ) {
     let deadline = Instant::now() + CONNECTION_DEADLINE;
     let outcome = match tokio::time::timeout_at(deadline, exchange(&mut stream, &exposition)).await {
@@ -161,9 +160,8 @@ async fn connection(
 }
 
 /// A debug line about what a client did, at most one per interval.
-fn note(log: &Mutex<LogThrottle>, peer: &SocketAddr, what: &str) {
-    let allowed = log.lock().unwrap_or_else(PoisonError::into_inner).allow(std::time::Instant::now());
-    if let Some(suppressed) = allowed {
+fn note(log: &RefusalLog, peer: &SocketAddr, what: &str) {
+    if let Some(suppressed) = log.allow(std::time::Instant::now()) {
         tracing::debug!(%peer, what, suppressed, "metrics client");
     }
 }

@@ -33,6 +33,7 @@
 
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript, AUTH_TAG_LEN};
 use kv_proto::session::{End, Session};
+use kv_proto::AcceptStatus;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::tags::FrameTags;
@@ -51,53 +52,6 @@ pub const VERDICT_OK: u8 = 0;
 pub const VERDICT_REFUSED: u8 = 1;
 /// Verdict byte after the sender's proof: proved, but no place.
 pub const VERDICT_BUSY: u8 = 2;
-
-/// The receiver's answer to a preamble.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
-    /// Go on (authentication, or the queue-pair exchange).
-    Accepted,
-    /// The receiver does not speak the sender's version.
-    UnsupportedVersion,
-    /// The sender asked for flags the receiver does not know.
-    UnsupportedFlags,
-    /// The receiver requires the shared secret; the sender has none.
-    AuthRequired,
-    /// The sender has a shared secret; the receiver has none.
-    AuthUnavailable,
-    /// The receiver serves its most connections already.
-    Busy,
-    /// A status this build does not know.
-    Unknown(u16),
-}
-
-impl Status {
-    /// The code on the wire.
-    pub fn code(self) -> u16 {
-        match self {
-            Status::Accepted => 0,
-            Status::UnsupportedVersion => 1,
-            Status::UnsupportedFlags => 2,
-            Status::AuthRequired => 3,
-            Status::AuthUnavailable => 4,
-            Status::Busy => 5,
-            Status::Unknown(code) => code,
-        }
-    }
-
-    /// The status of a code.
-    pub fn from_code(code: u16) -> Self {
-        match code {
-            0 => Status::Accepted,
-            1 => Status::UnsupportedVersion,
-            2 => Status::UnsupportedFlags,
-            3 => Status::AuthRequired,
-            4 => Status::AuthUnavailable,
-            5 => Status::Busy,
-            code => Status::Unknown(code),
-        }
-    }
-}
 
 /// Why an opening failed (on either side; the connection is then closed).
 #[derive(Debug, thiserror::Error)]
@@ -216,14 +170,19 @@ where
     let mut accept = [0u8; OPENING_LEN];
     read(stream, &mut accept).await?;
     let (version, status) = decode(&accept)?;
-    match Status::from_code(status) {
-        Status::Accepted if version == VERSION => {}
-        Status::Accepted | Status::UnsupportedVersion => return Err(OpeningError::UnsupportedVersion(version)),
-        Status::UnsupportedFlags => return Err(OpeningError::UnsupportedFlags(FLAG_AUTH)),
-        Status::AuthRequired => return Err(OpeningError::SecretRequired),
-        Status::AuthUnavailable => return Err(OpeningError::SecretUnavailable),
-        Status::Busy => return Err(OpeningError::Busy),
-        Status::Unknown(code) => return Err(OpeningError::Unknown(code)),
+    match AcceptStatus::from_code(status) {
+        AcceptStatus::Accepted if version == VERSION => {}
+        AcceptStatus::Accepted | AcceptStatus::UnsupportedVersion => {
+            return Err(OpeningError::UnsupportedVersion(version))
+        }
+        AcceptStatus::UnsupportedFlags => return Err(OpeningError::UnsupportedFlags(FLAG_AUTH)),
+        AcceptStatus::AuthRequired => return Err(OpeningError::SecretRequired),
+        AcceptStatus::AuthUnavailable => return Err(OpeningError::SecretUnavailable),
+        AcceptStatus::Busy => return Err(OpeningError::Busy),
+        // No RDMA receiver sends the TCP-only status: unknown here.
+        status @ (AcceptStatus::PayloadAuthRequired | AcceptStatus::Unknown(_)) => {
+            return Err(OpeningError::Unknown(status.code()))
+        }
     }
     let Some(secret) = secret else { return Ok(FrameTags::none()) };
     let mut challenge = [0u8; 2 * AUTH_TAG_LEN];
@@ -273,22 +232,22 @@ where
     // What follows an accepting reply: the place (no secret here), or the
     // proof of this secret.
     let next = if version != VERSION {
-        Err((Status::UnsupportedVersion, OpeningError::UnsupportedVersion(version)))
+        Err((AcceptStatus::UnsupportedVersion, OpeningError::UnsupportedVersion(version)))
     } else if flags & !FLAG_AUTH != 0 {
-        Err((Status::UnsupportedFlags, OpeningError::UnsupportedFlags(flags)))
+        Err((AcceptStatus::UnsupportedFlags, OpeningError::UnsupportedFlags(flags)))
     } else {
         match (secret, announced) {
-            (Some(_), false) => Err((Status::AuthRequired, OpeningError::SecretRequired)),
-            (None, true) => Err((Status::AuthUnavailable, OpeningError::SecretUnavailable)),
+            (Some(_), false) => Err((AcceptStatus::AuthRequired, OpeningError::SecretRequired)),
+            (None, true) => Err((AcceptStatus::AuthUnavailable, OpeningError::SecretUnavailable)),
             (Some(secret), true) => Ok(Err(secret)),
-            (None, false) => establish().map(Ok).ok_or((Status::Busy, OpeningError::Busy)),
+            (None, false) => establish().map(Ok).ok_or((AcceptStatus::Busy, OpeningError::Busy)),
         }
     };
     let mut client_nonce: Nonce = [0; AUTH_TAG_LEN];
     if let Ok(Err(_)) = next {
         read(stream, &mut client_nonce).await?;
     }
-    let status = next.as_ref().map_or_else(|(status, _)| *status, |_| Status::Accepted);
+    let status = next.as_ref().map_or_else(|(status, _)| *status, |_| AcceptStatus::Accepted);
     let accept = encode(VERSION, status.code());
     write(stream, &accept).await?;
     let secret = match next {

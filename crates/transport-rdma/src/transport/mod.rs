@@ -19,7 +19,6 @@ use kv_proto::{
     TransportError, TransportStats, WriteOp,
 };
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -82,12 +81,11 @@ pub(crate) struct Shared {
     capacity: QpCapacity,
     queue: SendQueueConfig,
     control: ControlLimits,
-    /// Places for established incoming control connections.
-    conn_limit: Arc<Semaphore>,
+    /// Places for established incoming control connections, with the line
+    /// about a peer refused one.
+    established: kv_net::EstablishedPlaces,
     /// Places for incoming control connections in their handshake.
     handshakes: kv_proto::HandshakePlaces,
-    /// Log lines about peers refused for want of an established place.
-    busy_refusals: Mutex<kv_proto::LogThrottle>,
     next_link: AtomicU64,
 }
 
@@ -242,9 +240,8 @@ impl RdmaTransport {
             queue,
             control,
             // 0 refuses every sender, as on TCP and QUIC.
-            conn_limit: config.limits.established_places(),
+            established: kv_net::EstablishedPlaces::new(&config.limits),
             handshakes: config.limits.handshake_places(),
-            busy_refusals: Mutex::new(kv_proto::LogThrottle::new(Duration::from_secs(1))),
             next_link: AtomicU64::new(1),
             config,
         });

@@ -19,16 +19,19 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::link::{signaled, ChainError, Link};
-use super::{lock, Shared};
+use super::Shared;
 use crate::control::{self, ControlLimits, Reply, Request};
 use crate::handshake::{self, opening, ConnectionInfo, HandshakeLimits};
 use crate::region::{RegionTable, RemoteRegion};
 use crate::tags::FrameTags;
 use crate::verbs::{BindWindow, MemoryWindow};
 
+/// Names this listener in kv-net's log lines.
+const LISTENER: &str = "rdma control";
+
 /// Accepts control connections until the transport is shut down.
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let mut admission = kv_net::Admission::new(&listener, &shared.handshakes, "rdma control");
+    let mut admission = kv_net::Admission::new(&listener, &shared.handshakes, LISTENER);
     loop {
         let (stream, peer, place) = tokio::select! {
             biased;
@@ -82,17 +85,7 @@ async fn accept_connection(
     let deadline = shared.config.connect_timeout;
     let set_up = async {
         tune(stream);
-        let establish = || {
-            let place = Arc::clone(&shared.conn_limit).try_acquire_owned().ok();
-            if place.is_none() {
-                let allowed = lock(&shared.busy_refusals).allow(Instant::now());
-                if let Some(suppressed) = allowed {
-                    tracing::warn!(%peer, limit = shared.config.limits.max_connections, suppressed,
-                        "rdma control connection refused: connection limit reached");
-                }
-            }
-            place
-        };
+        let establish = || shared.established.take(LISTENER, peer);
         let opened = opening::server(stream, shared.config.auth_secret.as_ref(), establish).await;
         if let Err(opening::OpeningError::BadProof) = &opened {
             // A wrong proof, not a peer gone mid-opening.
