@@ -10,6 +10,9 @@
 //!   ([`Resources`], so a test can prove a hostile peer left nothing
 //!   behind), peaks under an attack, and running a test alone on a runtime
 //!   of its own ([`isolated`]);
+//! - [`listener`]: cases about a network transport's listener (admission,
+//!   the op-list budget, failed proofs counted), written once against a
+//!   small trait each transport's tests implement over their raw clients;
 //! - [`stats`]: what a transport's counters should say; [`Logs`]: the log
 //!   lines a test provokes, to count;
 //! - [`process`]: what `/proc` says of this process or of a child a test
@@ -29,6 +32,7 @@
 mod buf;
 pub mod conformance;
 mod heap;
+pub mod listener;
 mod logs;
 mod node;
 pub mod pattern;

@@ -10,10 +10,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{default_node, node, reply, request, HelloOutcome, Proving, RawClient, BOUND, RIGHT_SECRET};
+use common::{default_node, node, reply, request, HelloOutcome, Node, Proving, Quic, RawClient, BOUND};
 use kv_proto::auth::{AuthSecret, Channel};
 use kv_proto::dataplane::{ReplyStatus, OP_LEN};
 use kv_proto::{BatchRefusal, BatchWriter, GrantId, TransportError, WriteOp};
+use test_support::listener::proofs::Proofs;
 use test_support::stats::{expected, reaches};
 use transport_quic::wire::{ClientHello, ServerHello, CLOSE_AUTH, SERVER_HELLO_LEN};
 use transport_quic::{OpListLimits, QuicConfig};
@@ -122,57 +123,31 @@ async fn a_revocation_mid_batch_is_counted() {
     reaches(&rx.transport, &expected(0, &[(BatchRefusal::UnknownGrant, 1)], 0), BOUND).await;
 }
 
-fn with_secret(secret: &str) -> QuicConfig {
-    QuicConfig { auth_secret: Some(AuthSecret::new(secret)), ..QuicConfig::default() }
-}
+impl Proofs for Quic {
+    const RECEIVER_PROOF_FAILED: &'static str = "proof does not verify";
 
-/// A peer that ends its hello before its proof is no failed authentication;
-/// one that proves another secret is, once; an honest sender adds nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_proof_is_counted_on_the_receiver() {
-    let rx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
-
-    // Finishes the hello stream after the receiver's answer: the receiver
-    // finds it truncated and closes the connection (so it is done with it).
-    let gone = RawClient::handshake(&rx).await;
-    let (mut send, mut recv) = gone.stream().await;
-    send.write_all(&ClientHello { auth: true, nonce: [0x5a; 32] }.encode()).await.unwrap();
-    let mut answer = [0u8; SERVER_HELLO_LEN];
-    tokio::time::timeout(BOUND, recv.read_exact(&mut answer)).await.unwrap().unwrap();
-    assert!(ServerHello::decode(&answer).unwrap().auth);
-    send.finish().unwrap();
-    tokio::time::timeout(BOUND, gone.conn.closed()).await.expect("the receiver kept a truncated hello open");
-    assert_eq!(rx.transport.stats(), expected(0, &[], 0), "a peer gone mid-hello is no failed proof");
-
-    let wrong = RawClient::handshake(&rx).await;
-    let proving = Proving::Secret { secret: AuthSecret::new("guess"), channel: Channel::DataQuic, exporter_of: None };
-    match wrong.hello(&proving).await {
-        HelloOutcome::Closed(code, reason) => assert_eq!(code, u64::from(CLOSE_AUTH), "{reason}"),
-        other => panic!("a wrong proof was not refused: {other:?}"),
+    /// Finishes the hello stream after the receiver's answer: the receiver
+    /// finds it truncated and closes the connection.
+    async fn leave_before_proving(&self, receiver: &Node) {
+        let gone = RawClient::handshake(receiver).await;
+        let (mut send, mut recv) = gone.stream().await;
+        send.write_all(&ClientHello { auth: true, nonce: [0x5a; 32] }.encode()).await.unwrap();
+        let mut answer = [0u8; SERVER_HELLO_LEN];
+        tokio::time::timeout(BOUND, recv.read_exact(&mut answer)).await.unwrap().unwrap();
+        assert!(ServerHello::decode(&answer).unwrap().auth);
+        send.finish().unwrap();
+        tokio::time::timeout(BOUND, gone.conn.closed()).await.expect("the receiver kept a truncated hello open");
     }
-    reaches(&rx.transport, &expected(0, &[], 1), BOUND).await;
 
-    let mut tx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
-    tx.buf.bytes_mut()[..4].fill(9);
-    let grant = rx.grant_all().await;
-    let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
-    tx.transport.batch_write(&rx.transport.endpoint(), &grant, &ops).await.unwrap();
-    rx.transport.revoke(&grant.id).await;
-    assert_eq!(rx.transport.stats(), expected(0, &[], 1));
-    assert_eq!(tx.transport.stats(), expected(0, &[], 0));
+    async fn prove_a_wrong_secret(&self, receiver: &Node) {
+        let wrong = RawClient::handshake(receiver).await;
+        let proving =
+            Proving::Secret { secret: AuthSecret::new("guess"), channel: Channel::DataQuic, exporter_of: None };
+        match wrong.hello(&proving).await {
+            HelloOutcome::Closed(code, reason) => assert_eq!(code, u64::from(CLOSE_AUTH), "{reason}"),
+            other => panic!("a wrong proof was not refused: {other:?}"),
+        }
+    }
 }
 
-/// A sender holding another secret finds the receiver's proof wrong (the
-/// receiver proves first): the sender counts it, and sends no proof.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_receiver_failing_its_proof_is_counted_on_the_sender() {
-    let rx = node(with_secret(RIGHT_SECRET), 1 << 16).await;
-    let tx = node(with_secret("guess"), 1 << 16).await;
-    let grant = rx.grant_all().await;
-    let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
-    let err = tx.transport.batch_write(&rx.transport.endpoint(), &grant, &ops).await.unwrap_err();
-    assert!(err.to_string().contains("proof does not verify"), "{err}");
-    assert_eq!(tx.transport.stats(), expected(0, &[], 1));
-    rx.transport.revoke(&grant.id).await;
-    assert!(rx.buf.is_zero());
-}
+test_support::proofs_suite!(Quic);

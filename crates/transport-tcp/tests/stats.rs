@@ -10,10 +10,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{default_node, node, RawClient, BOUND};
+use common::{default_node, node, Node, RawClient, Tcp, BOUND};
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::ReplyStatus;
 use kv_proto::{BatchRefusal, BatchWriter, GrantId, MemoryRegion, TransportError, WriteOp};
+use test_support::listener::proofs::Proofs;
 use test_support::stats::{expected, reaches};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_tcp::wire::{
@@ -22,7 +23,6 @@ use transport_tcp::wire::{
 };
 use transport_tcp::{OpListLimits, TcpConfig};
 
-const SECRET: &str = "s3cret";
 /// Ops the receiver's op-list budget holds in the budget test.
 const BUDGET_OPS: u64 = 16;
 
@@ -123,10 +123,6 @@ async fn a_revocation_mid_batch_is_counted() {
     reaches(&rx.transport, &expected(0, &[(BatchRefusal::UnknownGrant, 1)], 0), BOUND).await;
 }
 
-fn with_secret(secret: &str) -> TcpConfig {
-    TcpConfig { auth_secret: Some(AuthSecret::new(secret)), ..TcpConfig::default() }
-}
-
 /// A raw sender's opening with `FLAG_AUTH`, up to the receiver's challenge;
 /// returns the transcript's parts (client nonce, server nonce, context).
 async fn opening(client: &mut RawClient) -> (Nonce, Nonce, Vec<u8>) {
@@ -148,56 +144,33 @@ async fn opening(client: &mut RawClient) -> (Nonce, Nonce, Vec<u8>) {
     (client_nonce, server_nonce, auth_context(&preamble, &accept).to_vec())
 }
 
-/// A peer that goes away before its proof is no failed authentication; one
-/// that proves another secret is, once; an honest sender adds nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_proof_is_counted_on_the_receiver() {
-    let rx = node(with_secret(SECRET), 1 << 16).await;
+impl Proofs for Tcp {
+    const RECEIVER_PROOF_FAILED: &'static str = "failed to prove";
 
-    // Half-closes after the challenge: the receiver reads the end of the
-    // stream where the proof belongs and closes (so it is done with it).
-    let mut gone = RawClient::connect(&rx).await;
-    opening(&mut gone).await;
-    gone.stream.shutdown().await.unwrap();
-    gone.until_closed().await;
-    assert_eq!(rx.transport.stats(), expected(0, &[], 0), "a peer gone mid-handshake is no failed proof");
+    /// Half-closes after the challenge: the receiver reads the end of the
+    /// stream where the proof belongs and closes.
+    async fn leave_before_proving(&self, receiver: &Node) {
+        let mut gone = RawClient::connect(receiver).await;
+        opening(&mut gone).await;
+        gone.stream.shutdown().await.unwrap();
+        gone.until_closed().await;
+    }
 
-    let mut wrong = RawClient::connect(&rx).await;
-    let (client_nonce, server_nonce, context) = opening(&mut wrong).await;
-    let transcript = Transcript {
-        channel: Channel::DataTcp,
-        client_nonce: &client_nonce,
-        server_nonce: &server_nonce,
-        context: &context,
-    };
-    wrong.send(&auth::client_proof(&AuthSecret::new("guess"), &transcript)).await;
-    let mut verdict = [0u8; 1];
-    tokio::time::timeout(BOUND, wrong.stream.read_exact(&mut verdict)).await.unwrap().unwrap();
-    assert_eq!(verdict[0], AUTH_FAILED);
-    wrong.until_closed().await;
-    reaches(&rx.transport, &expected(0, &[], 1), BOUND).await;
-
-    let mut tx = node(with_secret(SECRET), 1 << 16).await;
-    tx.buf.bytes_mut()[..4].fill(9);
-    let grant = rx.grant_all().await;
-    let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
-    tx.transport.batch_write(&rx.transport.endpoint(), &grant, &ops).await.unwrap();
-    rx.transport.revoke(&grant.id).await;
-    assert_eq!(rx.transport.stats(), expected(0, &[], 1));
-    assert_eq!(tx.transport.stats(), expected(0, &[], 0));
+    async fn prove_a_wrong_secret(&self, receiver: &Node) {
+        let mut wrong = RawClient::connect(receiver).await;
+        let (client_nonce, server_nonce, context) = opening(&mut wrong).await;
+        let transcript = Transcript {
+            channel: Channel::DataTcp,
+            client_nonce: &client_nonce,
+            server_nonce: &server_nonce,
+            context: &context,
+        };
+        wrong.send(&auth::client_proof(&AuthSecret::new("guess"), &transcript)).await;
+        let mut verdict = [0u8; 1];
+        tokio::time::timeout(BOUND, wrong.stream.read_exact(&mut verdict)).await.unwrap().unwrap();
+        assert_eq!(verdict[0], AUTH_FAILED);
+        wrong.until_closed().await;
+    }
 }
 
-/// A sender holding another secret finds the receiver's proof wrong (the
-/// receiver proves first): the sender counts it, and sends no proof.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_receiver_failing_its_proof_is_counted_on_the_sender() {
-    let rx = node(with_secret(SECRET), 1 << 16).await;
-    let tx = node(with_secret("guess"), 1 << 16).await;
-    let grant = rx.grant_all().await;
-    let ops = [WriteOp { src: tx.buf.addr(), dst: rx.buf.addr(), len: 4 }];
-    let err = tx.transport.batch_write(&rx.transport.endpoint(), &grant, &ops).await.unwrap_err();
-    assert!(err.to_string().contains("failed to prove"), "{err}");
-    assert_eq!(tx.transport.stats(), expected(0, &[], 1));
-    rx.transport.revoke(&grant.id).await;
-    assert!(rx.buf.is_zero());
-}
+test_support::proofs_suite!(Tcp);

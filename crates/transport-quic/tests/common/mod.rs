@@ -6,7 +6,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kv_proto::auth::{client_proof, verify_server_proof, AuthSecret, Channel, Transcript};
 use kv_proto::dataplane::{
@@ -24,7 +23,7 @@ use transport_quic::wire::{
 use transport_quic::{QuicConfig, QuicTransport};
 
 /// Upper bound on any single wait in these tests (never reached when things work).
-pub const BOUND: Duration = Duration::from_secs(20);
+pub use test_support::listener::BOUND;
 
 /// A QUIC transport and its one registered buffer.
 pub type Node = test_support::Node<QuicTransport>;
@@ -37,6 +36,17 @@ pub async fn node(config: QuicConfig, len: usize) -> Node {
 /// A transport with the default configuration, with a buffer of `len` bytes.
 pub async fn default_node(len: usize) -> Node {
     node(QuicConfig::default(), len).await
+}
+
+/// QUIC to the listener cases of `test_support::listener`.
+pub struct Quic;
+
+impl test_support::listener::Listener for Quic {
+    type Transport = QuicTransport;
+
+    async fn node(&self, secret: Option<&str>, len: usize) -> Node {
+        node(QuicConfig { auth_secret: secret.map(AuthSecret::new), ..QuicConfig::default() }, len).await
+    }
 }
 
 /// A new, well-behaved sender (holding the victim's secret, if any)
@@ -78,7 +88,7 @@ pub fn exported(conn: &Connection) -> [u8; EXPORTER_LEN] {
 }
 
 /// The secret the tests' receivers hold when they hold one.
-pub const RIGHT_SECRET: &str = "the data-plane secret";
+pub const RIGHT_SECRET: &str = test_support::listener::SECRET;
 
 /// How a raw client proves itself in the hello.
 #[derive(Clone, Debug)]

@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
+use kv_proto::auth::AuthSecret;
 use kv_proto::GrantId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -15,7 +15,7 @@ use transport_tcp::wire::{
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// Upper bound on any single wait in these tests (never reached when things work).
-pub const BOUND: Duration = Duration::from_secs(20);
+pub use test_support::listener::BOUND;
 
 /// A TCP transport and its one registered buffer.
 pub type Node = test_support::Node<TcpTransport>;
@@ -28,6 +28,17 @@ pub async fn node(config: TcpConfig, len: usize) -> Node {
 /// A transport with the default configuration, with a buffer of `len` bytes.
 pub async fn default_node(len: usize) -> Node {
     node(TcpConfig::default(), len).await
+}
+
+/// TCP to the listener cases of `test_support::listener`.
+pub struct Tcp;
+
+impl test_support::listener::Listener for Tcp {
+    type Transport = TcpTransport;
+
+    async fn node(&self, secret: Option<&str>, len: usize) -> Node {
+        node(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, len).await
+    }
 }
 
 /// A new, well-behaved sender writes a patterned batch into `victim` and
