@@ -8,6 +8,8 @@ bounded rate."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 
@@ -166,3 +168,229 @@ def test_nothing_is_raised_at_the_engine(held):
     s.hold_copies(False)
     s.get_finished([])
     assert worker.failed == [1]
+
+
+# ---------------------------------------------------------------------- the step vs the staging thread
+
+
+
+class Recorded:
+    """Every method call, by name, with the thread it ran on."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def _note(self, name: str) -> None:
+        self.calls.append((name, threading.get_ident()))
+
+    def on(self, thread: int) -> list[str]:
+        return [name for name, t in self.calls if t == thread]
+
+
+class StepWorker(Recorded):
+    """The native worker's staged calls: the copies a step's metadata
+    orders appear at its ``start_load_kv`` (as the native worker's do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: list[tuple] = []
+        self.orders: list[tuple] = []
+        self.done: list[int] = []
+        self.failed: list[int] = []
+        self.cancel_wait: list[int] = []
+        self.ended = threading.Condition()
+
+    @property
+    def staging_state(self):
+        return (len(self.pending) + len(self.orders), 4, 4)
+
+    def start_load_kv(self, payload: bytes) -> list[int]:
+        self._note("start_load_kv")
+        self.orders, self.pending = self.orders + self.pending, []
+        return list(self.cancel_wait)
+
+    def take_copies(self) -> list[tuple]:
+        self._note("take_copies")
+        out, self.orders = self.orders, []
+        return out
+
+    def copies_done(self, ids: list[int]) -> None:
+        self._note("copies_done")
+        with self.ended:
+            self.done += ids
+            self.ended.notify_all()
+
+    def copies_failed(self, ids: list[int]) -> None:
+        self._note("copies_failed")
+        with self.ended:
+            self.failed += ids
+            self.ended.notify_all()
+
+    def pump(self) -> None:
+        self._note("pump")
+
+    def get_finished(self, finished: list[str]) -> tuple[list[str], list[str]]:
+        self._note("get_finished")
+        return [], []
+
+    def wait_ended(self, id_: int) -> None:
+        with self.ended:
+            assert self.ended.wait_for(lambda: id_ in self.done + self.failed, timeout=10), f"copy {id_} never reported"
+
+
+class StreamCopier(Recorded):
+    """A copier as ``TorchCopier`` on CUDA: ``note_forward`` records an
+    event (a marker) on the engine's stream; a launch makes the copy
+    stream wait on the latest one, then copies each region of each run of
+    blocks; ``stream`` is what the copy stream was given, in order.
+    ``gate``: a launch waits for it (a launch caught in progress)."""
+
+    def __init__(self, regions: int = 64):
+        super().__init__()
+        self.regions = regions
+        self.after = None
+        self.events: list[object] = []
+        self.stream: list[tuple] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.launching = threading.Event()
+        self.handles: dict[int, Handle] = {}
+
+    def note_forward(self) -> None:
+        self._note("note_forward")
+        self.after = object()
+        self.events.append(self.after)
+
+    def launch(self, order: staging.CopyOrder) -> Handle:
+        self._note("launch")
+        self.launching.set()
+        assert self.gate.wait(timeout=10)
+        self.stream.append(("wait", order.id, self.after))
+        for _start, _n, _contiguous in staging.runs(order.pairs):
+            for _ in range(self.regions):
+                self._note("region_copy")
+                self.stream.append(("copy", order.id))
+        handle = self.handles.setdefault(order.id, Handle())
+        handle.finished = True
+        return handle
+
+    def synchronize(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+def to_staging(id_: int, blocks: int) -> tuple:
+    # Scattered blocks into consecutive slots: one index_select + copy_ per region.
+    return (id_, f"r{id_}", "to_staging", [(2 * b, b) for b in range(blocks)])
+
+
+def in_thread(fn, timeout: float = 5.0) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout)
+    return t
+
+
+def test_the_step_records_an_event_and_the_staging_thread_launches_the_copies():
+    """A request of one block and one of 500: the step makes the same calls
+    (records the event, hands the metadata over, polls, reports); every
+    launch and region copy runs on the staging thread, its copy stream
+    waiting first on the event that step recorded."""
+    worker, copier = StepWorker(), StreamCopier(regions=64)
+    s = staging.Stager(worker, copier)
+    step = threading.get_ident()
+    try:
+        on_step: dict[int, list[str]] = {}
+        for id_, blocks in ((1, 1), (2, 500)):
+            worker.pending.append(to_staging(id_, blocks))
+            before_w, before_c = len(worker.calls), len(copier.calls)
+            s.start_load_kv(b"")
+            worker.wait_ended(id_)  # the staging thread launched it and saw it done
+            s.get_finished([])
+            calls = worker.calls[before_w:] + copier.calls[before_c:]
+            on_step[blocks] = sorted(name for name, t in calls if t == step)
+        assert on_step[1] == on_step[500] == sorted(["note_forward", "start_load_kv", "pump", "get_finished"])
+        assert worker.done == [1, 2] and worker.failed == []
+        assert copier.on(step) == ["note_forward", "note_forward"], "no launch, no region copy on the step's thread"
+        staging_thread = s._thread.ident
+        assert copier.on(staging_thread).count("region_copy") == 64 * 1 + 64 * 1
+        assert "take_copies" not in worker.on(step)
+        for id_, event in ((1, copier.events[0]), (2, copier.events[1])):
+            ops = [op for op in copier.stream if op[1] == id_]
+            assert ops[0] == ("wait", id_, event), "the copy stream waits on the step's event before any copy"
+            assert all(op[0] == "copy" for op in ops[1:]) and len(ops) == 1 + 64
+    finally:
+        s.stop()
+
+
+def test_the_step_never_waits_behind_a_launch():
+    """A launch in progress on the staging thread (held at its gate) holds
+    no lock the engine's calls take: the next step runs to its end."""
+    worker, copier = StepWorker(), StreamCopier(regions=2)
+    copier.gate.clear()
+    s = staging.Stager(worker, copier)
+    try:
+        worker.pending.append(to_staging(1, 3))
+        s.start_load_kv(b"")
+        assert copier.launching.wait(timeout=10), "the staging thread never launched"
+        worker.pending.append(to_staging(2, 3))
+
+        def step():
+            s.start_load_kv(b"")
+            s.get_finished([])
+            s.state()
+
+        assert not in_thread(step).is_alive(), "the step waited for the launch"
+        assert worker.done == []
+        copier.gate.set()
+        worker.wait_ended(1)
+        worker.wait_ended(2)
+        assert sorted(worker.done) == [1, 2]
+    finally:
+        copier.gate.set()
+        s.stop()
+
+
+def test_a_pull_cancelled_while_its_copy_is_launched_is_fenced_before_the_step_returns():
+    """The step that cancels a pull whose copy the staging thread is
+    launching waits for that launch, then for the copy, and reports it
+    once (done); no byte can land after it returns."""
+    worker, copier = StepWorker(), StreamCopier(regions=2)
+    copier.gate.clear()
+    s = staging.Stager(worker, copier)
+    try:
+        worker.pending.append((7, "c", "to_device", [(1, 0), (2, 1)]))
+        s.start_load_kv(b"")
+        assert copier.launching.wait(timeout=10)
+        worker.cancel_wait = [7]
+        returned = threading.Event()
+        fence = threading.Thread(target=lambda: (s.start_load_kv(b""), returned.set()), daemon=True)
+        fence.start()
+        assert not returned.wait(0.2), "the step returned while the cancelled copy was being launched"
+        copier.gate.set()
+        fence.join(10)
+        assert returned.is_set()
+        assert copier.handles[7].finished and worker.done == [7] and worker.failed == []
+        worker.cancel_wait = []
+        s.get_finished([])
+        time.sleep(0.05)  # the staging thread polls again: nothing more is reported
+        assert worker.done == [7] and s.state()["copies_in_flight"] == 0
+    finally:
+        copier.gate.set()
+        s.stop()
+
+
+def test_a_cancelled_pulls_copy_not_yet_launched_is_dropped():
+    worker, copier = StepWorker(), StreamCopier(regions=2)
+    s = staging.Stager(worker, copier, thread=False)
+    s.hold_copies(True)
+    worker.pending.append((8, "c", "to_device", [(1, 0)]))
+    s.start_load_kv(b"")
+    assert s.state()["copies_held"] == 1
+    worker.cancel_wait = [8]
+    s.start_load_kv(b"")
+    s.hold_copies(False)
+    assert "launch" not in copier.on(threading.get_ident()) and worker.done == [8]
+    assert s.state()["copies_held"] == s.state()["copies_in_flight"] == 0

@@ -77,6 +77,18 @@ def failed_by_cause(proc, name: str) -> dict[str, int]:
     return {s["labels"]["cause"]: s["value"] for s in family["samples"] if s["value"]}
 
 
+def wait_gauge(proc, name: str, at_least: int, what: str, timeout: float = 10.0) -> None:
+    """Polls ``proc``'s gauge ``name`` until it reaches ``at_least``; bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        family = next(f for f in proc.call("metrics") if f["name"] == name)
+        value = sum(s["value"] for s in family["samples"])
+        if value >= at_least:
+            return
+        assert time.monotonic() < deadline, f"{proc.name}: {what} not reached within {timeout} s: {name}={value}"
+        time.sleep(0.005)
+
+
 def staging_figures(proc) -> dict[str, int]:
     """The staging metrics of ``proc`` (failed copies summed over directions)."""
     out: dict[str, int] = {}
@@ -161,10 +173,18 @@ def test_no_room_within_the_bound_fails_cleanly_and_leaks_no_slot(instances, sho
         for rid in group:
             d.call("add", request_id=rid, prompt_len=2 * BLOCK, params=params[rid], max_tokens=100)
         d.call("step")
+        if short == "P" and group == rids[:2]:
+            # P waits on its held copies with the first transfer request:
+            # the next pulls must make a second one, not join the first
+            # while D's connection is still being opened.
+            wait_gauge(p, "transfers_in_progress", 1, "P serving the first two pulls")
     failed = set(rids[2:])
+    # On P, its engine hears the failed sends at a step of its own, which
+    # may come after D's.
     ev = step_until(
         [p, d],
-        lambda e: set(collected(e["D"], "finished_recving")) == failed,
+        lambda e: set(collected(e["D"], "finished_recving")) == failed
+        and (short != "P" or failed <= set(collected(e["P"], "finished_sending"))),
         what="the requests without room failed",
     )
     assert tight.call("state")["staging"]["copies_held"] == 2
@@ -219,7 +239,9 @@ def test_decode_killed_mid_copy_leaves_p_with_every_slot_free(instances):
     p, d = start_pair(instances)
     d.call("hold_copies", held=True)
     params = prefill(p, "k2", 3 * BLOCK)
-    assert p.call("state")["requests"] == {}, "P's engine got the blocks back once they were in the slots"
+    # P's copy into the slots runs on its staging thread, after the step
+    # that ordered it: a later step reports the request sent (its blocks free).
+    wait_state(p, lambda s: s["requests"] == {}, "P's engine got the blocks back once they were in the slots", step=True)
     d.call("add", request_id="k2", prompt_len=3 * BLOCK, params=params, max_tokens=100)
     # The pull lands in D's slots; the copy to D's blocks is held: D is mid-copy.
     wait_state(d, lambda s: s["staging"]["copies_held"] == 1, "D's copy to its blocks ordered", step=True)

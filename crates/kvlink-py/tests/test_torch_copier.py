@@ -94,3 +94,46 @@ def test_torch_copier_cuda_path_on_cpu_tensors(monkeypatch, shape):
     assert len(copier.stream.waited) == 80
     with pytest.raises(Exception, match="out of range"):
         copier.launch(staging.CopyOrder(999, "r", "to_device", ((blocks_in_cache, 0),)))
+
+
+def test_index_buffers_are_pinned_once_and_reused(monkeypatch):
+    """A launch gathering scattered blocks uploads their ids from a pinned
+    buffer of the copier's pool (one pinned allocation, reused once each
+    copy completed, grown for a longer order), not a ``pin_memory()`` per
+    launch; consecutive blocks need no index at all. Every copy waits on
+    the event the step recorded last."""
+    torch = pytest.importorskip("torch")
+    from kvlink_vllm import layout, staging
+
+    pinned: list[int] = []
+
+    def pin(self):
+        pinned.append(self.numel())
+        return self
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: "engine stream")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    caches = {f"l{i}": torch.randn((2, 20, 2, 16, 8), dtype=torch.float16) for i in range(2)}
+    cache = layout.describe(caches, 16, use_mla=False, num_blocks=20)
+    regions = sum(len(r) for _, r in cache.layers)
+    plan = staging.plan(cache, 12 * cache.block_len * regions)
+    copier = staging.TorchCopier(caches, cache, plan, torch)
+    copier.cuda, copier.stream = True, FakeStream()
+    copier.note_forward()
+    step_event = copier._after_forward
+    scattered = ((5, 0), (2, 1), (9, 2))
+    for id_ in range(4):
+        handle = copier.launch(staging.CopyOrder(id_, "r", "to_staging", scattered))
+        assert handle.done()
+        for view, staged in zip(copier.views, copier.staging):
+            assert torch.equal(staged[[0, 1, 2]], view[[5, 2, 9]])
+    assert pinned == [staging.INDEX_MIN_LEN] and copier.index_buffers_allocated == 1, "one pinned buffer, reused"
+    copier.launch(staging.CopyOrder(10, "r", "to_staging", ((3, 0), (4, 1)))).wait()
+    assert copier.index_buffers_allocated == 1, "consecutive blocks: no index"
+    long = tuple((b, s) for s, b in enumerate(reversed(range(12))))
+    copier.launch(staging.CopyOrder(11, "r", "to_staging", long)).wait()
+    assert copier.index_buffers_allocated == 1, "still fits"
+    assert copier.stream.waited == [step_event] * 6, "every copy after the step's event"

@@ -41,10 +41,13 @@ and lets go), counted under ``copy_failed``, logged at a bounded rate, and
 every slot comes back. A copy whose completion errors later, at a query on
 the background thread, is reported failed the same way; the thread goes on.
 
-A background thread (``kvlink-staging``) keeps staging moving between the
-engine's steps: it polls copies, hands the finished ones to the worker and
-gives freed slots to waiting requests (an idle prefill instance does not
-step, but a decode instance may still be waiting for its KV).
+A background thread (``kvlink-staging``) launches the copies and keeps
+staging moving between the engine's steps: it polls copies, hands the
+finished ones to the worker and gives freed slots to waiting requests (an
+idle prefill instance does not step, but a decode instance may still be
+waiting for its KV). The engine's step only records the event, hands its
+metadata to the worker and polls events (constant work per request), and
+wakes the thread; it never waits behind a launch (see ``Stager``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import mmap
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -266,21 +270,50 @@ class HostCopier:
 
 
 class _Event:
-    """A launched CUDA copy: done when its event completed."""
+    """A launched CUDA copy: done when its event completed; then what it
+    kept alive is let go and ``release`` (a pinned index buffer going back
+    to its pool) runs, once."""
 
-    def __init__(self, event: Any, keep: list):
+    def __init__(self, event: Any, keep: list, release: Any = None):
         self.event = event
         self.keep = keep  # tensors the copy reads or writes, alive until it ends
+        self.release = release
+
+    def _ended(self) -> None:
+        self.keep = []
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
     def done(self) -> bool:
         if self.event.query():
-            self.keep = []
+            self._ended()
             return True
         return False
 
     def wait(self) -> None:
         self.event.synchronize()
-        self.keep = []
+        self._ended()
+
+
+class _Failed:
+    """A copy whose launch raised: reported failed like one whose event
+    errors (at the next poll, or when a cancelled pull waits for it)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def done(self) -> bool:
+        raise self.error
+
+    def wait(self) -> None:
+        raise self.error
+
+
+#: Pinned index buffers kept for reuse, at most, and the smallest allocated
+#: (in block ids).
+INDEX_POOL_MAX = 16
+INDEX_MIN_LEN = 256
 
 
 class TorchCopier:
@@ -311,7 +344,15 @@ class TorchCopier:
         self.staging = self.host.view(len(plan.regions), plan.slots, plan.block_len)
         if self.cuda:
             self.stream = torch.cuda.Stream(device=self.device)
+        #: The event the engine's step recorded last (``note_forward``),
+        #: written by the engine's thread, read by the launching one.
         self._after_forward: Any = None
+        #: Pinned host buffers for block indices, free for the next launch
+        #: (one goes back once the copy that uploaded from it completed).
+        self._index_pool: list[Any] = []
+        self._index_lock = threading.Lock()
+        #: Pinned index buffers allocated (the pool grew): for tests.
+        self.index_buffers_allocated = 0
 
     def _bytes_view(self, t: Any, name: str, r: Region) -> Any:
         storage = t.untyped_storage()
@@ -330,9 +371,10 @@ class TorchCopier:
         return self.host
 
     def note_forward(self) -> None:
-        """Marks the engine's stream here: copies launched from now on wait
-        for everything it ran before (the forward passes that wrote or read
-        the blocks)."""
+        """Marks the engine's stream here (called in the engine's step, on
+        its thread: its one CUDA call there): copies launched from now on,
+        on the staging thread, wait for everything it ran before (the
+        forward passes that wrote or read the blocks)."""
         if self.cuda:
             event = self.torch.cuda.Event()
             event.record(self.torch.cuda.current_stream(self.device))
@@ -345,28 +387,61 @@ class TorchCopier:
                 raise KvlinkError(f"kvlink: copy {order.id} of {order.req}: block {b} or slot {s} out of range")
 
     def launch(self, order: CopyOrder) -> Any:
+        """Launches one copy; on CUDA, on the staging stream, after the
+        event the engine's step recorded last (``note_forward``). Called on
+        the staging thread (``Stager``), never in the engine's step."""
         self._check(order)
         torch = self.torch
-        blocks = [b for b, _ in order.pairs]
+        spans = runs(order.pairs)
+        gather = not all(contiguous for _, _, contiguous in spans)
         if not self.cuda:
-            idx = torch.tensor(blocks, dtype=torch.long)
-            self._copy(order, idx, non_blocking=False, keep=None)
+            idx = torch.tensor([b for b, _ in order.pairs], dtype=torch.long) if gather else None
+            self._copy(order, spans, idx, non_blocking=False, keep=None)
             return DONE
         keep: list = []
+        release = None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if self._after_forward is not None:
-                self.stream.wait_event(self._after_forward)
-            host_idx = torch.tensor(blocks, dtype=torch.long).pin_memory()
-            idx = host_idx.to(self.device, non_blocking=True)
-            keep += [host_idx, idx]
-            self._copy(order, idx, non_blocking=True, keep=keep)
+            after = self._after_forward
+            if after is not None:
+                self.stream.wait_event(after)
+            idx = None
+            if gather:
+                host_idx, release = self._index(order)
+                idx = host_idx.to(self.device, non_blocking=True)
+                keep.append(idx)
+            self._copy(order, spans, idx, non_blocking=True, keep=keep)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _Event(event, keep)
+        return _Event(event, keep, release)
 
-    def _copy(self, order: CopyOrder, idx: Any, non_blocking: bool, keep: list | None) -> None:
+    def _index(self, order: CopyOrder) -> tuple[Any, Any]:
+        """The order's engine blocks in a pinned buffer from the pool (a new
+        one, twice as large as needed, where none free is large enough), and
+        the call that gives the buffer back once the copy completed."""
+        torch, n = self.torch, len(order.pairs)
+        buf = None
+        with self._index_lock:
+            fits = [i for i, b in enumerate(self._index_pool) if b.numel() >= n]
+            if fits:
+                buf = self._index_pool.pop(min(fits, key=lambda i: self._index_pool[i].numel()))
+        if buf is None:
+            size = max(INDEX_MIN_LEN, 1 << max(0, n - 1).bit_length())
+            buf = torch.empty(size, dtype=torch.long).pin_memory()
+            self.index_buffers_allocated += 1
+        host_idx = buf[:n]
+        host_idx.copy_(torch.tensor([b for b, _ in order.pairs], dtype=torch.long))
+
+        def give_back() -> None:
+            with self._index_lock:
+                self._index_pool.append(buf)
+                if len(self._index_pool) > INDEX_POOL_MAX:
+                    self._index_pool.remove(min(self._index_pool, key=lambda b: b.numel()))
+
+        return host_idx, give_back
+
+    def _copy(self, order: CopyOrder, spans: list[tuple[int, int, bool]], idx: Any, non_blocking: bool, keep: list | None) -> None:
         to_staging = order.direction == "to_staging"
-        for start, n, contiguous in runs(order.pairs):
+        for start, n, contiguous in spans:
             block, slot = order.pairs[start]
             for view, staging in zip(self.views, self.staging):
                 host = staging[slot : slot + n]
@@ -458,18 +533,41 @@ class Stager:
     """Runs the native worker's copy orders with a copier, and keeps
     staging moving between the engine's steps.
 
-    Every method takes one lock: the engine's thread and the background
-    thread never run copies or talk to the worker about them at once.
+    The engine's step does O(1) work per request: ``start_load_kv`` records
+    an event on the engine's stream (``copier.note_forward``) and hands the
+    metadata to the worker, which orders the copies; ``get_finished`` polls
+    the launched copies' events. The copies are taken from the worker and
+    launched (index upload, one gather and copy per region and piece) on
+    the background thread (``kvlink-staging``), which the step wakes.
+
+    One lock guards the state (the launch queue, the copies in flight, the
+    calls to the worker about them); it is never held while copies are
+    launched, so the step never waits behind a launch. Launches are
+    serialized by a lock of their own; a cancelled pull whose copy is being
+    launched when the step fences it waits for that one launch, then for
+    the copy (the only wait in a step). With ``thread=False`` (tests,
+    tools) the engine's calls launch the copies themselves, outside the
+    state lock.
     """
 
     def __init__(self, worker: Any, copier: Any, thread: bool = True):
         self._worker = worker
         self.copier = copier
         self._lock = threading.RLock()
-        #: Launched copies not yet reported done, by id.
-        self._inflight: dict[int, Any] = {}
+        #: Signalled when a launch ended (a fence may be waiting for it).
+        self._launched = threading.Condition(self._lock)
+        #: Serializes launches (the staging thread, or the caller without one).
+        self._launch_lock = threading.Lock()
+        #: Launched copies not yet reported done, by id: (request, handle).
+        self._inflight: dict[int, tuple[str, Any]] = {}
+        #: Copies taken from the worker, not launched yet (held ones too),
+        #: as the worker gave them (read on the launching thread).
+        self._queue: deque[Sequence[Any]] = deque()
+        #: The copy being launched now, outside the lock (its id).
+        self._launching: int | None = None
+        #: Ids a fence is finishing: polls leave them to it.
+        self._fencing: set[int] = set()
         #: Copies ordered and held un-run (``hold_copies``, a test hook).
-        self._queued: list[CopyOrder] = []
         self._held = False
         #: Copies to fail on launch (``fail_copies``, a test hook).
         self._fail_next = 0
@@ -480,6 +578,7 @@ class Stager:
         self._failures_unlogged = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="kvlink-staging", daemon=True)
@@ -488,99 +587,142 @@ class Stager:
     # Engine calls.
 
     def start_load_kv(self, payload: bytes) -> None:
-        """The worker applies a step's metadata; then the step's copies are
-        launched, ordered after what the engine's stream ran so far (the
-        forward passes that wrote or read their blocks), and those the
-        worker names (pulls the step cancelled mid-copy) are finished
-        before this returns: dropped if not started, else waited for."""
+        """Records an event on the engine's stream (every copy ordered from
+        now on runs after what it ran so far: the forward passes that wrote
+        or read their blocks) and hands the step's metadata to the worker;
+        the copies it orders are launched on the staging thread. Those the
+        worker names (pulls the step cancelled mid-copy) are finished before
+        this returns: dropped if not launched, else waited for."""
         self._raise_error()
         with self._lock:
             # Before the worker orders this step's copies: none of them may
             # run ahead of the engine's stream as it is now.
             self.copier.note_forward()
             cancelled = set(self._worker.start_load_kv(payload))
-            orders = self._take()
-            for order in orders:
-                if order.id in cancelled:
-                    logger.debug("kvlink: copy %d of cancelled pull %s dropped before it ran", order.id, order.req)
-                else:
-                    self._launch(order)
             if cancelled:
-                self._queued = [o for o in self._queued if o.id not in cancelled]
-                failed = []
-                for id_ in cancelled:
-                    handle = self._inflight.pop(id_, None)
-                    if handle is None:
-                        continue
-                    try:
-                        handle.wait()
-                    except Exception as e:  # noqa: BLE001 - it ended: failed
-                        self._copy_failed(id_, "", e)
-                        failed.append(id_)
-                self._worker.copies_done(sorted(set(cancelled) - set(failed)))
-                if failed:
-                    self._worker.copies_failed(failed)
-                self._launch_taken()
+                self._fence(cancelled)
+        self._kick()
 
     def get_finished(self, finished_req_ids: list[str]) -> tuple[list[str], list[str]]:
-        """The worker's report of the step, once every finished copy was
-        handed to it and what it finished moved on (a pull that landed gets
-        its copy to the device; one done at once is reported in this step)."""
+        """The worker's report of the step, once every copy whose event
+        completed was handed to it (polled, never waited for); the copies
+        that became due are launched on the staging thread."""
         self._raise_error()
-        with self._lock:
+        if self._thread is None:
             self.pump()
-            report = self._worker.get_finished(finished_req_ids)
-            self._launch_taken()
-            return report
-
-    # The background thread's, and the engine's before it reports.
-
-    def pump(self) -> None:
         with self._lock:
             self._poll()
             self._worker.pump()
-            self._launch_taken()
+            report = self._worker.get_finished(finished_req_ids)
+        self._kick()
+        return report
+
+    # The background thread's (the engine's calls' without one).
+
+    def pump(self) -> None:
+        """Hands finished copies to the worker, lets it move on, and
+        launches what it ordered (outside the state lock)."""
+        with self._lock:
+            self._poll()
+            self._worker.pump()
+            self._take()
+        self._launch_queued()
+        with self._lock:
             self._poll()
 
-    def _poll(self) -> None:
-        while True:
-            done, failed = [], []
-            for id_, handle in self._inflight.items():
-                try:
-                    if handle.done():
-                        done.append(id_)
-                except Exception as e:  # noqa: BLE001 - the copy ended in an error
-                    self._copy_failed(id_, "", e)
-                    failed.append(id_)
-            if not (done or failed):
-                return
-            for id_ in done + failed:
-                del self._inflight[id_]
-            if done:
-                self._worker.copies_done(done)
-            if failed:
-                self._worker.copies_failed(failed)
-            self._launch_taken()
+    def _kick(self) -> None:
+        """After an engine call: the staging thread takes and launches the
+        copies the worker ordered; without a thread, this caller does."""
+        if self._thread is None:
+            self.pump()
+        else:
+            self._wake.set()
 
-    def _take(self) -> list[CopyOrder]:
-        return [CopyOrder.from_native(t) for t in self._worker.take_copies()]
-
-    def _launch_taken(self) -> None:
-        for order in self._take():
-            self._launch(order)
-
-    def _launch(self, order: CopyOrder) -> None:
-        if self._held:
-            self._queued.append(order)
-            return
+    def _fence(self, cancelled: set[int]) -> None:
+        """(Lock held.) Finishes the copies of pulls this step cancelled:
+        one not launched is dropped, one being launched is waited for, then
+        every launched one is waited for; each is reported to the worker
+        once (done, or failed where its launch or its wait raised)."""
+        # Orders not taken yet are taken here, so that none of them is
+        # launched later.
+        self._take()
+        dropped = [t for t in self._queue if int(t[0]) in cancelled]
+        if dropped:
+            self._queue = deque(t for t in self._queue if int(t[0]) not in cancelled)
+            for t in dropped:
+                logger.debug("kvlink: copy %s of cancelled pull %s dropped before it ran", t[0], t[1])
+        self._fencing = cancelled
         try:
-            if self._fail_next > 0:
-                self._fail_next -= 1
-                raise KvlinkError("injected copy failure (Stager.fail_copies)")
-            self._inflight[order.id] = self.copier.launch(order)
-        except Exception as e:  # noqa: BLE001 - fails its request, not the engine
-            self._copy_failed(order.id, order.req, e)
-            self._worker.copies_failed([order.id])
+            while self._launching is not None and self._launching in cancelled:
+                self._launched.wait()
+            failed = []
+            for id_ in cancelled:
+                entry = self._inflight.pop(id_, None)
+                if entry is None:
+                    continue
+                req, handle = entry
+                try:
+                    handle.wait()
+                except Exception as e:  # noqa: BLE001 - it ended: failed
+                    self._copy_failed(id_, req, e)
+                    failed.append(id_)
+        finally:
+            self._fencing = set()
+        self._worker.copies_done(sorted(cancelled - set(failed)))
+        if failed:
+            self._worker.copies_failed(failed)
+
+    def _poll(self) -> None:
+        """(Lock held.) Reports the launched copies that ended."""
+        done, failed = [], []
+        for id_, (req, handle) in self._inflight.items():
+            if id_ in self._fencing:
+                continue
+            try:
+                if handle.done():
+                    done.append(id_)
+            except Exception as e:  # noqa: BLE001 - the copy ended in an error
+                self._copy_failed(id_, req, e)
+                failed.append(id_)
+        for id_ in done + failed:
+            del self._inflight[id_]
+        if done:
+            self._worker.copies_done(done)
+        if failed:
+            self._worker.copies_failed(failed)
+
+    def _take(self) -> None:
+        """(Lock held.) The worker's new copy orders join the launch queue
+        (read into ``CopyOrder`` by the launching thread, outside the lock)."""
+        self._queue.extend(self._worker.take_copies())
+
+    def _launch_queued(self) -> None:
+        """Launches the queued copies, one at a time, with the state lock
+        taken only to pick each and to record it launched (never held while
+        the copier launches)."""
+        with self._launch_lock:
+            while True:
+                with self._lock:
+                    if self._held or not self._queue:
+                        return
+                    raw = self._queue.popleft()
+                    self._launching = id_ = int(raw[0])
+                    inject = self._fail_next > 0
+                    if inject:
+                        self._fail_next -= 1
+                req = str(raw[1])
+                try:
+                    order = CopyOrder.from_native(raw)
+                    req = order.req
+                    if inject:
+                        raise KvlinkError("injected copy failure (Stager.fail_copies)")
+                    handle = self.copier.launch(order)
+                except Exception as e:  # noqa: BLE001 - fails its request, not the engine
+                    handle = _Failed(e)
+                with self._lock:
+                    self._inflight[id_] = (req, handle)
+                    self._launching = None
+                    self._launched.notify_all()
 
     def _copy_failed(self, id_: int, req: str, error: BaseException) -> None:
         """Counts a failed copy and logs it: the first at once, then at
@@ -601,13 +743,15 @@ class Stager:
         self._failures_unlogged = 0
 
     def _busy(self) -> bool:
-        if self._inflight or self._queued:
+        if self._inflight or self._queue or self._launching is not None:
             return True
         state = self._worker.staging_state
         return bool(state and state[0])
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # Cleared before the pump: a wake-up during it runs the next at once.
+            self._wake.clear()
             try:
                 self.pump()
                 busy = self._busy()
@@ -615,7 +759,7 @@ class Stager:
                 if not self._stop.is_set():
                     self._fail(e)
                 return
-            self._stop.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
+            self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
 
     def _fail(self, e: BaseException) -> None:
         logger.error("kvlink staging thread stopped: %r", e)
@@ -629,13 +773,12 @@ class Stager:
 
     def hold_copies(self, held: bool) -> None:
         """Test hook: while held, copies are ordered but not run (so a test
-        can end a process mid-copy); released, the held ones run."""
+        can end a process mid-copy); released, the held ones run (launched
+        by this call)."""
         with self._lock:
             self._held = held
-            if not held:
-                queued, self._queued = self._queued, []
-                for order in queued:
-                    self._launch(order)
+        if not held:
+            self._launch_queued()
 
     def fail_copies(self, count: int) -> None:
         """Test hook: the next ``count`` copies fail as they are launched,
@@ -650,8 +793,8 @@ class Stager:
                 "requests": requests,
                 "free_slots": free,
                 "slots": slots,
-                "copies_in_flight": len(self._inflight),
-                "copies_held": len(self._queued),
+                "copies_in_flight": len(self._inflight) + (self._launching is not None),
+                "copies_held": len(self._queue),
                 "copies_failed": self.failed_copies,
             }
 
@@ -660,6 +803,7 @@ class Stager:
     def stop(self) -> None:
         """Stops the background thread (bounded)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
@@ -667,9 +811,9 @@ class Stager:
         """After the worker stopped: waits for launched copies, then releases
         the pinned staging if the worker let go of it."""
         self.stop()
-        with self._lock:
+        with self._launch_lock, self._lock:
             self.copier.synchronize()
             self._inflight.clear()
-            self._queued.clear()
+            self._queue.clear()
             if worker_stopped:
                 self.copier.release()
