@@ -2,7 +2,8 @@
 //! handshake (and, with a shared secret, its proof) succeeded, and the one
 //! rate-limited line about a peer refused one. Taken once, where each
 //! listener's handshake decides (TCP's and QUIC's data planes, RDMA's
-//! control port); the wire's own refusal stays with the listener.
+//! control port, the side channel); the wire's own refusal stays with the
+//! listener.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

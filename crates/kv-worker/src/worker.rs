@@ -62,7 +62,7 @@ pub(crate) struct Shared {
     pub(crate) receiver: Mutex<ReceiverCore>,
     pub(crate) admission: Arc<Semaphore>,
     /// Places for established side-channel connections (P).
-    pub(crate) established: Arc<Semaphore>,
+    pub(crate) established: kv_net::EstablishedPlaces,
     pub(crate) transfer_slots: Semaphore,
     pub(crate) clients: Mutex<HashMap<SideChannelAddr, Arc<SideChannelClient>>>,
     /// D: requests whose hold on P the worker renews.
@@ -481,7 +481,7 @@ impl Worker {
             finished_changed: Notify::new(),
             receiver: Mutex::new(receiver),
             admission: Arc::new(Semaphore::new(config.queue_depth.max(1))),
-            established: config.side_channel_limits.established_places(),
+            established: kv_net::EstablishedPlaces::new(&config.side_channel_limits),
             transfer_slots: Semaphore::new(config.num_workers.max(1)),
             clients: Mutex::new(HashMap::new()),
             watches: Mutex::new(WatchList::new()),

@@ -173,11 +173,11 @@ async fn serve_connection(
         Ok(Ok(Some(accepted))) => accepted,
     };
     let (hello, decode_rank) = hello;
-    let Ok(_established) = shared.established.clone().try_acquire_owned() else {
-        let reason =
-            format!("prefill serves {} decode connections already", shared.config.side_channel_limits.max_connections);
+    let Some(_established) = shared.established.take("side channel", peer) else {
+        // Logged (rate-limited) where the place was refused.
+        let reason = format!("prefill serves {} decode connections already", shared.established.limit());
         reject(&mut framed, &reason).await;
-        return Err(reason);
+        return Ok(());
     };
     drop(handshake_place);
     let accepted = HelloReply::Accepted {
