@@ -168,6 +168,19 @@ async fn drive(p: &mut Side, d: &mut Side, done: impl Fn(&Side, &Side) -> bool) 
     }
 }
 
+/// Request "a" of six blocks ready on P (filled from `seed`), copied into
+/// its slots in three pieces of two, and D's pull of it started.
+fn pull_in_three_pieces(p: &mut Side, d: &mut Side, seed: u64, p_blocks: &[BlockId], d_blocks: &[BlockId]) {
+    filled(p, seed, p_blocks);
+    let mut expect = ConnectorMetadata::default();
+    expect.reqs_to_send.insert(p_id("a"), kv_proto::SendUpdate::Expect);
+    p.start(&expect);
+    p.start(&ready_meta(&[("a", p_blocks.to_vec())]));
+    assert_eq!(p.copies.len(), 3, "P copies into its slots in three pieces");
+    let meta = recv_meta(p, &[("a", d_blocks.to_vec())]);
+    d.start(&meta);
+}
+
 fn filled(side: &Side, seed: u64, blocks: &[BlockId]) {
     let mut buf = vec![0u8; side.device.block_len()];
     for region in 0..side.device.shape().region_count() {
@@ -348,14 +361,7 @@ async fn a_request_moves_in_pieces_each_copied_on_as_it_lands() {
     let mut d = side_with(&net, KvRole::Consumer, "d", 8, 2).await;
     let p_blocks: Vec<BlockId> = vec![3, 1, 4, 0, 5, 9];
     let d_blocks: Vec<BlockId> = vec![15, 2, 7, 11, 6, 8];
-    filled(&p, 7, &p_blocks);
-    let mut expect = ConnectorMetadata::default();
-    expect.reqs_to_send.insert(p_id("a"), kv_proto::SendUpdate::Expect);
-    p.start(&expect);
-    p.start(&ready_meta(&[("a", p_blocks.clone())]));
-    assert_eq!(p.copies.len(), 3, "P copies into its slots in three pieces");
-    let meta = recv_meta(&p, &[("a", d_blocks.clone())]);
-    d.start(&meta);
+    pull_in_three_pieces(&mut p, &mut d, 7, &p_blocks, &d_blocks);
     let first = p.run_one();
     assert_eq!(first.pairs.len(), 2);
     poll_until(&mut p, &mut d, "D copying P's first piece", |_, d| !d.copies.is_empty()).await;
@@ -437,14 +443,7 @@ async fn a_copy_failing_mid_pull_cuts_the_pull_short_and_p_lets_go_at_once() {
     let mut d = side_configured(d_config, 8, 2).await;
     let p_blocks: Vec<BlockId> = vec![0, 1, 2, 3, 4, 5];
     let d_blocks: Vec<BlockId> = vec![10, 11, 12, 13, 14, 15];
-    filled(&p, 9, &p_blocks);
-    let mut expect = ConnectorMetadata::default();
-    expect.reqs_to_send.insert(p_id("a"), kv_proto::SendUpdate::Expect);
-    p.start(&expect);
-    p.start(&ready_meta(&[("a", p_blocks.clone())]));
-    assert_eq!(p.copies.len(), 3, "P copies into its slots in three pieces");
-    let meta = recv_meta(&p, &[("a", d_blocks.clone())]);
-    d.start(&meta);
+    pull_in_three_pieces(&mut p, &mut d, 9, &p_blocks, &d_blocks);
     // The first piece lands and is copied into D's blocks.
     p.run_one();
     poll_until(&mut p, &mut d, "D copying the first piece", |_, d| !d.copies.is_empty()).await;
