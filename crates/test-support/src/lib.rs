@@ -11,8 +11,9 @@
 //!   behind), peaks under an attack, and running a test alone on a runtime
 //!   of its own ([`isolated`]);
 //! - [`listener`]: cases about a network transport's listener (admission,
-//!   the op-list budget, failed proofs counted), written once against a
-//!   small trait each transport's tests implement over their raw clients;
+//!   the op-list budget, failed proofs and refused batches counted),
+//!   written once against a small trait each transport's tests implement
+//!   over their raw clients;
 //! - [`stats`]: what a transport's counters should say; [`Logs`]: the log
 //!   lines a test provokes, to count;
 //! - [`process`]: what `/proc` says of this process or of a child a test

@@ -10,95 +10,25 @@ mod common;
 
 use std::time::Duration;
 
-use common::{default_node, node, Node, RawClient, Tcp, BOUND};
+use common::{default_node, Node, RawClient, Tcp, BOUND};
 use kv_proto::auth::{self, AuthSecret, Channel, Nonce, Transcript};
 use kv_proto::dataplane::ReplyStatus;
-use kv_proto::{BatchRefusal, BatchWriter, GrantId, MemoryRegion, TransportError, WriteOp};
+use kv_proto::{BatchRefusal, BatchWriter};
 use test_support::listener::proofs::Proofs;
+use test_support::listener::refusals;
 use test_support::stats::{expected, reaches};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport_tcp::wire::{
     auth_context, Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_FAILED, AUTH_TAG_LEN, CHALLENGE_LEN, FLAG_AUTH,
-    OP_LEN, VERSION,
+    VERSION,
 };
-use transport_tcp::{OpListLimits, TcpConfig};
-
-/// Ops the receiver's op-list budget holds in the budget test.
-const BUDGET_OPS: u64 = 16;
 
 /// An unknown grant, a revoked grant (through a real sender), an op outside
 /// a live grant, and an op list that finds no room in the budget: each is
-/// counted once, under its reason; the batches that land count nothing.
+/// counted once, under its reason (`test_support::listener::refusals`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_refusal_is_counted_once_by_reason() {
-    let config = TcpConfig {
-        // Room for one list of `BUDGET_OPS` ops; a second list waits this long.
-        op_lists: OpListLimits {
-            unauthenticated_budget: BUDGET_OPS * OP_LEN as u64,
-            timeout: Duration::from_millis(300),
-            ..OpListLimits::default()
-        },
-        ..TcpConfig::default()
-    };
-    let rx = node(config, 1 << 16).await;
-    let base = rx.buf.addr();
-    let live = rx.grant(&[MemoryRegion::new(base, 4096)]).await;
-    let (mut client, accept) = RawClient::handshaken(&rx).await;
-    assert_eq!(accept.max_ops_per_batch, BUDGET_OPS);
-
-    // Never issued.
-    client.batch(1, GrantId::from_bytes([0x42; 16]), &[(base, 4)], 4, &[1; 4]).await;
-    let (reply, reason) = client.reply().await;
-    assert_eq!(reply.status, ReplyStatus::Refused, "{reason}");
-    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 1)], 0), BOUND).await;
-
-    // Revoked, written by a real sender: the receiver counts it, the
-    // sender (whose batch it is) does not.
-    let mut tx = default_node(1 << 16).await;
-    tx.buf.bytes_mut()[..8].fill(7);
-    let revoked = rx.grant(&[MemoryRegion::new(base + 8192, 4096)]).await;
-    rx.transport.revoke(&revoked.id).await;
-    let ops = [WriteOp { src: tx.buf.addr(), dst: base + 8192, len: 8 }];
-    let err = tx.transport.batch_write(&rx.transport.endpoint(), &revoked, &ops).await.unwrap_err();
-    assert!(matches!(err, TransportError::Refused { .. }), "{err:?}");
-    reaches(&rx.transport, &expected(1, &[(BatchRefusal::UnknownGrant, 2)], 0), BOUND).await;
-    assert_eq!(tx.transport.stats(), expected(0, &[], 0), "a sender counts no refusal of its own batch");
-
-    // Live, one op outside it (inside the registered destination).
-    client.batch(2, live.id, &[(base, 4), (base + 16384, 4)], 8, &[2; 8]).await;
-    let (reply, reason) = client.reply().await;
-    assert_eq!(reply.status, ReplyStatus::Refused, "{reason}");
-    assert!(reason.contains("op 1"), "{reason}");
-    let after_outside = [(BatchRefusal::UnknownGrant, 2), (BatchRefusal::OutsideGrant, 1)];
-    reaches(&rx.transport, &expected(1, &after_outside, 0), BOUND).await;
-
-    // The budget: one batch holds all of it (its op list is in, its payload
-    // not yet), so another's list finds no room within the op-list timeout.
-    let (mut holder, _) = RawClient::handshaken(&rx).await;
-    let held: Vec<(u64, u64)> = (0..BUDGET_OPS).map(|k| (base + k, 1)).collect();
-    holder.batch(3, live.id, &held, BUDGET_OPS, &[]).await;
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while rx.transport.op_list_budget().used() < BUDGET_OPS * OP_LEN as u64 {
-        assert!(tokio::time::Instant::now() < deadline, "the holder's op list was never charged");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    client.batch(4, live.id, &[(base + 100, 1)], 1, &[4]).await;
-    let (reply, reason) = client.reply().await;
-    assert_eq!(reply.status, ReplyStatus::Refused, "{reason}");
-    assert!(reason.contains("no room"), "{reason}");
-    holder.send(&[3; BUDGET_OPS as usize]).await;
-    let (reply, reason) = holder.reply().await;
-    assert_eq!(reply.status, ReplyStatus::Ok, "{reason}");
-
-    // And a batch that lands counts nothing.
-    client.batch(5, live.id, &[(base + 200, 2)], 2, &[5; 2]).await;
-    assert_eq!(client.reply().await.0.status, ReplyStatus::Ok);
-    let all = [(BatchRefusal::UnknownGrant, 2), (BatchRefusal::OutsideGrant, 1), (BatchRefusal::OpBudget, 1)];
-    reaches(&rx.transport, &expected(1, &all, 0), BOUND).await;
-    rx.transport.revoke(&live.id).await;
-    reaches(&rx.transport, &expected(0, &all, 0), BOUND).await;
-    assert_eq!(&rx.buf.bytes()[..BUDGET_OPS as usize], &[3; BUDGET_OPS as usize]);
-    assert_eq!(&rx.buf.bytes()[200..202], &[5; 2]);
+    refusals::each_refusal_is_counted_once_by_reason(Tcp).await;
 }
 
 /// A batch admitted, then fenced mid-payload by `revoke`: counted once, as

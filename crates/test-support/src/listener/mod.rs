@@ -1,8 +1,9 @@
 //! Cases about a transport's listener, written once for every network
 //! transport that has one: admission of incoming connections
 //! ([`admission`]), one op-list budget for all unauthenticated peers
-//! ([`op_budget`]), and failed proofs of the shared secret counted on the
-//! side that saw them ([`proofs`]).
+//! ([`op_budget`]), failed proofs of the shared secret counted on the
+//! side that saw them ([`proofs`]), and refused batches counted by reason
+//! ([`refusals`]).
 //!
 //! A transport's tests implement [`Listener`] (and the trait of each module
 //! they run) over their own raw clients, which speak that transport's wire
@@ -12,6 +13,7 @@
 pub mod admission;
 pub mod op_budget;
 pub mod proofs;
+pub mod refusals;
 
 use std::future::Future;
 use std::net::Ipv4Addr;

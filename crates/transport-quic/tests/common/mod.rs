@@ -6,21 +6,23 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kv_proto::auth::{client_proof, verify_server_proof, AuthSecret, Channel, Transcript};
 use kv_proto::dataplane::{
-    decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, VERDICT_HEADER_LEN,
+    decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, OP_LEN, VERDICT_HEADER_LEN,
 };
-use kv_proto::{Endpoint, Grant, GrantId, Protocol};
+use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, Protocol};
 use quinn::{Connection, RecvStream, SendStream};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use test_support::listener::refusals::Refusals;
 use transport_quic::details::{EndpointDetails, Fingerprint};
 use transport_quic::tls::{fingerprint_of, pinned_client_config};
 use transport_quic::wire::{
     transcript_context, BatchHeader, ClientHello, ServerHello, ALPN, CLIENT_HELLO_LEN, EXPORTER_LABEL, EXPORTER_LEN,
     SERVER_HELLO_LEN, SERVER_NAME,
 };
-use transport_quic::{QuicConfig, QuicTransport};
+use transport_quic::{OpListLimits, QuicConfig, QuicTransport};
 
 /// Upper bound on any single wait in these tests (never reached when things work).
 pub use test_support::listener::BOUND;
@@ -46,6 +48,51 @@ impl test_support::listener::Listener for Quic {
 
     async fn node(&self, secret: Option<&str>, len: usize) -> Node {
         node(QuicConfig { auth_secret: secret.map(AuthSecret::new), ..QuicConfig::default() }, len).await
+    }
+}
+
+/// Each batch on a stream of its own; a held batch on another stream of the
+/// same connection.
+impl Refusals for Quic {
+    type Client = RawClient;
+    type Held = (SendStream, RecvStream);
+
+    async fn budgeted(&self, ops: u64, wait: Duration, len: usize) -> Node {
+        let op_lists =
+            OpListLimits { unauthenticated_budget: ops * OP_LEN as u64, timeout: wait, ..OpListLimits::default() };
+        node(QuicConfig { op_lists, ..QuicConfig::default() }, len).await
+    }
+
+    fn budget_used(receiver: &Node) -> u64 {
+        receiver.transport.op_list_budget().used()
+    }
+
+    /// The bound on ops per batch travels in the receiver's endpoint.
+    async fn client(&self, receiver: &Node) -> (RawClient, u64) {
+        let details = EndpointDetails::decode(&receiver.transport.endpoint().details).unwrap();
+        (RawClient::connect(receiver).await, details.max_ops_per_batch)
+    }
+
+    async fn batch(
+        client: &mut RawClient,
+        grant: GrantId,
+        ops: &[(u64, u64)],
+        payload: &[u8],
+    ) -> (ReplyStatus, String) {
+        client.exchange(&request(&grant, ops, payload.len() as u64, payload)).await.unwrap()
+    }
+
+    async fn hold(&self, _receiver: &Node, beside: &RawClient, grant: GrantId, ops: &[(u64, u64)]) -> Self::Held {
+        let (mut send, recv) = beside.stream().await;
+        let total = ops.iter().map(|&(_, len)| len).sum();
+        send.write_all(&request(&grant, ops, total, &[])).await.unwrap();
+        (send, recv)
+    }
+
+    async fn release((mut send, mut recv): Self::Held, payload: &[u8]) -> (ReplyStatus, String) {
+        send.write_all(payload).await.unwrap();
+        send.finish().unwrap();
+        reply(&mut recv).await.unwrap()
     }
 }
 

@@ -4,15 +4,18 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
+use kv_proto::dataplane::ReplyStatus;
 use kv_proto::GrantId;
+use test_support::listener::refusals::Refusals;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_tcp::wire::{
-    encode_op, Accept, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, MAX_REASON_LEN, REPLY_HEADER_LEN,
+    encode_op, Accept, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, MAX_REASON_LEN, OP_LEN, REPLY_HEADER_LEN,
 };
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::{OpListLimits, TcpConfig, TcpTransport};
 
 /// Upper bound on any single wait in these tests (never reached when things work).
 pub use test_support::listener::BOUND;
@@ -38,6 +41,50 @@ impl test_support::listener::Listener for Tcp {
 
     async fn node(&self, secret: Option<&str>, len: usize) -> Node {
         node(TcpConfig { auth_secret: secret.map(AuthSecret::new), ..TcpConfig::default() }, len).await
+    }
+}
+
+/// Batches on a connection run one after another: a held batch takes a
+/// connection of its own. Each batch is read back before the next is sent,
+/// so one batch id serves them all.
+impl Refusals for Tcp {
+    type Client = RawClient;
+    type Held = RawClient;
+
+    async fn budgeted(&self, ops: u64, wait: Duration, len: usize) -> Node {
+        let op_lists =
+            OpListLimits { unauthenticated_budget: ops * OP_LEN as u64, timeout: wait, ..OpListLimits::default() };
+        node(TcpConfig { op_lists, ..TcpConfig::default() }, len).await
+    }
+
+    fn budget_used(receiver: &Node) -> u64 {
+        receiver.transport.op_list_budget().used()
+    }
+
+    async fn client(&self, receiver: &Node) -> (RawClient, u64) {
+        let (client, accept) = RawClient::handshaken(receiver).await;
+        (client, accept.max_ops_per_batch)
+    }
+
+    async fn batch(
+        client: &mut RawClient,
+        grant: GrantId,
+        ops: &[(u64, u64)],
+        payload: &[u8],
+    ) -> (ReplyStatus, String) {
+        client.batch(1, grant, ops, payload.len() as u64, payload).await;
+        client.batch_reply(1).await
+    }
+
+    async fn hold(&self, receiver: &Node, _beside: &RawClient, grant: GrantId, ops: &[(u64, u64)]) -> RawClient {
+        let (mut holder, _) = RawClient::handshaken(receiver).await;
+        holder.batch(1, grant, ops, ops.iter().map(|&(_, len)| len).sum(), &[]).await;
+        holder
+    }
+
+    async fn release(mut held: RawClient, payload: &[u8]) -> (ReplyStatus, String) {
+        held.send(payload).await;
+        held.batch_reply(1).await
     }
 }
 
@@ -146,6 +193,13 @@ impl RawClient {
             session.recv.open(&[&h, &reason], &tag).expect("a reply whose tag does not match");
         }
         (header, String::from_utf8(reason).unwrap())
+    }
+
+    /// Reads one reply, which must answer `batch_id`: its status and reason.
+    pub async fn batch_reply(&mut self, batch_id: u64) -> (ReplyStatus, String) {
+        let (header, reason) = self.reply().await;
+        assert_eq!(header.batch_id, batch_id, "{reason}");
+        (header.status, reason)
     }
 
     /// Reads until the receiver closes the connection (EOF or reset) and
