@@ -30,10 +30,7 @@ impl Admission for Quic {
     type Held = (RawClient, Option<(SendStream, RecvStream)>);
 
     async fn victim(&self, places: Places, secret: Option<&str>) -> Node {
-        let defaults = ListenerLimits::default();
-        let (max_connections, max_handshakes_per_host) =
-            places.or(defaults.max_connections, defaults.max_handshakes_per_host);
-        let limits = ListenerLimits { max_connections, max_handshakes_per_host, ..defaults };
+        let limits = places.limits();
         let secret = secret.map(AuthSecret::new);
         let config = QuicConfig { auth_secret: secret, limits, connect_timeout: LONG, ..QuicConfig::default() };
         node(config, 1 << 16).await

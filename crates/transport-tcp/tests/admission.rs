@@ -17,7 +17,7 @@ use tokio::io::AsyncReadExt;
 use transport_tcp::wire::{
     Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_BUSY, AUTH_TAG_LEN, CHALLENGE_LEN, FLAG_AUTH, VERSION,
 };
-use transport_tcp::{ListenerLimits, TcpConfig};
+use transport_tcp::TcpConfig;
 
 /// Longer than any test here: a hostile handshake ends only when the test
 /// closes it (or when the receiver refuses it).
@@ -27,10 +27,7 @@ impl Admission for Tcp {
     type Held = RawClient;
 
     async fn victim(&self, places: Places, secret: Option<&str>) -> Node {
-        let defaults = ListenerLimits::default();
-        let (max_connections, max_handshakes_per_host) =
-            places.or(defaults.max_connections, defaults.max_handshakes_per_host);
-        let limits = ListenerLimits { max_connections, max_handshakes_per_host, ..defaults };
+        let limits = places.limits();
         let secret = secret.map(AuthSecret::new);
         let config = TcpConfig { auth_secret: secret, limits, handshake_timeout: LONG, ..TcpConfig::default() };
         node(config, 1 << 16).await

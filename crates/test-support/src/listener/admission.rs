@@ -9,6 +9,7 @@
 
 use std::future::Future;
 
+use kv_net::ListenerLimits;
 use kv_proto::{BatchWriter, TransportError, WriteOp};
 
 use super::{honest_batch, Listener, BOUND};
@@ -44,10 +45,14 @@ pub struct Places {
 }
 
 impl Places {
-    /// `(connections, handshakes_per_host)`, each the transport's default
-    /// (`connections`, `handshakes_per_host`) where the case sets none.
-    pub fn or(self, connections: usize, handshakes_per_host: usize) -> (usize, usize) {
-        (self.connections.unwrap_or(connections), self.handshakes_per_host.unwrap_or(handshakes_per_host))
+    /// The listener limits of a case: the defaults, with what it sets.
+    pub fn limits(self) -> ListenerLimits {
+        let defaults = ListenerLimits::default();
+        ListenerLimits {
+            max_connections: self.connections.unwrap_or(defaults.max_connections),
+            max_handshakes_per_host: self.handshakes_per_host.unwrap_or(defaults.max_handshakes_per_host),
+            ..defaults
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use kv_net::OpListLimits;
 use kv_proto::dataplane::{ReplyStatus, OP_LEN};
 use kv_proto::{BatchRefusal, BatchWriter, GrantId, TransportError, WriteOp};
 
@@ -27,10 +28,9 @@ pub trait Refusals: Listener {
     /// A batch whose header and op list are sent, its payload not yet.
     type Held;
 
-    /// A receiver whose unauthenticated peers share an op-list budget of
-    /// `ops` op entries, where a list finding no room waits at most `wait`,
-    /// with a registered buffer of `len` bytes.
-    fn budgeted(&self, ops: u64, wait: Duration, len: usize) -> impl Future<Output = Node<Self::Transport>>;
+    /// A receiver whose op lists are bounded by `op_lists`, with a
+    /// registered buffer of `len` bytes.
+    fn budgeted(&self, op_lists: OpListLimits, len: usize) -> impl Future<Output = Node<Self::Transport>>;
 
     /// Op-list bytes `receiver` holds now.
     fn budget_used(receiver: &Node<Self::Transport>) -> u64;
@@ -67,7 +67,13 @@ pub trait Refusals: Listener {
 /// The case: each refusal counted once, under its reason; the batches that
 /// land count nothing.
 pub async fn each_refusal_is_counted_once_by_reason<L: Refusals>(listener: L) {
-    let rx = listener.budgeted(BUDGET_OPS, OP_LIST_WAIT, 1 << 16).await;
+    // Unauthenticated peers share a budget of `BUDGET_OPS` op entries.
+    let op_lists = OpListLimits {
+        unauthenticated_budget: BUDGET_OPS * OP_LEN as u64,
+        timeout: OP_LIST_WAIT,
+        ..OpListLimits::default()
+    };
+    let rx = listener.budgeted(op_lists, 1 << 16).await;
     let base = rx.buf.addr();
     let live = rx.grant_range(0, 4096).await;
     let (mut client, max_ops) = listener.client(&rx).await;

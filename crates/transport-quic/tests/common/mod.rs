@@ -6,11 +6,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kv_proto::auth::{client_proof, verify_server_proof, AuthSecret, Channel, Transcript};
 use kv_proto::dataplane::{
-    decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, OP_LEN, VERDICT_HEADER_LEN,
+    decode_verdict_header, encode_op, put_verdict, ReplyStatus, MAX_REASON_LEN, VERDICT_HEADER_LEN,
 };
 use kv_proto::{BatchWriter, Endpoint, Grant, GrantId, Protocol};
 use quinn::{Connection, RecvStream, SendStream};
@@ -57,9 +56,7 @@ impl Refusals for Quic {
     type Client = RawClient;
     type Held = (SendStream, RecvStream);
 
-    async fn budgeted(&self, ops: u64, wait: Duration, len: usize) -> Node {
-        let op_lists =
-            OpListLimits { unauthenticated_budget: ops * OP_LEN as u64, timeout: wait, ..OpListLimits::default() };
+    async fn budgeted(&self, op_lists: OpListLimits, len: usize) -> Node {
         node(QuicConfig { op_lists, ..QuicConfig::default() }, len).await
     }
 

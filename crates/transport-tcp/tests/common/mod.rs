@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use kv_proto::auth::AuthSecret;
 use kv_proto::dataplane::ReplyStatus;
@@ -13,7 +12,7 @@ use test_support::listener::refusals::Refusals;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_tcp::wire::{
-    encode_op, Accept, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, MAX_REASON_LEN, OP_LEN, REPLY_HEADER_LEN,
+    encode_op, Accept, BatchHeader, Preamble, ReplyHeader, ACCEPT_LEN, MAX_REASON_LEN, REPLY_HEADER_LEN,
 };
 use transport_tcp::{OpListLimits, TcpConfig, TcpTransport};
 
@@ -51,9 +50,7 @@ impl Refusals for Tcp {
     type Client = RawClient;
     type Held = RawClient;
 
-    async fn budgeted(&self, ops: u64, wait: Duration, len: usize) -> Node {
-        let op_lists =
-            OpListLimits { unauthenticated_budget: ops * OP_LEN as u64, timeout: wait, ..OpListLimits::default() };
+    async fn budgeted(&self, op_lists: OpListLimits, len: usize) -> Node {
         node(TcpConfig { op_lists, ..TcpConfig::default() }, len).await
     }
 
