@@ -17,12 +17,17 @@ from kvlink_vllm import staging
 
 
 class Handle:
+    """``raises_on``: "done" (its first query raises), "done_late" (a later
+    query raises: it ran before it errored) or "wait"."""
+
     def __init__(self, raises_on: str | None = None):
         self.raises_on = raises_on
         self.finished = False
+        self.queries = 0
 
     def done(self) -> bool:
-        if self.raises_on == "done":
+        self.queries += 1
+        if self.raises_on == "done" or (self.raises_on == "done_late" and self.queries > 1):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return self.finished
 
@@ -66,6 +71,8 @@ class Worker:
         self.failed: list[int] = []
         self.cancel_wait: list[int] = []
         self.staging_state = (0, 4, 4)
+        #: Set when a copy is reported ended (done or failed).
+        self.ended = threading.Event()
 
     def order(self, id_: int, req: str = "r") -> None:
         self.orders.append((id_, req, "to_device", [(1, 0)]))
@@ -79,9 +86,11 @@ class Worker:
 
     def copies_done(self, ids: list[int]) -> None:
         self.done += ids
+        self.ended.set()
 
     def copies_failed(self, ids: list[int]) -> None:
         self.failed += ids
+        self.ended.set()
 
     def pump(self) -> None:
         pass
@@ -394,3 +403,32 @@ def test_a_cancelled_pulls_copy_not_yet_launched_is_dropped():
     s.hold_copies(False)
     assert "launch" not in copier.on(threading.get_ident()) and worker.done == [8]
     assert s.state()["copies_held"] == s.state()["copies_in_flight"] == 0
+
+
+def test_a_copy_erroring_after_its_launch_on_the_staging_thread_fails_once_and_the_thread_goes_on():
+    """A piece of a pull still on the wire is copied on as it landed; its
+    copy errors at a later query, on the staging thread: the worker hears
+    that copy failed (the native core then cuts the pull short), once; the
+    thread goes on (the next copy is reported done by it) and the engine's
+    next call raises nothing."""
+    worker, copier = Worker(), Copier()
+    worker.staging_state = (1, 2, 4)  # busy: the thread polls its copies
+    late = copier.handles[1] = Handle(raises_on="done_late")
+    worker.order(1, "mid-pull")
+    s = staging.Stager(worker, copier)
+    try:
+        s.start_load_kv(b"")
+        assert worker.ended.wait(timeout=10), "the staging thread never reported the copy"
+        assert (worker.done, worker.failed) == ([], [1])
+        assert late.queries >= 2, "it ran before it errored"
+        worker.ended.clear()
+        copier.handles[2] = Handle()
+        copier.handles[2].finished = True
+        worker.order(2, "next")
+        assert worker.ended.wait(timeout=10), "the staging thread stopped"
+        assert (worker.done, worker.failed) == ([2], [1]), "each copy reported once"
+        assert s._thread is not None and s._thread.is_alive() and s._error is None
+        assert s.get_finished([]) == ([], [])
+        assert s.state()["copies_failed"] == 1 and s.state()["copies_in_flight"] == 0
+    finally:
+        s.stop()

@@ -14,7 +14,6 @@ Copies are held un-run with ``Instance.hold_copies`` (a test hook), so
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -329,99 +328,3 @@ def test_a_failed_copy_fails_its_request_not_the_engine(instances, failing):
     wait_state(d, all_slots_free, "D's slots free", step=True)
     assert staging_figures(d)["staging_free_slots"] == staging_figures(d)["staging_slots"] == 16
     no_violations(p, d)
-
-
-class _LateError:
-    """A launched copy whose completion is an error surfacing at a later
-    query (an asynchronous device error), not at its launch."""
-
-    def __init__(self):
-        self.queries = 0
-
-    def done(self) -> bool:
-        self.queries += 1
-        if self.queries > 1:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return False
-
-    def wait(self) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
-class _Copier:
-    """Copy 1 (a piece of a pull still on the wire) errors late; others complete at launch."""
-
-    def __init__(self):
-        self.late = _LateError()
-
-    def note_forward(self) -> None:
-        pass
-
-    def launch(self, order):
-        from kvlink_vllm.staging import DONE
-
-        return self.late if order.id == 1 else DONE
-
-    def synchronize(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-
-class _Worker:
-    """The native worker's staged calls, recorded; each ended copy sets an event."""
-
-    def __init__(self):
-        self.orders = [(1, "mid-pull", "to_device", [(3, 0), (4, 1)])]
-        self.done: list[int] = []
-        self.failed: list[int] = []
-        self.ended = threading.Event()
-        self.staging_state = (1, 2, 4)
-
-    def start_load_kv(self, payload: bytes) -> list[int]:
-        return []
-
-    def take_copies(self) -> list[tuple]:
-        out, self.orders = self.orders, []
-        return out
-
-    def copies_done(self, ids: list[int]) -> None:
-        self.done += ids
-        self.ended.set()
-
-    def copies_failed(self, ids: list[int]) -> None:
-        self.failed += ids
-        self.ended.set()
-
-    def pump(self) -> None:
-        pass
-
-    def get_finished(self, finished: list[str]) -> tuple[list[str], list[str]]:
-        return [], []
-
-
-def test_a_copy_erroring_after_its_launch_mid_pull_is_a_failed_copy_and_the_thread_goes_on():
-    """A piece of a pull still on the wire is copied on as it landed; its
-    copy errors at a later query, on the staging thread: the worker hears
-    that copy failed (the native core then cuts the pull short), once; the
-    thread goes on (the next copy is reported done by it) and the engine's
-    next call raises nothing."""
-    from kvlink_vllm.staging import Stager
-
-    worker, copier = _Worker(), _Copier()
-    stager = Stager(worker, copier)
-    try:
-        stager.start_load_kv(b"")
-        assert worker.ended.wait(timeout=10), "the staging thread never reported the copy"
-        assert (worker.done, worker.failed) == ([], [1])
-        assert copier.late.queries >= 2, "it ran before it errored"
-        worker.ended.clear()
-        worker.orders = [(2, "next", "to_device", [(5, 2)])]
-        assert worker.ended.wait(timeout=10), "the staging thread stopped"
-        assert (worker.done, worker.failed) == ([2], [1]), "each copy reported once"
-        assert stager._thread is not None and stager._thread.is_alive() and stager._error is None
-        assert stager.get_finished([]) == ([], [])
-        assert stager.state()["copies_failed"] == 1 and stager.state()["copies_in_flight"] == 0
-    finally:
-        stager.stop()
