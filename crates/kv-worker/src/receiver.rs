@@ -226,6 +226,16 @@ pub struct PullReport {
     pub failure: Option<(FailureCause, String)>,
 }
 
+/// What [`ReceiverCore::cut_short`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CutShort {
+    /// The grants to revoke before the engine may reuse the blocks.
+    pub grants: Vec<GrantId>,
+    /// Requests that were not pulling any more (ended already, or never
+    /// here): to be settled as they ended.
+    pub ended: Vec<ReqId>,
+}
+
 /// What ended since the driver last asked ([`ReceiverCore::take_reports`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PullReports {
@@ -639,40 +649,88 @@ impl ReceiverCore {
     pub fn cancel<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>) -> Vec<GrantId> {
         let mut grants = Vec::new();
         for req in reqs {
-            if self.in_flight.remove(req).is_none() {
-                if self.done.received.contains(req) || self.done.failed.contains_key(req) {
-                    self.reports.cancelled += 1;
-                }
-                // Ended and fenced already, maybe not polled yet: never
-                // report it now either.
-                self.done.received.remove(req);
-                self.done.failed.remove(req);
-                continue;
+            let was_pulling = self.stop_pull(req, &mut grants).is_some();
+            if self.forget_ended(req) || was_pulling {
+                self.reports.cancelled += 1;
             }
-            self.reports.cancelled += 1;
-            for state in self.instances.values_mut() {
-                if let InstanceState::Discovering(waiting) = state {
-                    waiting.retain(|w| &w.req != req);
-                }
-            }
-            for batch in self.batches.values_mut() {
-                let before = batch.reqs.len();
-                batch.reqs.retain(|p| &p.req != req);
-                if batch.reqs.len() == before {
-                    continue;
-                }
-                tracing::debug!(req_id = %req, peer = %batch.peer, "pull cancelled by the engine");
-                // Not granted yet: the transfer request has not gone out,
-                // and the driver revokes the grant it is about to issue.
-                batch.lost_requests = true;
-                if let Some(grant) = batch.grant {
-                    if !grants.contains(&grant) {
-                        grants.push(grant);
-                    }
-                }
+            if was_pulling {
+                tracing::debug!(req_id = %req, "pull cancelled by the engine");
             }
         }
         grants
+    }
+
+    /// The engine's side failed these requests while their pulls were still
+    /// out (a staged decode's copy of what landed into the engine's blocks
+    /// failed): each ends as a cancelled one does (never reported to the
+    /// engine, which knows; its grants returned to revoke) but is reported
+    /// failed with `cause` and `reason`. Those not pulling any more are in
+    /// [`CutShort::ended`], to be settled as they ended.
+    pub fn cut_short<'a>(
+        &mut self,
+        reqs: impl IntoIterator<Item = &'a ReqId>,
+        cause: FailureCause,
+        reason: &str,
+    ) -> CutShort {
+        let mut cut = CutShort::default();
+        for req in reqs {
+            match self.stop_pull(req, &mut cut.grants) {
+                Some(pull) => {
+                    tracing::debug!(req_id = %req, %cause, %reason, "pull cut short");
+                    self.report(PullReport {
+                        req: req.clone(),
+                        remote: pull.remote,
+                        peer: None,
+                        xfer_id: None,
+                        grant: None,
+                        blocks: pull.blocks.len(),
+                        started: pull.started,
+                        failure: Some((cause, reason.to_owned())),
+                    });
+                }
+                None => {
+                    self.forget_ended(req);
+                    cut.ended.push(req.clone());
+                }
+            }
+        }
+        cut
+    }
+
+    /// Stops the pull of `req` if it is in flight: it leaves every batch
+    /// and discovery it waits in, and the grants of its batches join
+    /// `grants` (a batch not granted yet has the driver revoke the grant it
+    /// is about to issue). The other requests of those batches end as P
+    /// reports them.
+    fn stop_pull(&mut self, req: &ReqId, grants: &mut Vec<GrantId>) -> Option<InFlight> {
+        let pull = self.in_flight.remove(req)?;
+        for state in self.instances.values_mut() {
+            if let InstanceState::Discovering(waiting) = state {
+                waiting.retain(|w| &w.req != req);
+            }
+        }
+        for batch in self.batches.values_mut() {
+            let before = batch.reqs.len();
+            batch.reqs.retain(|p| &p.req != req);
+            if batch.reqs.len() == before {
+                continue;
+            }
+            batch.lost_requests = true;
+            if let Some(grant) = batch.grant {
+                if !grants.contains(&grant) {
+                    grants.push(grant);
+                }
+            }
+        }
+        Some(pull)
+    }
+
+    /// Forgets how `req` ended if it did and was not taken yet (ended and
+    /// fenced, maybe not polled): it is never reported now. Whether it had.
+    fn forget_ended(&mut self, req: &ReqId) -> bool {
+        let received = self.done.received.remove(req);
+        let failed = self.done.failed.remove(req).is_some();
+        received || failed
     }
 
     /// P answered a pull: each request will be received or failed by its

@@ -691,37 +691,16 @@ impl Worker {
         if !self.shared.config.role.receives() {
             return;
         }
-        let (mut grants, mut pulling, mut ended) = (Vec::new(), Vec::new(), Vec::new());
-        {
+        let reason = "a copy of what landed into the engine's blocks failed; the pull was cut short";
+        let cut = {
             let mut receiver = self.shared.lock_receiver();
+            let cut = receiver.cut_short(reqs, FailureCause::CopyFailed, reason);
             self.shared.record_reports(&mut receiver);
-            for req in reqs {
-                let before = receiver.in_flight();
-                for grant in receiver.cancel([req]) {
-                    if !grants.contains(&grant) {
-                        grants.push(grant);
-                    }
-                }
-                if receiver.in_flight() < before {
-                    pulling.push(req)
-                } else {
-                    ended.push(req)
-                }
-            }
-            // Counted failed below, not cancelled.
-            let mut reports = receiver.take_reports();
-            reports.cancelled = 0;
-            self.shared.record_pulls(reports);
-        }
-        self.fence_now(&grants);
+            cut
+        };
+        self.fence_now(&cut.grants);
         self.shared.finished_changed.notify_waiters();
-        let (now, cause) = (Instant::now(), FailureCause::CopyFailed);
-        for req in pulling {
-            self.shared.metrics.pull_failed(cause);
-            let reason = "a copy of what landed into the engine's blocks failed; the pull was cut short";
-            let _ = self.shared.failure_log.failed(cause, req, req, &"-", reason, now);
-        }
-        for req in ended {
+        for req in &cut.ended {
             self.settle_landed(req, Settled::CopyFailed);
         }
     }

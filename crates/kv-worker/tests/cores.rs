@@ -683,6 +683,38 @@ fn a_pull_cancelled_after_it_ended_but_before_it_was_polled_is_never_reported() 
     assert_eq!(done.received, BTreeSet::from([r("b")]), "a is never reported once cancelled");
 }
 
+/// A staged decode's copy of a pull still out failed: the pull is cut
+/// short like a cancel (its grant revoked, never reported to the engine)
+/// but counted failed with the cause; one that had ended already comes
+/// back to be settled as it ended, never reported either.
+#[test]
+fn a_pull_cut_short_is_fenced_counted_failed_and_never_reported() {
+    let t0 = Instant::now();
+    let mut core = ReceiverCore::new(0, Duration::from_secs(5));
+    let pulls = core.start(&reqs(&[("a", recv("p", 1, &[1, 2])), ("b", recv("p", 1, &[3]))]), t0);
+    let (xfer_id, grant) = (pulls[0].xfer_id, GrantId::from_bytes([4; 16]));
+    assert!(core.handle_granted(xfer_id, grant));
+    let started = core.take_reports();
+    assert_eq!(started.started, 2);
+
+    let cut = core.cut_short(&BTreeSet::from([r("a")]), FailureCause::CopyFailed, "copy failed");
+    assert_eq!((cut.grants, cut.ended), (vec![grant], vec![]), "revoke before the engine reuses a's blocks");
+    let reports = core.take_reports();
+    assert_eq!(reports.cancelled, 0, "failed, not cancelled");
+    assert_eq!(reports.ended.len(), 1);
+    let report = &reports.ended[0];
+    assert_eq!((&report.req, report.blocks), (&r("a"), 2));
+    assert_eq!(report.failure, Some((FailureCause::CopyFailed, "copy failed".to_owned())));
+
+    core.handle_reply(reply(xfer_id, &[("a", Outcome::Done), ("b", Outcome::Done)]));
+    core.handle_fenced(xfer_id);
+    let cut = core.cut_short(&BTreeSet::from([r("b")]), FailureCause::CopyFailed, "copy failed");
+    assert_eq!((cut.grants, cut.ended), (vec![], vec![r("b")]), "ended and fenced: settled as it ended");
+    let done = core.poll_finished();
+    assert!(done.received.is_empty() && done.failed.is_empty(), "neither is reported to the engine: {done:?}");
+    assert_eq!(core.in_flight(), 0);
+}
+
 // ---------------------------------------------------------------------------
 // A receiver that learns each prefill instance's topology first
 // ---------------------------------------------------------------------------
