@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 
@@ -384,7 +383,7 @@ def test_a_pull_cancelled_while_its_copy_is_launched_is_fenced_before_the_step_r
         assert copier.handles[7].finished and worker.done == [7] and worker.failed == []
         worker.cancel_wait = []
         s.get_finished([])
-        time.sleep(0.05)  # the staging thread polls again: nothing more is reported
+        s.pump()  # one more poll of the copies: nothing more is reported
         assert worker.done == [7] and s.state()["copies_in_flight"] == 0
     finally:
         copier.gate.set()

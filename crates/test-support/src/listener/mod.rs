@@ -34,6 +34,17 @@ pub const SECRET: &str = "the data-plane secret";
 /// own to the receiver); honest senders come from 127.0.0.1.
 pub const HOSTILE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
+/// Waits (at most [`BOUND`]) until the op-list bytes a receiver holds,
+/// read by `used`, are `wanted`; panics naming `what` (and the bytes
+/// charged) if they never are.
+async fn budget_reaches(used: impl Fn() -> u64, wanted: impl Fn(u64) -> bool, what: &str) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !wanted(used()) {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {} bytes charged", used());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// A network transport whose listener the cases attack.
 pub trait Listener {
     /// The transport under test.

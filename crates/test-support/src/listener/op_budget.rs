@@ -10,12 +10,11 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use kv_proto::dataplane::{encode_op, ReplyStatus, OP_LEN};
 use kv_proto::{BatchWriter, GrantId, WriteOp};
 
-use super::{Listener, BOUND};
+use super::{budget_reaches, Listener, BOUND};
 use crate::pattern::{check, fill};
 use crate::{peak_heap_growth, peak_rss_growth, reset_peak_heap, reset_peak_rss, Node, Resources};
 
@@ -69,16 +68,6 @@ pub trait OpBudget: Listener {
     ) -> impl Future<Output = Option<(ReplyStatus, String)>> + Send;
 }
 
-/// Waits (at most [`BOUND`]) until the op-list bytes `victim` holds are
-/// `wanted`; panics naming `what` if they never are.
-async fn budget_reaches<L: OpBudget>(victim: &Node<L::Transport>, wanted: impl Fn(u64) -> bool, what: &str) {
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while !wanted(L::budget_used_and_peak(victim).0) {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: {} bytes charged", L::budget_used_and_peak(victim).0);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
 /// The case: run it on a multi-threaded runtime of its own, alone in its
 /// test binary.
 #[allow(clippy::print_stderr)]
@@ -123,7 +112,12 @@ pub async fn huge_op_lists_stay_within_one_budget<L: OpBudget>(listener: L) {
         })
         .collect();
     // The attack holds the budget before the honest batch starts.
-    budget_reaches::<L>(&victim, |used| used >= BUDGET / 2, "the attack never filled the budget").await;
+    budget_reaches(
+        || L::budget_used_and_peak(&victim).0,
+        |used| used >= BUDGET / 2,
+        "the attack never filled the budget",
+    )
+    .await;
     let endpoint = victim.transport.endpoint();
     let honest = tokio::time::timeout(BOUND, sender.transport.batch_write(&endpoint, &grant, &ops))
         .await
@@ -157,7 +151,7 @@ pub async fn huge_op_lists_stay_within_one_budget<L: OpBudget>(listener: L) {
         assert_eq!(L::budget_used_and_peak(&victim).0, 0, "every share was given back");
     } else {
         // The last share comes back just after its reply.
-        budget_reaches::<L>(&victim, |used| used == 0, "shares still charged").await;
+        budget_reaches(|| L::budget_used_and_peak(&victim).0, |used| used == 0, "shares still charged").await;
     }
     victim.transport.revoke(&grant.id).await;
     check(&victim.buf, &ops);

@@ -11,7 +11,7 @@ use kv_net::OpListLimits;
 use kv_proto::dataplane::{ReplyStatus, OP_LEN};
 use kv_proto::{BatchRefusal, BatchWriter, GrantId, TransportError, WriteOp};
 
-use super::{Listener, BOUND};
+use super::{budget_reaches, Listener, BOUND};
 use crate::stats::{expected, reaches};
 use crate::Node;
 
@@ -107,11 +107,8 @@ pub async fn each_refusal_is_counted_once_by_reason<L: Refusals>(listener: L) {
     // not yet), so another's list finds no room within the wait.
     let held: Vec<(u64, u64)> = (0..BUDGET_OPS).map(|k| (base + k, 1)).collect();
     let holder = listener.hold(&rx, &client, live.id, &held).await;
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while L::budget_used(&rx) < BUDGET_OPS * OP_LEN as u64 {
-        assert!(tokio::time::Instant::now() < deadline, "the holder's op list was never charged");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let full = BUDGET_OPS * OP_LEN as u64;
+    budget_reaches(|| L::budget_used(&rx), |used| used >= full, "the holder's op list was never charged").await;
     let (status, reason) = L::batch(&mut client, live.id, &[(base + 100, 1)], &[4]).await;
     assert_eq!(status, ReplyStatus::Refused, "{reason}");
     assert!(reason.contains("no room"), "{reason}");
