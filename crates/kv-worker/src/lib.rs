@@ -50,7 +50,7 @@ pub use error::WorkerError;
 pub use layout::{CacheDims, CacheShape, LayerCache, LayerTensor, LayoutError, RegisteredCache, ShapeError};
 pub use plan::GrantPlanError;
 pub use receiver::{
-    PeerInfo, PullBatch, PullProgress, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr,
+    CutShort, PeerInfo, PullBatch, PullProgress, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr,
 };
 pub use renewal::{RenewalSchedule, Renewed};
 pub use sender::{Claim, Puller, SenderCore};
