@@ -18,7 +18,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, LayoutKind, Outcome,
-    Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferProgress, XferReply, XferRequest,
+    Protocol, RenewalKey, Renewing, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferProgress, XferReply,
+    XferRequest,
 };
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
@@ -75,7 +76,14 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                 layout,
             }),
         ),
-        ("keep-alive", SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("req-a"), ReqId::new("req-b")] })),
+        (
+            "keep-alive",
+            SideMessage::KeepAlive(KeepAlive {
+                renewals: ["req-a", "req-b"]
+                    .map(|id| Renewing { req_id: ReqId::new(id), key: RenewalKey::from_bytes([0x6b; 16]) })
+                    .to_vec(),
+            }),
+        ),
         ("challenge", SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] })),
         ("rejected", SideMessage::HelloReply(HelloReply::Rejected { reason: "region count: p has 4, d has 8".into() })),
         ("proof", SideMessage::AuthProof([3; 32])),

@@ -7,8 +7,8 @@ use std::time::Duration;
 use arbitrary::{Result, Unstructured};
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, Grant, GrantId, HeadRange, Hello, HelloReply, KeepAlive, LayoutKind, Outcome,
-    Protocol, RankTopology, ReqId, RequestBlocks, RequestOutcome, SideMessage, TokenLayout, XferProgress, XferReply,
-    XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN,
+    Protocol, RankTopology, RenewalKey, Renewing, ReqId, RequestBlocks, RequestOutcome, SideMessage, TokenLayout,
+    XferProgress, XferReply, XferRequest, MAX_BLOCKS_PER_REQUEST, MAX_REGIONS, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN,
 };
 
 /// Text: usually what the fuzzer gives, sometimes one character repeated to
@@ -180,7 +180,11 @@ pub(crate) fn side_message(u: &mut Unstructured<'_>) -> Result<SideMessage> {
         4 => SideMessage::AuthProof(u.arbitrary()?),
         5 => {
             let big = &mut big_allowance(u)?;
-            SideMessage::KeepAlive(KeepAlive { req_ids: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, _| req_id(u))? })
+            SideMessage::KeepAlive(KeepAlive {
+                renewals: vec(u, big, MAX_REQUESTS_PER_TRANSFER, |u, _| {
+                    Ok(Renewing { req_id: req_id(u)?, key: RenewalKey::from_bytes(u.arbitrary()?) })
+                })?,
+            })
         }
         6 => SideMessage::XferRefused { xfer_id: u.arbitrary()?, reason: text(u)? },
         _ => SideMessage::XferProgress(XferProgress {
@@ -221,7 +225,7 @@ pub(crate) fn within_bounds(msg: &SideMessage) -> bool {
                 })
         }
         SideMessage::KeepAlive(k) => {
-            k.req_ids.len() <= MAX_REQUESTS_PER_TRANSFER && k.req_ids.iter().all(|id| text(id.as_str()))
+            k.renewals.len() <= MAX_REQUESTS_PER_TRANSFER && k.renewals.iter().all(|r| text(r.req_id.as_str()))
         }
         SideMessage::XferProgress(p) => {
             text(p.req_id.as_str())

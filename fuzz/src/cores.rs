@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use arbitrary::{Arbitrary, Unstructured};
 use kv_proto::{
     BlockId, ConnectorMetadata, EngineId, GrantId, KvRole, KvTransferParams, Outcome, RecvReqMeta, RemotePrefill,
-    ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply,
+    RenewalKey, RenewalSecret, Renewing, ReqId, RequestBlocks, RequestOutcome, SendUpdate, XferReply,
 };
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
 use kv_worker::{Claim, PullBatch, ReceiverCore, RecvFinished, SenderCore, SideChannelAddr};
@@ -33,8 +33,19 @@ fn remote_prefill(id: &ReqId, params: &KvTransferParams) -> Option<RemotePrefill
         remote_port: port,
         remote_request_id: params.remote_request_id.clone().unwrap_or_else(|| id.clone()),
         remote_engine_id: params.remote_engine_id.clone(),
+        remote_renewal_key: params.remote_renewal_key,
     })
 }
+
+/// What the scheduler under test mints its renewal keys from.
+fn renewal_secret() -> RenewalSecret {
+    RenewalSecret::from_bytes([0x5e; 32])
+}
+
+/// The renewal key the sender under test is given with every update.
+const KEY: RenewalKey = RenewalKey::from_bytes([0x6b; 16]);
+/// A key the sender under test is never given.
+const WRONG_KEY: RenewalKey = RenewalKey::from_bytes([0x6c; 16]);
 
 fn pool_id(prefix: char, i: u8) -> ReqId {
     ReqId::new(format!("{prefix}{}", usize::from(i) % POOL))
@@ -193,10 +204,12 @@ enum Event {
     Abandon {
         req: u8,
     },
-    /// Sender: decode instance `by` (one of two) renews the request.
+    /// Sender: decode instance `by` (one of two) renews the request,
+    /// naming its renewal key or (`wrong_key`) another.
     Renew {
         req: u8,
         by: bool,
+        wrong_key: bool,
     },
     /// Sender: P renews what decode instance `by` last renewed (it makes
     /// that instance's messages wait).
@@ -298,12 +311,13 @@ impl Sched {
                     // prefill), half not (an older proxy: D's id is used).
                     remote_request_id: (i % 2 == 0).then(|| ReqId::new(format!("P{i}"))),
                     remote_engine_id: (i % 2 == 0).then(|| EngineId::new("prefill")),
+                    remote_renewal_key: (i % 2 == 0).then(|| RenewalKey::from_bytes([i as u8; 16])),
                 }),
             })
             .collect();
         Self {
             role,
-            s: ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE.0, HERE.1),
+            s: ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE.0, HERE.1, renewal_secret()),
             reqs,
             finished: vec![false; POOL],
             recv: BTreeMap::new(),
@@ -494,6 +508,7 @@ impl Sched {
             remote_port: Some(HERE.1),
             remote_request_id: Some(id.clone()),
             remote_engine_id: Some(EngineId::new(HERE_ENGINE)),
+            remote_renewal_key: delay.then(|| renewal_secret().key_for(&id)),
         };
         assert_eq!(result, Ok((delay, Some(points_here))));
     }
@@ -511,7 +526,14 @@ impl Sched {
             self.live_pulls
                 .extend(recv.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(id, _)| id.clone()));
         }
+        // Each request made ready comes with the key its params carry.
+        let renewal_keys = send
+            .iter()
+            .filter(|(_, update)| self.role.sends() && matches!(update, SendUpdate::Ready { .. }))
+            .map(|(id, _)| (id.clone(), renewal_secret().key_for(id)))
+            .collect();
         let expected = ConnectorMetadata {
+            renewal_keys,
             reqs_to_recv: if self.role.receives() { recv } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { send } else { BTreeMap::new() },
             reqs_to_cancel: if self.role.receives() { cancel } else { BTreeSet::new() },
@@ -569,6 +591,11 @@ struct Sender {
     renewals: HashMap<ReqId, (Instant, EngineId)>,
     /// Requests two decode instances renewed: held for their whole lease.
     contested: HashSet<ReqId>,
+    /// Requests expected or ready whose renewal key the core was given.
+    keyed: HashSet<ReqId>,
+    /// Renewals the core must have refused (a held request, the wrong key
+    /// or none known).
+    refused: u64,
     entries: HashMap<ReqId, Entry>,
     finished: BTreeSet<ReqId>,
     /// Per request: times its blocks were handed to P (Ready), and times it
@@ -591,6 +618,8 @@ impl Sender {
             renewal,
             renewals: HashMap::new(),
             contested: HashSet::new(),
+            keyed: HashSet::new(),
+            refused: 0,
             entries: HashMap::new(),
             finished: BTreeSet::new(),
             held: HashMap::new(),
@@ -602,6 +631,8 @@ impl Sender {
 
     fn update(&mut self, id: &ReqId, update: &SendUpdate, now: Instant) {
         self.core.handle_update(id, update, now);
+        // The worker is given the request's renewal key with its update.
+        self.core.set_renewal_key(id, KEY);
         if self.ended.contains(id) {
             self.irregular.insert(id.clone());
         }
@@ -648,6 +679,9 @@ impl Sender {
                 }
             },
         }
+        if matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. })) {
+            self.keyed.insert(id.clone());
+        }
         self.check();
     }
 
@@ -667,9 +701,16 @@ impl Sender {
         self.renewals.get(id).map_or(lease_end, |(until, _)| (*until).min(lease_end))
     }
 
-    fn renew(&mut self, id: &ReqId, by: &EngineId, now: Instant) {
-        let got = self.core.renew([id], by, now);
-        let holds = matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. }));
+    fn renew(&mut self, id: &ReqId, by: &EngineId, wrong_key: bool, now: Instant) {
+        let key = if wrong_key { WRONG_KEY } else { KEY };
+        let got = self.core.renew(&[Renewing { req_id: id.clone(), key }], by, now);
+        let held = matches!(self.entries.get(id), Some(Entry::Expected | Entry::Ready { .. }));
+        // Only the request's key renews it: anything else moves nothing.
+        let keyed = self.keyed.contains(id) && !wrong_key;
+        if !self.renewal.is_zero() && held && !keyed {
+            self.refused += 1;
+        }
+        let holds = held && keyed;
         // Only the first decode instance to renew a request renews it, and
         // a renewal never brings its end closer; a second one contests it.
         let someone_else = self.renewals.get(id).is_some_and(|(_, who)| who != by);
@@ -707,7 +748,12 @@ impl Sender {
             None => Claim::Unknown,
             // The pull waiting for it holds it from now on, not renewals;
             // an abandoned one is waited for again.
-            Some(Entry::Expected | Entry::Abandoned) => {
+            Some(entry @ (Entry::Expected | Entry::Abandoned)) => {
+                // A waiting request keeps its key; an abandoned one had
+                // none left (it is held for no renewal).
+                if matches!(entry, Entry::Abandoned) {
+                    self.keyed.remove(id);
+                }
                 self.entries.insert(id.clone(), Entry::Expected);
                 self.renewals.remove(id);
                 self.contested.remove(id);
@@ -783,6 +829,7 @@ impl Sender {
 
     fn check(&self) {
         assert_eq!(self.core.len(), self.entries.len());
+        assert_eq!(self.core.renewals_refused(), self.refused, "renewals refused");
         assert_eq!(self.core.is_empty(), self.entries.is_empty());
         let deadline = self
             .entries
@@ -1197,9 +1244,9 @@ pub fn cores(data: &[u8]) {
             Event::Claim { req } => sender.claim(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req), now),
             Event::Complete { req } => sender.complete(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
             Event::Abandon { req } => sender.abandon(&pool_id(if *req >= 128 { 's' } else { 'p' }, *req)),
-            Event::Renew { req, by } => {
+            Event::Renew { req, by, wrong_key } => {
                 let id = pool_id(if *req >= 128 { 's' } else { 'p' }, *req);
-                sender.renew(&id, &decode_engine(*by), now);
+                sender.renew(&id, &decode_engine(*by), *wrong_key, now);
             }
             Event::RenewAllBy { by } => sender.renew_all_by(&decode_engine(*by), now),
             Event::SenderTimeout => sender.timeout(now),
@@ -1214,6 +1261,7 @@ pub fn cores(data: &[u8]) {
                             remote_port: port.get(),
                             remote_request_id: on_prefill(&id),
                             remote_engine_id: None,
+                            remote_renewal_key: None,
                         };
                         (id, RecvReqMeta { local_block_ids: blocks.clone(), first_token: None, remote })
                     })

@@ -47,6 +47,7 @@ mod params;
 pub mod random;
 pub mod receive;
 mod registered;
+mod renewal_key;
 pub mod session;
 mod stats;
 mod throttle;
@@ -77,11 +78,12 @@ pub use params::{KvTransferParams, ParamsError};
 pub use registered::{
     CheckedSources, DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError,
 };
+pub use renewal_key::{RenewalKey, RenewalSecret, RENEWAL_KEY_LEN};
 pub use stats::{BatchRefusal, TransportCounters, TransportStats};
 pub use throttle::LogThrottle;
 pub use topology::{HeadRange, Part, RankTopology, TokenLayout, TopologyError};
 pub use wire::{
-    CacheLayout, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, RequestBlocks, RequestOutcome, SideMessage,
-    XferProgress, XferReply, XferRequest,
+    CacheLayout, Hello, HelloReply, KeepAlive, LayoutKind, Outcome, Renewing, RequestBlocks, RequestOutcome,
+    SideMessage, XferProgress, XferReply, XferRequest,
 };
 pub use writer::{BatchWriter, Endpoint, ParseProtocolError, Protocol, TransportError, MAX_ENDPOINT_DETAILS_LEN};

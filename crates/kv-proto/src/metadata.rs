@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{BlockId, EngineId, ReqId};
+use crate::renewal_key::RenewalKey;
 
 /// A request whose KV this (decode) instance must pull from a prefill instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +36,11 @@ pub struct RemotePrefill {
     pub remote_request_id: ReqId,
     /// P's engine id, when P named it: P refuses a pull naming another.
     pub remote_engine_id: Option<EngineId>,
+    /// The request's renewal key, when P gave one: D's renewals name it.
+    /// Without it D cannot renew the request, and P holds it for its whole
+    /// lease.
+    #[serde(default)]
+    pub remote_renewal_key: Option<RenewalKey>,
 }
 
 /// What the worker must do with its send entry for a request (prefill side).
@@ -77,6 +83,10 @@ pub struct ConnectorMetadata {
     /// from now on), or they finished.
     #[serde(default)]
     pub reqs_to_unwatch: BTreeSet<ReqId>,
+    /// The renewal keys of requests this step's send updates name (prefill
+    /// side): the worker counts a renewal of one only when it names its key.
+    #[serde(default)]
+    pub renewal_keys: BTreeMap<ReqId, RenewalKey>,
 }
 
 impl ConnectorMetadata {
@@ -87,5 +97,6 @@ impl ConnectorMetadata {
             && self.reqs_to_cancel.is_empty()
             && self.reqs_to_watch.is_empty()
             && self.reqs_to_unwatch.is_empty()
+            && self.renewal_keys.is_empty()
     }
 }

@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use crate::bounded::MAX_TEXT_LEN;
 use crate::ids::{EngineId, ReqId};
+use crate::renewal_key::RenewalKey;
 
 /// The per-request transfer parameters, serde-compatible with the dict vLLM
 /// keeps in `request.kv_transfer_params` (same field names as the reference).
@@ -33,6 +34,11 @@ pub struct KvTransferParams {
     /// names another engine.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<EngineId>,
+    /// The request's renewal key (set by P's `request_finished`): D names
+    /// it when it renews P's hold on the request, and P counts a renewal
+    /// only with it ([`crate::RenewalKey`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_renewal_key: Option<RenewalKey>,
 }
 
 /// Transfer params that could not be parsed.
@@ -129,6 +135,18 @@ impl KvTransferParams {
             remote_port,
             remote_request_id: text("remote_request_id")?.map(ReqId::new),
             remote_engine_id: text("remote_engine_id")?.map(EngineId::new),
+            remote_renewal_key: match field("remote_renewal_key") {
+                None => None,
+                Some(v) => Some(v.as_str().and_then(RenewalKey::from_hex).ok_or_else(|| match v.as_str() {
+                    // A key is never echoed, even a malformed one.
+                    Some(s) => ParamsError::WrongType {
+                        field: "remote_renewal_key",
+                        expected: "32 hex digits",
+                        got: format!("a string of {} bytes", s.len()),
+                    },
+                    None => wrong("remote_renewal_key", "32 hex digits", v),
+                })?),
+            },
         })
     }
 
@@ -219,6 +237,20 @@ mod tests {
     }
 
     #[test]
+    fn a_renewal_key_is_32_hex_digits_and_a_bad_one_is_never_echoed() {
+        let key = "0123456789abcdef".repeat(2);
+        let p = KvTransferParams::from_json(&format!(r#"{{"remote_renewal_key": "{key}"}}"#)).unwrap();
+        assert_eq!(p.remote_renewal_key.map(|k| k.to_hex()), Some(key));
+        let err = KvTransferParams::from_json(r#"{"remote_renewal_key": "secret-ish"}"#).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "kv_transfer_params.remote_renewal_key must be 32 hex digits, got a string of 10 bytes"
+        );
+        let err = KvTransferParams::from_json(r#"{"remote_renewal_key": 12}"#).unwrap_err();
+        assert!(matches!(err, ParamsError::WrongType { field: "remote_renewal_key", .. }), "{err}");
+    }
+
+    #[test]
     fn round_trips_through_json() {
         let p = KvTransferParams {
             do_remote_prefill: true,
@@ -227,7 +259,9 @@ mod tests {
             remote_port: Some(1),
             remote_request_id: Some(ReqId::new("cmpl-1-0-abcd1234")),
             remote_engine_id: Some(EngineId::new("prefill-0")),
+            remote_renewal_key: Some(RenewalKey::from_bytes([0x5a; 16])),
         };
+        assert!(p.to_json().contains(&format!(r#""remote_renewal_key":"{}""#, "5a".repeat(16))), "{}", p.to_json());
         assert_eq!(KvTransferParams::from_json(&p.to_json()).unwrap(), p);
     }
 }

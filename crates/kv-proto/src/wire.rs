@@ -19,6 +19,7 @@ use crate::cause::FailureCause;
 use crate::grant::Grant;
 use crate::identity::ModelIdentity;
 use crate::ids::{BlockId, EngineId, ReqId};
+use crate::renewal_key::RenewalKey;
 use crate::topology::{HeadRange, RankTopology, TokenLayout};
 use crate::writer::{Endpoint, Protocol};
 
@@ -238,12 +239,22 @@ pub struct XferProgress {
 /// D → P, no reply: D still means to pull these requests (it has seen them
 /// and not yet sent their transfer request). P holds each one another
 /// [`HelloReply::Accepted::lease_renewal`] from now, capped by its abort
-/// timeout; ids P does not hold are ignored.
+/// timeout; a request P does not hold, or named without its renewal key,
+/// is ignored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeepAlive {
-    /// The requests, as P names them (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
+    /// The requests (at most [`crate::MAX_REQUESTS_PER_TRANSFER`]).
     #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::MAX_REQUESTS_PER_TRANSFER }>")]
-    pub req_ids: Vec<ReqId>,
+    pub renewals: Vec<Renewing>,
+}
+
+/// One request of a [`KeepAlive`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Renewing {
+    /// The request, as P names it.
+    pub req_id: ReqId,
+    /// Its renewal key, from the request's params ([`RenewalKey`]).
+    pub key: RenewalKey,
 }
 
 /// What happened to one request of an [`XferRequest`].

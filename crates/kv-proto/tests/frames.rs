@@ -6,11 +6,15 @@ use std::time::Duration;
 use bytes::BytesMut;
 use kv_proto::{
     CacheLayout, Endpoint, EngineId, FailureCause, FrameCodec, FrameError, Grant, GrantId, Hello, HelloReply,
-    KeepAlive, LayoutKind, Outcome, Protocol, ReqId, RequestBlocks, RequestOutcome, SideMessage, XferProgress,
-    XferReply, XferRequest, FRAME_HEADER_LEN, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
+    KeepAlive, LayoutKind, Outcome, Protocol, RenewalKey, Renewing, ReqId, RequestBlocks, RequestOutcome, SideMessage,
+    XferProgress, XferReply, XferRequest, FRAME_HEADER_LEN, MAX_REQUESTS_PER_TRANSFER, MAX_TEXT_LEN, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 use rstest::rstest;
+
+fn renewing(req: &str) -> Renewing {
+    Renewing { req_id: ReqId::new(req), key: RenewalKey::from_bytes([3; 16]) }
+}
 
 fn hello() -> SideMessage {
     SideMessage::Hello(Hello {
@@ -100,7 +104,7 @@ fn encode(msg: &SideMessage) -> Vec<u8> {
 #[rstest]
 #[case::hello(hello())]
 #[case::hello_accepted(accepted())]
-#[case::keep_alive(SideMessage::KeepAlive(KeepAlive { req_ids: vec![ReqId::new("a"), ReqId::new("b")] }))]
+#[case::keep_alive(SideMessage::KeepAlive(KeepAlive { renewals: vec![renewing("a"), renewing("b")] }))]
 #[case::transfer_refused(SideMessage::XferRefused { xfer_id: 7, reason: "too big".into() })]
 #[case::hello_challenge(SideMessage::HelloReply(HelloReply::Challenge { server_nonce: [1; 32], server_proof: [2; 32] }))]
 #[case::auth_proof(SideMessage::AuthProof([3; 32]))]

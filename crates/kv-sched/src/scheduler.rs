@@ -3,7 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_proto::{
-    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate,
+    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, RenewalSecret, ReqId,
+    SendUpdate,
 };
 use tracing::{debug, warn};
 
@@ -48,6 +49,8 @@ pub struct ConnectorScheduler {
     reqs_need_unwatch: BTreeSet<ReqId>,
     /// Whether params without P's request id were seen (warned once).
     warned_no_remote_request_id: bool,
+    /// What this (prefill) instance's renewal keys are minted from.
+    renewal_secret: RenewalSecret,
 }
 
 impl ConnectorScheduler {
@@ -55,12 +58,15 @@ impl ConnectorScheduler {
     /// listens on `side_channel_host:side_channel_port` (the base port; each
     /// worker adds its tensor-parallel rank). The engine id, host and port
     /// are what a finished prefill tells the proxy to forward to the decode
-    /// instance, with the request's id on this engine.
+    /// instance, with the request's id on this engine and its renewal key,
+    /// minted from `renewal_secret` (fresh per engine,
+    /// [`RenewalSecret::fresh`]; a decode instance mints none).
     pub fn new(
         role: KvRole,
         engine_id: EngineId,
         side_channel_host: impl Into<String>,
         side_channel_port: u16,
+        renewal_secret: RenewalSecret,
     ) -> Self {
         Self {
             role,
@@ -76,6 +82,7 @@ impl ConnectorScheduler {
             reqs_need_watch: BTreeMap::new(),
             reqs_need_unwatch: BTreeSet::new(),
             warned_no_remote_request_id: false,
+            renewal_secret,
         }
     }
 
@@ -235,7 +242,15 @@ impl ConnectorScheduler {
         if self.role.receives() {
             self.live_recvs.extend(recvs.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(r, _)| r.clone()));
         }
+        // Derived, not stored: the worker learns a request's key with the
+        // update that makes it ready, the same key its params carry.
+        let renewal_keys = sends
+            .iter()
+            .filter(|(_, update)| self.role.sends() && matches!(update, SendUpdate::Ready { .. }))
+            .map(|(req, _)| (req.clone(), self.renewal_secret.key_for(req)))
+            .collect();
         let meta = ConnectorMetadata {
+            renewal_keys,
             reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },
             reqs_to_send: if self.role.sends() { sends } else { BTreeMap::new() },
             reqs_to_cancel: if self.role.receives() { cancels } else { BTreeSet::new() },
@@ -349,6 +364,7 @@ impl ConnectorScheduler {
                 remote_port: Some(self.side_channel_port),
                 remote_request_id: Some(request_id.clone()),
                 remote_engine_id: Some(self.engine_id.clone()),
+                remote_renewal_key: delay_free_blocks.then(|| self.renewal_secret.key_for(request_id)),
             }),
         ))
     }
@@ -409,6 +425,7 @@ impl ConnectorScheduler {
             remote_port: port,
             remote_request_id: params.prefill_request_id(request_id),
             remote_engine_id: params.remote_engine_id.clone(),
+            remote_renewal_key: params.remote_renewal_key,
         }
     }
 

@@ -140,7 +140,12 @@ proptest! {
                     let remote_decode = matches!(kinds[i], Kind::RemoteDecode);
                     let capped = remote_decode && status == RequestStatus::FinishedLengthCapped;
                     prop_assert_eq!(delay_free, capped && num_blocks > 0);
-                    prop_assert_eq!(returned, capped.then(|| points_here(reqs[i].request_id.as_str())));
+                    // Nothing held, nothing to renew: no key.
+                    let expected = capped.then(|| KvTransferParams {
+                        remote_renewal_key: (num_blocks > 0).then(|| renewal_key(reqs[i].request_id.as_str())),
+                        ..points_here(reqs[i].request_id.as_str())
+                    });
+                    prop_assert_eq!(returned, expected);
                 }
                 Op::Alloc { .. } | Op::Finish { .. } => {}
                 Op::Build => {

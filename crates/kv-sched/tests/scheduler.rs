@@ -462,7 +462,8 @@ fn length_capped_without_blocks_forgets_send_entry(#[case] role: KvRole) {
     s.update_state_after_alloc(&mut r, &[], 0).unwrap();
     assert_eq!(s.build_connector_meta(), meta(vec![], vec![("r1", SendUpdate::Expect)]));
     r.status = FinishedLengthCapped;
-    assert_eq!(s.request_finished(&mut r, &[]), Ok((false, Some(points_here("r1")))));
+    let nothing_held = KvTransferParams { remote_renewal_key: None, ..points_here("r1") };
+    assert_eq!(s.request_finished(&mut r, &[]), Ok((false, Some(nothing_held))), "nothing to renew: no key");
     assert_eq!(s.build_connector_meta(), meta(vec![], vec![("r1", SendUpdate::Forget)]));
     assert_eq!(s.live_send_entries(), 0);
 }
@@ -764,8 +765,8 @@ fn refused_calls_leave_request_and_scheduler_unchanged() {
 
 #[test]
 fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
-    let mut p = ConnectorScheduler::new(Producer, EngineId::new(P_ENGINE), P_HOST, P_PORT);
-    let mut d = ConnectorScheduler::new(Consumer, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT);
+    let mut p = ConnectorScheduler::new(Producer, EngineId::new(P_ENGINE), P_HOST, P_PORT, renewal_secret());
+    let mut d = ConnectorScheduler::new(Consumer, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT, renewal_secret());
     // Each engine names its copy of the client's request its own way.
     let (p_id, d_id) = ("cmpl-7-0-b00fff6e", "cmpl-7-0-9760c8b8");
 
@@ -782,6 +783,8 @@ fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
     let returned = returned.unwrap();
     assert_eq!(returned.remote_request_id, Some(ReqId::from(p_id)));
     assert_eq!(returned.remote_engine_id, Some(EngineId::new(P_ENGINE)));
+    let key = renewal_key(p_id);
+    assert_eq!(returned.remote_renewal_key, Some(key), "the key P's worker was given with the ready update");
 
     // D: the proxy forwards what P returned; D has 16 of 40 tokens cached.
     let mut on_d = req(d_id, 40, Waiting, Some(returned));
@@ -794,10 +797,11 @@ fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
             remote_port: P_PORT,
             remote_request_id: ReqId::from(p_id),
             remote_engine_id: Some(EngineId::new(P_ENGINE)),
+            remote_renewal_key: Some(key),
         },
     };
     let watch = d.build_connector_meta();
-    assert_eq!(watch.reqs_to_watch.get(&ReqId::from(d_id)), Some(&pulled.remote), "D renews P's id");
+    assert_eq!(watch.reqs_to_watch.get(&ReqId::from(d_id)), Some(&pulled.remote), "D renews P's id, with its key");
     on_d.status = Running;
     d.update_state_after_alloc(&mut on_d, &[3, 4], 24).unwrap();
     let built = d.build_connector_meta();
@@ -827,6 +831,7 @@ fn messages_to_p_name_ps_request_id(#[case] step: ReachedOnD, #[values(true, fal
         // An older proxy or a hand-written client: D falls back to its own id.
         returned.remote_request_id = None;
         returned.remote_engine_id = None;
+        returned.remote_renewal_key = None;
     }
     let mut r = req(d_id.as_str(), 64, Waiting, Some(returned.clone()));
     let remote = d.get_num_new_matched_tokens(&r, 0);
@@ -848,6 +853,7 @@ fn messages_to_p_name_ps_request_id(#[case] step: ReachedOnD, #[values(true, fal
         remote_port: P_PORT,
         remote_request_id: if p_named_it { ReqId::from(P_REQ) } else { d_id },
         remote_engine_id: p_named_it.then(|| EngineId::new(P_ENGINE)),
+        remote_renewal_key: p_named_it.then(p_renewal_key),
     };
     assert_eq!(named, [expected]);
 }

@@ -5,12 +5,24 @@
 //! reference's lease) unless a decode instance renews it: from the first
 //! renewal on, the request is held only a short renewal past the last one
 //! (never past the abort timeout), so a decode instance that dies or
-//! restarts before pulling strands P's blocks for seconds, not minutes.
+//! restarts before pulling strands P's blocks for seconds, not minutes. A
+//! renewal counts only naming the request's renewal key
+//! ([`kv_proto::RenewalKey`]), which only the decode instance given the
+//! request's params has.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, EngineId, FailureCause, ReqId, SendUpdate};
+use kv_proto::{BlockId, EngineId, FailureCause, RenewalKey, Renewing, ReqId, SendUpdate};
+
+/// What renews a request P holds for a pull: its renewal key (the one
+/// its params carry, from P's scheduler) and its last renewal.
+#[derive(Debug, Clone, Default)]
+struct Hold {
+    /// `None`: P's scheduler gave none (yet); nothing renews it.
+    key: Option<RenewalKey>,
+    renewed: Option<Renewal>,
+}
 
 /// The last renewal of a request: who renewed it and until when, and
 /// whether another decode instance renewed it too.
@@ -27,12 +39,12 @@ struct Renewal {
 #[derive(Debug)]
 enum SendEntry {
     /// Scheduled with `do_remote_decode`, not finished yet: D may already ask.
-    Expected { renewed: Option<Renewal> },
+    Expected { hold: Hold },
     /// Finished by length cap; blocks held until D pulls, the lease ends, or
     /// (once renewed) the renewal runs out. Only the first `staged` blocks
     /// hold its KV yet (all of them unless staged in pieces,
     /// [`SenderCore::handle_staged`]).
-    Ready { block_ids: Vec<BlockId>, staged: usize, ready_at: Instant, lease_end: Instant, renewed: Option<Renewal> },
+    Ready { block_ids: Vec<BlockId>, staged: usize, ready_at: Instant, lease_end: Instant, hold: Hold },
     /// A transfer is writing it (its blocks still held); it ends in
     /// `complete`. The first `staged` of its blocks may be written; `failed`:
     /// the rest never will be (the transfer fails it).
@@ -98,7 +110,7 @@ impl SendEntry {
     fn ready_until(&self) -> Option<Instant> {
         match self {
             SendEntry::Shared { lease_end, writing: 0, failed: None, .. } => Some(*lease_end),
-            SendEntry::Ready { lease_end, renewed, .. } => Some(match renewed {
+            SendEntry::Ready { lease_end, hold, .. } => Some(match &hold.renewed {
                 Some(r) if !r.contested => r.until.min(*lease_end),
                 _ => *lease_end,
             }),
@@ -106,9 +118,9 @@ impl SendEntry {
         }
     }
 
-    fn renewal_mut(&mut self) -> Option<&mut Option<Renewal>> {
+    fn hold_mut(&mut self) -> Option<&mut Hold> {
         match self {
-            SendEntry::Expected { renewed } | SendEntry::Ready { renewed, .. } => Some(renewed),
+            SendEntry::Expected { hold } | SendEntry::Ready { hold, .. } => Some(hold),
             _ => None,
         }
     }
@@ -125,6 +137,9 @@ pub struct SenderCore {
     lease_expiries: u64,
     /// Renewals applied, since start.
     renewals: u64,
+    /// Renewals of requests P holds that named the wrong key (or none was
+    /// known), since start.
+    renewals_refused: u64,
 }
 
 impl SenderCore {
@@ -132,7 +147,15 @@ impl SenderCore {
     /// once renewed, for `renewal` past the last renewal, within `lease`.
     /// A zero `renewal` turns renewals off.
     pub fn new(lease: Duration, renewal: Duration) -> Self {
-        Self { lease, renewal, entries: HashMap::new(), finished: BTreeSet::new(), lease_expiries: 0, renewals: 0 }
+        Self {
+            lease,
+            renewal,
+            entries: HashMap::new(),
+            finished: BTreeSet::new(),
+            lease_expiries: 0,
+            renewals: 0,
+            renewals_refused: 0,
+        }
     }
 
     /// How long one renewal holds a request (zero: renewals are off).
@@ -144,7 +167,7 @@ impl SenderCore {
     pub fn handle_update(&mut self, req: &ReqId, update: &SendUpdate, now: Instant) {
         match update {
             SendUpdate::Expect => {
-                self.entries.entry(req.clone()).or_insert(SendEntry::Expected { renewed: None });
+                self.entries.entry(req.clone()).or_insert(SendEntry::Expected { hold: Hold::default() });
             }
             SendUpdate::Ready { block_ids } => match self.entries.get(req) {
                 Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => {
@@ -157,14 +180,14 @@ impl SenderCore {
                 }
                 entry => {
                     // A renewal seen while it was running carries over.
-                    let renewed = match entry {
-                        Some(SendEntry::Expected { renewed } | SendEntry::Ready { renewed, .. }) => renewed.clone(),
-                        _ => None,
+                    let hold = match entry {
+                        Some(SendEntry::Expected { hold } | SendEntry::Ready { hold, .. }) => hold.clone(),
+                        _ => Hold::default(),
                     };
                     let lease_end = now + self.lease;
                     let staged = block_ids.len();
                     let ready =
-                        SendEntry::Ready { block_ids: block_ids.clone(), staged, ready_at: now, lease_end, renewed };
+                        SendEntry::Ready { block_ids: block_ids.clone(), staged, ready_at: now, lease_end, hold };
                     self.entries.insert(req.clone(), ready);
                 }
             },
@@ -274,7 +297,13 @@ impl SenderCore {
             // count (it is claimed the moment it is ready; if the pull
             // gives up first, `abandon` frees it when ready).
             Some(SendEntry::Expected { .. }) | Some(SendEntry::Abandoned) => {
-                self.entries.insert(req.clone(), SendEntry::Expected { renewed: None });
+                // Its key stays: if this pull gives up, the decode
+                // instance that has it may renew it again.
+                let key = match self.entries.get(req) {
+                    Some(SendEntry::Expected { hold }) => hold.key,
+                    _ => None,
+                };
+                self.entries.insert(req.clone(), SendEntry::Expected { hold: Hold { key, renewed: None } });
                 Claim::NotReady
             }
             Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => Claim::InFlight,
@@ -358,43 +387,60 @@ impl SenderCore {
         self.entries.insert(req.clone(), SendEntry::Failed { cause, until: now + self.lease });
     }
 
+    /// `req`'s renewal key, from P's scheduler (with the update that made
+    /// it ready): renewals of it count only when they name this key. A
+    /// request P holds no entry for, or no longer waits to be pulled, is
+    /// ignored.
+    pub fn set_renewal_key(&mut self, req: &ReqId, key: RenewalKey) {
+        if let Some(hold) = self.entries.get_mut(req).and_then(SendEntry::hold_mut) {
+            hold.key = Some(key);
+        }
+    }
+
     /// Decode instance `by` still means to pull `reqs`: each one P holds,
-    /// not yet claimed by a pull, is held until `now` plus the renewal (the
-    /// abort-timeout lease still caps a ready one). Returns how many were
-    /// renewed; ids P does not hold are ignored (already pulled, forgotten,
-    /// or never here).
+    /// not yet claimed by a pull, and named with its renewal key
+    /// ([`Self::set_renewal_key`]), is held until `now` plus the renewal
+    /// (the abort-timeout lease still caps a ready one). Returns how many
+    /// were renewed; the rest are ignored (already pulled, forgotten, never
+    /// here, or named without their key: counted in
+    /// [`Self::renewals_refused`]).
     ///
-    /// The first decode instance to renew a request owns its renewals, and
-    /// a renewal never brings a hold's end closer. A renewal from a second
-    /// instance makes the request contested: it is held for its whole lease
-    /// from then on, whoever renews, so neither instance can cut the
-    /// other's hold short (whichever renewed first), and the most a
-    /// contender costs is the hold every request has with renewals off.
-    /// Renewals name P's own id of a request, which only the proxy and the
-    /// decode instance it chose have been told.
-    pub fn renew<'a>(&mut self, reqs: impl IntoIterator<Item = &'a ReqId>, by: &EngineId, now: Instant) -> usize {
+    /// The key is what makes a renewal come from the decode instance P
+    /// will serve: P's scheduler gave it only to the proxy, in the
+    /// request's params, for the decode instance it chooses. The first
+    /// decode instance to renew a request owns its renewals, and a renewal
+    /// never brings a hold's end closer. Should a second instance renew it
+    /// too (a leaked key, or a proxy that sent the request to two), the
+    /// request is contested: it is held for its whole lease from then on,
+    /// whoever renews, so neither can cut the other's hold short, and the
+    /// most a contender costs is the hold every request has with renewals
+    /// off.
+    pub fn renew<'a>(&mut self, reqs: impl IntoIterator<Item = &'a Renewing>, by: &EngineId, now: Instant) -> usize {
         if self.renewal.is_zero() {
             return 0;
         }
         let until = now + self.renewal;
         let mut renewed = 0;
-        for req in reqs {
-            if let Some(slot) = self.entries.get_mut(req).and_then(SendEntry::renewal_mut) {
-                match slot {
-                    Some(owner) if owner.contested => continue,
-                    Some(owner) if &owner.by != by => {
-                        tracing::debug!(req_id = %req, decode_engine = %by, owner = %owner.by, "two decode instances renew one request; holding it for its whole lease");
-                        owner.contested = true;
-                        continue;
-                    }
-                    Some(owner) => owner.until = owner.until.max(until),
-                    None => {
-                        tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
-                        *slot = Some(Renewal { until, by: by.clone(), contested: false });
-                    }
-                }
-                renewed += 1;
+        for Renewing { req_id: req, key } in reqs {
+            let Some(hold) = self.entries.get_mut(req).and_then(SendEntry::hold_mut) else { continue };
+            if hold.key != Some(*key) {
+                self.renewals_refused += 1;
+                continue;
             }
+            match &mut hold.renewed {
+                Some(owner) if owner.contested => continue,
+                Some(owner) if &owner.by != by => {
+                    tracing::debug!(req_id = %req, decode_engine = %by, owner = %owner.by, "two decode instances renew one request; holding it for its whole lease");
+                    owner.contested = true;
+                    continue;
+                }
+                Some(owner) => owner.until = owner.until.max(until),
+                None => {
+                    tracing::debug!(req_id = %req, decode_engine = %by, "request held for a decode instance renewing it");
+                    hold.renewed = Some(Renewal { until, by: by.clone(), contested: false });
+                }
+            }
+            renewed += 1;
         }
         self.renewals += renewed as u64;
         renewed
@@ -410,8 +456,8 @@ impl SenderCore {
         }
         let until = now + self.renewal;
         let mut renewed = 0;
-        for slot in self.entries.values_mut().filter_map(SendEntry::renewal_mut) {
-            if let Some(renewal) = slot.as_mut().filter(|r| &r.by == by && !r.contested) {
+        for hold in self.entries.values_mut().filter_map(SendEntry::hold_mut) {
+            if let Some(renewal) = hold.renewed.as_mut().filter(|r| &r.by == by && !r.contested) {
                 renewal.until = renewal.until.max(until);
                 renewed += 1;
             }
@@ -438,7 +484,7 @@ impl SenderCore {
     fn expire(&mut self, req: &ReqId) {
         self.lease_expiries += 1;
         let renewed_by = match self.entries.remove(req) {
-            Some(SendEntry::Ready { renewed: Some(r), .. }) => Some(r.by),
+            Some(SendEntry::Ready { hold: Hold { renewed: Some(r), .. }, .. }) => Some(r.by),
             _ => None,
         };
         match renewed_by {
@@ -472,7 +518,11 @@ impl SenderCore {
         self.entries
             .values()
             .filter(|e| {
-                matches!(e, SendEntry::Expected { renewed: Some(_) } | SendEntry::Ready { renewed: Some(_), .. })
+                matches!(
+                    e,
+                    SendEntry::Expected { hold: Hold { renewed: Some(_), .. } }
+                        | SendEntry::Ready { hold: Hold { renewed: Some(_), .. }, .. }
+                )
             })
             .count()
     }
@@ -505,6 +555,12 @@ impl SenderCore {
     /// Request renewals applied since start (a renewal of `n` requests counts `n`).
     pub fn renewals(&self) -> u64 {
         self.renewals
+    }
+
+    /// Renewals refused since start: they named a request P holds without
+    /// its renewal key.
+    pub fn renewals_refused(&self) -> u64 {
+        self.renewals_refused
     }
 
     /// Live entries (expected, ready or in flight).

@@ -5,16 +5,17 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kv_proto::{RemotePrefill, ReqId};
+use kv_proto::{RemotePrefill, RenewalKey, Renewing, ReqId};
 
 use crate::receiver::SideChannelAddr;
 
 /// Watched requests by prefill worker.
 #[derive(Debug, Default)]
 pub struct WatchList {
-    /// P's ids of the watched requests, by prefill worker, each with the
-    /// number of D's requests naming it (a proxy may send one twice).
-    by_peer: BTreeMap<SideChannelAddr, BTreeMap<ReqId, usize>>,
+    /// P's ids of the watched requests, by prefill worker, each with its
+    /// renewal key and the number of D's requests naming it (a proxy may
+    /// send one twice).
+    by_peer: BTreeMap<SideChannelAddr, BTreeMap<ReqId, (RenewalKey, usize)>>,
     /// D's id to what it is watched as.
     peer_of: HashMap<ReqId, Watched>,
 }
@@ -28,6 +29,8 @@ struct Watched {
     peers: Vec<SideChannelAddr>,
     /// P's id of it.
     remote: ReqId,
+    /// Its renewal key.
+    key: RenewalKey,
 }
 
 impl WatchList {
@@ -39,15 +42,20 @@ impl WatchList {
     /// Starts renewing `req` of `remote` on `peers`, the prefill workers it
     /// will be pulled from (see [`crate::ReceiverCore::renewal_peers`]).
     /// With no peer (a port past 65535: the pull will fail the same way) it
-    /// is not watched.
+    /// is not watched; nor without a renewal key (P's params carried none:
+    /// P would ignore the renewals, and holds it for its whole lease).
     pub fn watch(&mut self, req: &ReqId, remote: &RemotePrefill, peers: Vec<SideChannelAddr>) {
         if peers.is_empty() {
             tracing::warn!(req_id = %req, remote_port = remote.remote_port, "prefill port out of range; not watched");
             return;
         }
+        let Some(key) = remote.remote_renewal_key else {
+            tracing::debug!(req_id = %req, "prefill gave no renewal key; not renewed");
+            return;
+        };
         self.unwatch(req);
         let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
-        self.insert(req.clone(), Watched { instance, peers, remote: remote.remote_request_id.clone() });
+        self.insert(req.clone(), Watched { instance, peers, remote: remote.remote_request_id.clone(), key });
     }
 
     /// `instance` was learned: every request of it is renewed on `peers`
@@ -78,7 +86,11 @@ impl WatchList {
 
     fn insert(&mut self, req: ReqId, watched: Watched) {
         for peer in &watched.peers {
-            *self.by_peer.entry(peer.clone()).or_default().entry(watched.remote.clone()).or_default() += 1;
+            let named = self.by_peer.entry(peer.clone()).or_default().entry(watched.remote.clone());
+            let (key, count) = named.or_insert((watched.key, 0));
+            // The latest params P gave for it name its key.
+            *key = watched.key;
+            *count += 1;
         }
         self.peer_of.insert(req, watched);
     }
@@ -88,7 +100,7 @@ impl WatchList {
         let Watched { peers, remote, .. } = &watched;
         for peer in peers {
             if let Some(reqs) = self.by_peer.get_mut(peer) {
-                if let Some(count) = reqs.get_mut(remote) {
+                if let Some((_, count)) = reqs.get_mut(remote) {
                     *count -= 1;
                     if *count == 0 {
                         reqs.remove(remote);
@@ -107,9 +119,12 @@ impl WatchList {
         self.by_peer.contains_key(peer)
     }
 
-    /// Every prefill worker with watched requests, and P's ids of them.
-    pub fn by_peer(&self) -> impl Iterator<Item = (&SideChannelAddr, Vec<ReqId>)> {
-        self.by_peer.iter().map(|(peer, reqs)| (peer, reqs.keys().cloned().collect()))
+    /// Every prefill worker with watched requests, and P's ids of them
+    /// with their renewal keys.
+    pub fn by_peer(&self) -> impl Iterator<Item = (&SideChannelAddr, Vec<Renewing>)> {
+        self.by_peer.iter().map(|(peer, reqs)| {
+            (peer, reqs.iter().map(|(req_id, (key, _))| Renewing { req_id: req_id.clone(), key: *key }).collect())
+        })
     }
 
     /// Watched requests.
@@ -134,6 +149,7 @@ mod tests {
             remote_port: port,
             remote_request_id: ReqId::new("p-?"),
             remote_engine_id: None,
+            remote_renewal_key: Some(RenewalKey::from_bytes([1; 16])),
         }
     }
 
@@ -148,7 +164,7 @@ mod tests {
     }
 
     fn peers(list: &WatchList) -> Vec<(String, Vec<String>)> {
-        list.by_peer().map(|(p, reqs)| (p.to_string(), reqs.iter().map(ReqId::to_string).collect())).collect()
+        list.by_peer().map(|(p, reqs)| (p.to_string(), reqs.iter().map(|r| r.req_id.to_string()).collect())).collect()
     }
 
     fn named(peer: &str, reqs: &[&str]) -> (String, Vec<String>) {
@@ -192,6 +208,19 @@ mod tests {
         assert_eq!(peers(&list), [named("p1:8000", &["p-?"])]);
         list.unwatch(&ReqId::new("b"));
         assert!(peers(&list).is_empty());
+    }
+
+    #[test]
+    fn a_request_is_renewed_with_its_key_and_not_at_all_without_one() {
+        let mut list = WatchList::new();
+        let keyed = RemotePrefill { remote_renewal_key: Some(RenewalKey::from_bytes([5; 16])), ..remote("p1", 8000) };
+        list.watch(&ReqId::new("a"), &keyed, vec![at("p1", 8000)]);
+        let keyless = RemotePrefill { remote_renewal_key: None, ..remote("p1", 9000) };
+        list.watch(&ReqId::new("b"), &keyless, vec![at("p1", 9000)]);
+        let renewals: Vec<_> = list.by_peer().collect();
+        assert_eq!(renewals.len(), 1, "P would ignore a renewal without a key: none is sent");
+        assert_eq!(renewals[0].1, [Renewing { req_id: ReqId::new("p-?"), key: RenewalKey::from_bytes([5; 16]) }]);
+        assert_eq!(list.len(), 1);
     }
 
     #[test]

@@ -562,14 +562,15 @@ impl Worker {
     /// a few locks held for a count each; call it as often as a scraper likes.
     pub fn metrics(&self) -> MetricsSnapshot {
         let shared = &self.shared;
-        let (held_requests, held_blocks, lease_expiries, renewals_received) = {
+        let (held_requests, held_blocks, lease_expiries, renewals_received, renewals_refused) = {
             let sender = shared.lock_sender();
             let (reqs, blocks) = sender.held();
-            (reqs as u64, blocks as u64, sender.lease_expiries(), sender.renewals())
+            (reqs as u64, blocks as u64, sender.lease_expiries(), sender.renewals(), sender.renewals_refused())
         };
         let gauges = Gauges {
             lease_expiries,
             renewals_received,
+            renewals_refused,
             side_channel_auth_failures: shared.side_channel_counts.auth_failures(),
             side_channel_tag_failures: shared.side_channel_counts.tag_failures(),
             transport: shared.writer.stats(),
@@ -731,10 +732,13 @@ impl Worker {
     /// pulls (D). Returns at once.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
         let now = Instant::now();
-        if self.shared.config.role.sends() && !meta.reqs_to_send.is_empty() {
+        if self.shared.config.role.sends() && !(meta.reqs_to_send.is_empty() && meta.renewal_keys.is_empty()) {
             let mut sender = self.shared.lock_sender();
             for (req, update) in &meta.reqs_to_send {
                 sender.handle_update(req, update, now);
+            }
+            for (req, key) in &meta.renewal_keys {
+                sender.set_renewal_key(req, *key);
             }
             drop(sender);
             self.shared.sender_changed.notify_waiters();

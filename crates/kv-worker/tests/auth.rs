@@ -52,6 +52,7 @@ async fn pull(p_secret: Option<&str>, d_secret: Option<&str>) -> Finished {
                     remote_port: side_channel.port(),
                     remote_request_id: on_p,
                     remote_engine_id: None,
+                    remote_renewal_key: None,
                 },
             },
         )]),

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use kv_proto::{
-    EngineId, FailureCause, GrantId, Outcome, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, RequestOutcome,
-    SendUpdate, XferProgress, XferReply,
+    EngineId, FailureCause, GrantId, Outcome, RecvReqMeta, RemotePrefill, RenewalKey, Renewing, ReqId, RequestBlocks,
+    RequestOutcome, SendUpdate, XferProgress, XferReply,
 };
 use kv_worker::{Claim, Puller, ReceiverCore, SenderCore, SideChannelAddr};
 use rstest::rstest;
@@ -202,9 +202,14 @@ fn forget_drops_the_entry_without_reporting_it() {
 /// What happens to request `a` on P, at a time in seconds from the start.
 #[derive(Clone, Debug)]
 enum SendEvent {
+    /// P's scheduler sends this update, with the request's renewal key.
     Update(SendUpdate),
-    /// Decode instance `by` renews it.
+    /// P's scheduler sends this update, and no renewal key.
+    UpdateWithoutKey(SendUpdate),
+    /// Decode instance `by` renews it, naming its renewal key.
     Renew(&'static str),
+    /// Decode instance `by` renews it, naming a key that is not its own.
+    RenewWithAnotherKey(&'static str),
     /// P renews on behalf of `by` (it makes `by`'s messages wait).
     RenewAllBy(&'static str),
     /// A pull claims it, and finds this.
@@ -213,6 +218,16 @@ enum SendEvent {
 
 fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s)
+}
+
+/// The renewal key P's scheduler gave every request of these tests.
+const KEY: RenewalKey = RenewalKey::from_bytes([0x4b; 16]);
+/// A key no request here was given.
+const OTHER_KEY: RenewalKey = RenewalKey::from_bytes([0x4c; 16]);
+
+/// A renewal of `id` naming its key.
+fn renewing(id: &str) -> Renewing {
+    Renewing { req_id: r(id), key: KEY }
 }
 
 /// Renewals: once a decode instance renews a request, P holds it a renewal
@@ -238,6 +253,13 @@ fn secs(s: f64) -> Duration {
 #[case::a_contested_request_is_held_for_its_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (6.0, SendEvent::Renew("other"))], 479.0, false)]
 #[case::a_contested_request_is_freed_at_its_lease(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (5.0, SendEvent::Renew("owner")), (6.0, SendEvent::Renew("other")), (400.0, SendEvent::Renew("owner"))], 480.0, true)]
 #[case::contested_before_ready_still_holds_for_the_lease(RENEWAL, &[(0.0, SendEvent::Update(SendUpdate::Expect)), (1.0, SendEvent::Renew("other")), (2.0, SendEvent::Renew("owner")), (5.0, SendEvent::Update(ready(&[1])))], 400.0, false)]
+// Only the decode instance given the request's params (its renewal key)
+// renews it: anyone else's renewal moves nothing, whenever it comes.
+#[case::a_renewal_without_the_key_does_not_shorten_the_hold(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::RenewWithAnotherKey("stranger"))], 479.0, false)]
+#[case::a_renewal_without_the_key_does_not_take_the_request(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::RenewWithAnotherKey("stranger")), (5.0, SendEvent::Renew("owner")), (12.0, SendEvent::Renew("owner"))], 21.0, false)]
+#[case::the_keyed_owner_still_frees_it_early(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::RenewWithAnotherKey("stranger")), (5.0, SendEvent::Renew("owner"))], 15.0, true)]
+#[case::a_request_given_no_key_is_never_renewed(RENEWAL, &[(0.0, SendEvent::UpdateWithoutKey(ready(&[1]))), (1.0, SendEvent::Renew("d"))], 479.0, false)]
+#[case::a_key_given_before_ready_carries_over(RENEWAL, &[(0.0, SendEvent::Update(SendUpdate::Expect)), (5.0, SendEvent::UpdateWithoutKey(ready(&[1]))), (6.0, SendEvent::Renew("d"))], 16.0, true)]
 #[case::a_claimed_request_ignores_renewals(RENEWAL, &[(0.0, SendEvent::Update(ready(&[1]))), (1.0, SendEvent::Claim(Claim::Ready(vec![1]))), (2.0, SendEvent::Renew("d"))], 100.0, false)]
 fn sender_renewals(
     #[case] renewal: Duration,
@@ -250,9 +272,16 @@ fn sender_renewals(
     for (at, event) in events {
         let now = t0 + secs(*at);
         match event {
-            SendEvent::Update(u) => core.handle_update(&r("a"), u, now),
+            SendEvent::Update(u) => {
+                core.handle_update(&r("a"), u, now);
+                core.set_renewal_key(&r("a"), KEY);
+            }
+            SendEvent::UpdateWithoutKey(u) => core.handle_update(&r("a"), u, now),
             SendEvent::Renew(by) => {
-                core.renew([&r("a")], &EngineId::new(*by), now);
+                core.renew(&[renewing("a")], &EngineId::new(*by), now);
+            }
+            SendEvent::RenewWithAnotherKey(by) => {
+                core.renew(&[Renewing { key: OTHER_KEY, ..renewing("a") }], &EngineId::new(*by), now);
             }
             SendEvent::RenewAllBy(by) => {
                 core.renew_all_by(&EngineId::new(*by), now);
@@ -272,11 +301,13 @@ fn a_renewal_from_another_instance_contests_the_request() {
     let t0 = Instant::now();
     let mut core = SenderCore::new(LEASE, RENEWAL);
     core.handle_update(&r("a"), &ready(&[1]), t0);
-    assert_eq!(core.renew([&r("a")], &EngineId::new("owner"), t0 + secs(5.0)), 1);
+    core.set_renewal_key(&r("a"), KEY);
+    let a = [renewing("a")];
+    assert_eq!(core.renew(&a, &EngineId::new("owner"), t0 + secs(5.0)), 1);
     assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL));
-    assert_eq!(core.renew([&r("a")], &EngineId::new("other"), t0 + secs(6.0)), 0, "not counted as renewed");
+    assert_eq!(core.renew(&a, &EngineId::new("other"), t0 + secs(6.0)), 0, "not counted as renewed");
     assert_eq!(core.next_deadline(), Some(t0 + LEASE), "contested: held for the whole lease");
-    assert_eq!(core.renew([&r("a")], &EngineId::new("owner"), t0 + secs(7.0)), 0, "renewals no longer count");
+    assert_eq!(core.renew(&a, &EngineId::new("owner"), t0 + secs(7.0)), 0, "renewals no longer count");
     assert_eq!(core.renew_all_by(&EngineId::new("owner"), t0 + secs(8.0)), 0);
     assert_eq!(core.next_deadline(), Some(t0 + LEASE));
 }
@@ -288,8 +319,14 @@ fn renewals_count_only_requests_p_holds() {
     let d = EngineId::new("d");
     core.handle_update(&r("a"), &ready(&[1]), t0);
     core.handle_update(&r("b"), &SendUpdate::Expect, t0);
-    assert_eq!(core.renew([&r("a"), &r("b"), &r("unknown")], &d, t0), 2);
+    core.handle_update(&r("c"), &ready(&[2]), t0);
+    for id in ["a", "b", "c", "unknown"] {
+        core.set_renewal_key(&r(id), KEY);
+    }
+    let wrong = Renewing { key: OTHER_KEY, ..renewing("c") };
+    assert_eq!(core.renew(&[renewing("a"), renewing("b"), renewing("unknown"), wrong], &d, t0), 2);
     assert_eq!(core.renewed(), 2);
+    assert_eq!(core.renewals_refused(), 1, "a request P holds, named with another key");
     assert_eq!(core.next_deadline(), Some(t0 + RENEWAL), "the renewed ready request ends first");
     assert_eq!(core.renew_all_by(&d, t0 + secs(5.0)), 2);
     assert_eq!(core.next_deadline(), Some(t0 + secs(5.0) + RENEWAL));
@@ -307,6 +344,7 @@ fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
         remote_port: port,
         remote_request_id: p("?"),
         remote_engine_id: None,
+        remote_renewal_key: None,
     };
     RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote }
 }

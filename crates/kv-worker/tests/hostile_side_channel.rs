@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use kv_proto::{
     auth, ConnectorMetadata, Endpoint, EngineId, FrameCodec, Grant, GrantId, Hello, HelloReply, KeepAlive, KvRole,
-    LayoutKind, Protocol, RecvReqMeta, RemotePrefill, ReqId, RequestBlocks, SendUpdate, SideMessage, XferRequest,
+    LayoutKind, Protocol, RecvReqMeta, RemotePrefill, RenewalKey, RenewalSecret, Renewing, ReqId, RequestBlocks,
+    SendUpdate, SideMessage, XferRequest,
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{CacheDims, CacheShape, DataEndpointPolicy, OwnedKvCache, SideChannelCodec, Worker, WorkerConfig};
@@ -88,6 +89,7 @@ impl Pair {
             remote_port: addr.port(),
             remote_request_id: on_p,
             remote_engine_id: None,
+            remote_renewal_key: None,
         };
         let meta = RecvReqMeta { local_block_ids: vec![2, 3], first_token: None, remote };
         let recv = ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() };
@@ -468,10 +470,12 @@ async fn renewals_of_requests_p_does_not_hold_renew_nothing() {
     let mut pair = pair(|_| {}).await;
     let (mut raw, reply) = hello(pair.side_channel(), 64 << 20).await;
     assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
-    let unknown: Vec<ReqId> =
-        (0..kv_proto::MAX_REQUESTS_PER_TRANSFER).map(|i| ReqId::new(format!("not-held-{i}"))).collect();
+    let key = RenewalKey::from_bytes([0x33; 16]);
+    let unknown: Vec<Renewing> = (0..kv_proto::MAX_REQUESTS_PER_TRANSFER)
+        .map(|i| Renewing { req_id: ReqId::new(format!("not-held-{i}")), key })
+        .collect();
     for _ in 0..20 {
-        raw.send(SideMessage::KeepAlive(KeepAlive { req_ids: unknown.clone() })).await.unwrap();
+        raw.send(SideMessage::KeepAlive(KeepAlive { renewals: unknown.clone() })).await.unwrap();
     }
     // Read in order: once a transfer request behind them is answered, every
     // renewal before it was applied.
@@ -483,7 +487,7 @@ async fn renewals_of_requests_p_does_not_hold_renew_nothing() {
     assert_eq!(pair.p.renewed_requests(), 0, "P renewed requests it does not hold");
 
     let mut early = framed(connect_from(ATTACKER, pair.side_channel()).await);
-    early.send(SideMessage::KeepAlive(KeepAlive { req_ids: unknown[..1].to_vec() })).await.unwrap();
+    early.send(SideMessage::KeepAlive(KeepAlive { renewals: unknown[..1].to_vec() })).await.unwrap();
     let answer = tokio::time::timeout(BOUND, early.next()).await.unwrap();
     assert!(
         matches!(answer, None | Some(Err(_)) | Some(Ok(SideMessage::HelloReply(HelloReply::Rejected { .. })))),
@@ -491,4 +495,46 @@ async fn renewals_of_requests_p_does_not_hold_renew_nothing() {
     );
     pair.honest_pull().await;
     pair.shutdown().await;
+}
+
+/// The attack run's hole, over a real side channel: a decode instance that
+/// was never given a request's params renews it by P's id. Without the
+/// request's renewal key its renewal moves nothing (P still holds the
+/// request for its whole lease, and counts the refusal); the same
+/// connection naming the key renews it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_without_the_requests_key_moves_nothing() {
+    let mut pair = pair(|_| {}).await;
+    let victim = ReqId::new("p-victim");
+    let key = RenewalSecret::from_bytes([0x21; 32]).key_for(&victim);
+    let mut send = ConnectorMetadata::default();
+    send.reqs_to_send.insert(victim.clone(), SendUpdate::Ready { block_ids: vec![4, 5] });
+    send.renewal_keys.insert(victim.clone(), key);
+    pair.p.start_load_kv(&send);
+
+    let (mut raw, reply) = hello(pair.side_channel(), 64 << 20).await;
+    assert!(matches!(reply, HelloReply::Accepted { .. }), "{reply:?}");
+    let guessed = RenewalKey::from_bytes([0x21; 16]);
+    renew_then_sync(&mut raw, Renewing { req_id: victim.clone(), key: guessed }, 1).await;
+    assert_eq!(pair.p.renewed_requests(), 0, "a renewal without the key took the request");
+    assert_eq!(pair.p.metrics().renewals_refused, 1);
+    assert_eq!(pair.p.metrics().renewals_received, 0);
+
+    renew_then_sync(&mut raw, Renewing { req_id: victim, key }, 2).await;
+    assert_eq!(pair.p.renewed_requests(), 1, "the key renews it");
+    assert_eq!(pair.p.metrics().renewals_received, 1);
+    pair.honest_pull().await;
+    pair.shutdown().await;
+}
+
+/// Sends one renewal, then waits for the answer to a transfer request sent
+/// behind it: renewals are read in order, so by then P applied (or
+/// refused) it.
+async fn renew_then_sync(raw: &mut Raw, renewing: Renewing, xfer_id: u64) {
+    raw.send(SideMessage::KeepAlive(KeepAlive { renewals: vec![renewing] })).await.unwrap();
+    raw.send(SideMessage::XferRequest(transfer_request(xfer_id, ["unknown".to_owned()]))).await.unwrap();
+    match tokio::time::timeout(BOUND, raw.next()).await.unwrap() {
+        Some(Ok(SideMessage::XferReply(reply))) => assert_eq!(reply.xfer_id, xfer_id),
+        other => panic!("expected a reply, got {other:?}"),
+    }
 }

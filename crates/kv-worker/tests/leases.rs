@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kv_proto::{EngineId, RemotePrefill, ReqId, SendUpdate};
+use kv_proto::{EngineId, RemotePrefill, RenewalKey, Renewing, ReqId, SendUpdate};
 use kv_worker::serving::{AdmissionWait, MIN_RENEW_INTERVAL};
 use kv_worker::{RenewalSchedule, Renewed, SenderCore, SideChannelAddr, WatchList};
 use rstest::rstest;
@@ -27,6 +27,14 @@ fn prefill(host: &str) -> SideChannelAddr {
     SideChannelAddr { host: host.to_owned(), port: 9000 }
 }
 
+/// The renewal key P gave every request of these tests.
+const KEY: RenewalKey = RenewalKey::from_bytes([0x6b; 16]);
+
+/// A renewal of P's request `p_req`, naming its key.
+fn renewing(p_req: &str) -> Renewing {
+    Renewing { req_id: ReqId::new(p_req), key: KEY }
+}
+
 /// D watches its request `req` of P's request `p-req` on `host`.
 fn watch(watches: &mut WatchList, req: &str, host: &str) {
     let remote = RemotePrefill {
@@ -34,6 +42,7 @@ fn watch(watches: &mut WatchList, req: &str, host: &str) {
         remote_port: 9000,
         remote_request_id: ReqId::new(format!("p-{req}")),
         remote_engine_id: None,
+        remote_renewal_key: Some(KEY),
     };
     watches.watch(&ReqId::new(req), &remote, vec![prefill(host)]);
 }
@@ -95,14 +104,15 @@ fn renewal_schedule(#[case] steps: &[Step]) {
     }
 }
 
-/// A renewal names P's ids of every request watched on that prefill worker.
+/// A renewal names P's ids of every request watched on that prefill
+/// worker, each with its renewal key.
 #[test]
 fn a_renewal_names_ps_ids_of_the_watched_requests() {
     let mut watches = WatchList::new();
     watch(&mut watches, "a", "p1");
     watch(&mut watches, "b", "p1");
     let due = RenewalSchedule::new().poll_due(&watches, Instant::now());
-    assert_eq!(due, [(prefill("p1"), vec![ReqId::new("p-a"), ReqId::new("p-b")])]);
+    assert_eq!(due, [(prefill("p1"), vec![renewing("p-a"), renewing("p-b")])]);
 }
 
 /// While P makes a decode instance wait, it renews on its behalf every
@@ -121,7 +131,8 @@ fn admission_wait_renews_on_the_decode_instances_behalf(
     let d = EngineId::new("d");
     let mut sender = SenderCore::new(secs(3600.0), renewal);
     sender.handle_update(&ReqId::new("r"), &SendUpdate::Ready { block_ids: vec![1] }, t0);
-    sender.renew([&ReqId::new("r")], &d, t0);
+    sender.set_renewal_key(&ReqId::new("r"), KEY);
+    sender.renew(&[renewing("r")], &d, t0);
     let mut waiting = AdmissionWait::new(d, renewal, t0);
     for &(at, renewed) in ticks {
         assert_eq!(waiting.handle_timeout(&mut sender, t0 + secs(at)), renewed, "at {at} s");
@@ -167,6 +178,7 @@ fn simulate(world: World, horizon: f64) -> Option<f64> {
     let (d, req) = (EngineId::new("d"), ReqId::new("p-r"));
     let mut sender = SenderCore::new(secs(world.lease), secs(world.renewal));
     sender.handle_update(&req, &SendUpdate::Ready { block_ids: vec![1, 2] }, t0);
+    sender.set_renewal_key(&req, KEY);
     let mut watches = WatchList::new();
     watch(&mut watches, "r", "p");
     let mut schedule = RenewalSchedule::new();
@@ -179,7 +191,7 @@ fn simulate(world: World, horizon: f64) -> Option<f64> {
         let alive = world.d_dies_at.is_none_or(|dies| now < dies);
         if alive {
             for (_, reqs) in schedule.poll_due(&watches, at(now)) {
-                assert_eq!(reqs, std::slice::from_ref(&req));
+                assert_eq!(reqs, [renewing("p-r")]);
                 let renewed = if within(world.unreachable, now) {
                     Renewed::Failed
                 } else if world.renewal == 0.0 {
@@ -207,7 +219,7 @@ fn simulate(world: World, horizon: f64) -> Option<f64> {
         }
         while arriving.front().is_some_and(|&read_at| read_at <= now) {
             arriving.pop_front();
-            sender.renew([&req], &d, at(now));
+            sender.renew(&[renewing("p-r")], &d, at(now));
         }
         if let Some(waiting) = &mut waiting {
             waiting.handle_timeout(&mut sender, at(now));

@@ -22,6 +22,7 @@ fn remote(req: &str) -> RemotePrefill {
         remote_port: 9000,
         remote_request_id: ReqId::new(format!("p-{req}")),
         remote_engine_id: None,
+        remote_renewal_key: None,
     }
 }
 
@@ -653,4 +654,19 @@ proptest::proptest! {
         proptest::prop_assert_eq!(core.pool().free(), 4, "every slot comes back: {:?}", stages(&core));
         proptest::prop_assert!(core.is_empty());
     }
+}
+
+/// P's scheduler hands each ready request's renewal key with its update:
+/// while it is staged the worker holds it as expected, and must already
+/// know its key, for the decode instance given its params renews it then.
+#[test]
+fn a_staged_request_keeps_its_renewal_key() {
+    let t0 = Instant::now();
+    let mut core = StagingCore::new(4, WAIT);
+    let key = kv_proto::RenewalKey::from_bytes([0x2a; 16]);
+    let mut meta = ready(&[("a", &[10, 11])]);
+    meta.renewal_keys.insert(r("a"), key);
+    let step = core.start_load_kv(&meta, t0);
+    assert_eq!(step.to_worker.reqs_to_send.get(&r("a")), Some(&SendUpdate::Expect), "staged first");
+    assert_eq!(step.to_worker.renewal_keys.get(&r("a")), Some(&key));
 }

@@ -199,6 +199,7 @@ fn ready_on_every_rank(prefill: &[Rank], reqs: &[Request]) {
             fill_rows(rank, req);
         }
         sends.reqs_to_send.insert(p_id(req.id), SendUpdate::Ready { block_ids: req.prefill_blocks.clone() });
+        sends.renewal_keys.insert(p_id(req.id), renewal_key(req.id));
     }
     for rank in prefill {
         rank.instance.worker.start_load_kv(&sends);

@@ -87,12 +87,23 @@ def until(read, want, bound: float = METRIC_BOUND, poke=None):
     last reading. ``poke`` runs between readings (an idle vLLM engine does
     not step, and a connector reports only in a step)."""
     deadline = time.monotonic() + bound
-    value = read()
+
+    def reading():
+        # A busy engine can be slow to answer one scrape: that is "not
+        # yet" until the bound, not a failure.
+        while True:
+            try:
+                return read()
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    value = reading()
     while value != want and time.monotonic() < deadline:
         if poke is not None:
             poke()
         time.sleep(0.2)
-        value = read()
+        value = reading()
     return value
 
 
@@ -272,6 +283,8 @@ def bad_params(target: str, side_port: int) -> dict[str, dict]:
         "remote_request_id a number": {"remote_request_id": 12345},
         "remote_request_id of 100 kB": {"remote_request_id": "r" * 100_000},
         "remote_engine_id a list": {"remote_engine_id": ["no-such-engine"]},
+        "remote_renewal_key not hex": {"remote_renewal_key": "z" * 32},
+        "remote_renewal_key of 100 kB": {"remote_renewal_key": "0" * 100_000},
     }
     if target == "D":
         changes["do_remote_decode sent to the consumer"] = {"do_remote_decode": True}

@@ -43,6 +43,9 @@ pub(crate) enum Error {
     /// The tokio runtime could not be created.
     #[error("kvlink could not create its runtime: {0}")]
     Runtime(String),
+    /// The OS random source failed: the scheduler cannot mint renewal keys.
+    #[error("kvlink: the operating system's random source failed; no renewal key can be minted")]
+    NoRandom,
     /// Metadata handed to the worker is not what this version's scheduler builds.
     #[error("kvlink connector metadata cannot be decoded: {0}")]
     Metadata(String),

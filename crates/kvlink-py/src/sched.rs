@@ -12,12 +12,12 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
-use kv_proto::{BlockId, EngineId, KvTransferParams, ReqId};
+use kv_proto::{BlockId, EngineId, KvTransferParams, RenewalSecret, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::settings::PySettings;
 use crate::step::Envelope;
 
@@ -141,9 +141,11 @@ impl PyScheduler {
         let host = s.host(default_host).to_owned();
         let port = s.side_channel_port(dp_rank, tp_size, pp_size)?;
         let engine_id: EngineId = s.transfer.engine_id.clone();
+        // Fresh per engine: the keys of its requests are minted from it.
+        let secret = RenewalSecret::fresh().ok_or(Error::NoRandom)?;
         Ok(Self {
             state: Mutex::new(State {
-                inner: ConnectorScheduler::new(s.transfer.kv_role, engine_id, host.clone(), port),
+                inner: ConnectorScheduler::new(s.transfer.kv_role, engine_id, host.clone(), port, secret),
                 notify_only: BTreeSet::new(),
                 warned: HashSet::new(),
                 unknown_statuses: HashSet::new(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -105,6 +106,8 @@ def test_prefill_side_delays_free_and_points_decode_here():
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, out = c.request_finished(req, [4, 5, 6])
     assert delay is True
+    key = out.pop("remote_renewal_key")
+    assert re.fullmatch("[0-9a-f]{32}", key), "the request's renewal key: 128 bits, hex"
     assert out == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -115,6 +118,8 @@ def test_prefill_side_delays_free_and_points_decode_here():
     }
     body = c.build_connector_meta(SimpleNamespace()).decoded()
     assert body["meta"]["reqs_to_send"] == {"p1": {"Ready": {"block_ids": [4, 5, 6]}}}
+    # The worker is given the same key, with the update.
+    assert body["meta"]["renewal_keys"] == {"p1": key}
     # Stopped early: blocks freed now, the worker's entry withdrawn (no leak).
     stopped = request("p2", {"do_remote_decode": True})
     c.update_state_after_alloc(stopped, Blocks([9], hashed=0), 0)

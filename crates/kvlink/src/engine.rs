@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_proto::{BlockId, KvRole, KvTransferParams, LayoutKind, ReqId};
+use kv_proto::{BlockId, KvRole, KvTransferParams, LayoutKind, RenewalSecret, ReqId};
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus, SchedError};
 use kv_worker::pattern::RegionRows;
 use kv_worker::{AllocError, BlockError, CacheShape, OwnedKvCache, Placement, Worker, WorkerConfig, WorkerError};
@@ -45,6 +45,9 @@ pub enum EngineError {
     /// A P worker has no side channel (not a producer).
     #[error("prefill worker has no side channel")]
     NoSideChannel,
+    /// The OS random source failed: no renewal key can be minted.
+    #[error("the operating system's random source failed; no renewal key can be minted")]
+    NoRandom,
     /// Nothing finished within the bound while requests were in flight.
     #[error("no request finished within {waited:?} ({in_flight} in flight)")]
     Stalled {
@@ -226,7 +229,8 @@ impl PrefillInstance {
         let addr = worker.side_channel_addr().ok_or(EngineError::NoSideChannel)?;
         let host = host.unwrap_or(addr.ip());
         let shown = Shown::new(KvRole::Producer, engine_id.as_str());
-        let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port());
+        let secret = RenewalSecret::fresh().ok_or(EngineError::NoRandom)?;
+        let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port(), secret);
         let rows = rows_of(&worker, &shape);
         Ok(Self {
             shown,
@@ -473,7 +477,8 @@ impl DecodeInstance {
         seed: u64,
     ) -> Result<Self, EngineError> {
         let shown = Shown::new(KvRole::Consumer, config.engine_id.as_str());
-        let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0);
+        let secret = RenewalSecret::fresh().ok_or(EngineError::NoRandom)?;
+        let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0, secret);
         let (cache, worker) = start_worker(config, shape).await?;
         let rows = rows_of(&worker, &shape);
         Ok(Self {

@@ -5,7 +5,8 @@
 use std::collections::BTreeSet;
 
 use kv_proto::{
-    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, ReqId, SendUpdate,
+    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, RenewalKey,
+    RenewalSecret, ReqId, SendUpdate,
 };
 use kv_sched::{ConnectorScheduler, EngineRequest, RequestStatus};
 
@@ -26,7 +27,22 @@ pub const HERE_HOST: &str = "10.0.0.9";
 pub const HERE_PORT: u16 = 7100;
 
 pub fn sched(role: KvRole) -> ConnectorScheduler {
-    ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT)
+    ConnectorScheduler::new(role, EngineId::new(HERE_ENGINE), HERE_HOST, HERE_PORT, renewal_secret())
+}
+
+/// What the instance under test mints its renewal keys from.
+pub fn renewal_secret() -> RenewalSecret {
+    RenewalSecret::from_bytes([9; 32])
+}
+
+/// The renewal key the instance under test gives its request `id`.
+pub fn renewal_key(id: &str) -> RenewalKey {
+    renewal_secret().key_for(&ReqId::from(id))
+}
+
+/// The remote prefill's renewal key of every request of these tests.
+pub fn p_renewal_key() -> RenewalKey {
+    RenewalKey::from_bytes([0x70; 16])
 }
 
 /// Params as a proxy forwards them; those naming a prefill side channel
@@ -40,6 +56,7 @@ pub fn params(prefill: bool, decode: bool, host: Option<&str>, port: Option<u16>
         remote_port: port,
         remote_request_id: from_prefill.then(|| ReqId::from(P_REQ)),
         remote_engine_id: from_prefill.then(|| EngineId::new(P_ENGINE)),
+        remote_renewal_key: from_prefill.then(p_renewal_key),
     }
 }
 
@@ -50,6 +67,7 @@ pub fn remote_p() -> RemotePrefill {
         remote_port: P_PORT,
         remote_request_id: ReqId::from(P_REQ),
         remote_engine_id: Some(EngineId::new(P_ENGINE)),
+        remote_renewal_key: Some(p_renewal_key()),
     }
 }
 
@@ -74,6 +92,7 @@ pub fn points_here(id: &str) -> KvTransferParams {
     KvTransferParams {
         remote_request_id: Some(ReqId::from(id)),
         remote_engine_id: Some(EngineId::new(HERE_ENGINE)),
+        remote_renewal_key: Some(renewal_key(id)),
         ..params(true, false, Some(HERE_HOST), Some(HERE_PORT))
     }
 }
@@ -92,8 +111,14 @@ pub fn recv_from_p_at(blocks: &[BlockId], first: u64) -> RecvReqMeta {
     RecvReqMeta { first_token: Some(first), ..recv_from_p(blocks) }
 }
 
+/// A step's metadata: on P, each request made ready comes with its renewal key.
 pub fn meta(recvs: Vec<(&str, RecvReqMeta)>, sends: Vec<(&str, SendUpdate)>) -> ConnectorMetadata {
     ConnectorMetadata {
+        renewal_keys: sends
+            .iter()
+            .filter(|(_, u)| matches!(u, SendUpdate::Ready { .. }))
+            .map(|(id, _)| (ReqId::from(*id), renewal_key(id)))
+            .collect(),
         reqs_to_recv: recvs.into_iter().map(|(id, m)| (ReqId::from(id), m)).collect(),
         reqs_to_send: sends.into_iter().map(|(id, u)| (ReqId::from(id), u)).collect(),
         ..ConnectorMetadata::default()

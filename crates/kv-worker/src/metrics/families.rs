@@ -157,6 +157,12 @@ impl MetricsSnapshot {
                 self.renewals_received,
             ),
             value(
+                "renewals_refused",
+                Counter,
+                "P: renewals ignored because they did not name the request's renewal key.",
+                self.renewals_refused,
+            ),
+            value(
                 "auth_failures",
                 Counter,
                 "Peers that failed authentication (side channel or data plane).",

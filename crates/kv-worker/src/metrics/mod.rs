@@ -212,6 +212,7 @@ impl Metrics {
             send_wait_seconds: self.send_wait_seconds.snapshot(),
             lease_expiries: gauges.lease_expiries,
             renewals_received: gauges.renewals_received,
+            renewals_refused: gauges.renewals_refused,
             renewals_sent: load(&self.renewals_sent),
             auth_failures: gauges.side_channel_auth_failures + gauges.transport.auth_failures,
             tag_failures: TagFailures {
@@ -256,6 +257,7 @@ pub(crate) struct Gauges {
     pub(crate) side_channel_auth_failures: u64,
     pub(crate) side_channel_tag_failures: u64,
     pub(crate) renewals_received: u64,
+    pub(crate) renewals_refused: u64,
     pub(crate) transport: kv_proto::TransportStats,
     pub(crate) pulls_in_flight: u64,
     pub(crate) watched_requests: u64,
@@ -303,6 +305,10 @@ pub struct MetricsSnapshot {
     pub lease_expiries: u64,
     /// P: request renewals received from decode instances.
     pub renewals_received: u64,
+    /// P: renewals of requests P holds that did not name the request's
+    /// renewal key (ignored: only the decode instance given the request's
+    /// params can renew it).
+    pub renewals_refused: u64,
     /// D: request renewals sent to prefill instances.
     pub renewals_sent: u64,
     /// Peers that failed authentication (side channel and data plane).
@@ -371,6 +377,7 @@ impl MetricsSnapshot {
             send_wait_seconds: self.send_wait_seconds.since(&earlier.send_wait_seconds),
             lease_expiries: self.lease_expiries.saturating_sub(earlier.lease_expiries),
             renewals_received: self.renewals_received.saturating_sub(earlier.renewals_received),
+            renewals_refused: self.renewals_refused.saturating_sub(earlier.renewals_refused),
             renewals_sent: self.renewals_sent.saturating_sub(earlier.renewals_sent),
             auth_failures: self.auth_failures.saturating_sub(earlier.auth_failures),
             tag_failures: TagFailures {

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kv_proto::ReqId;
+use kv_proto::Renewing;
 
 use crate::receiver::SideChannelAddr;
 use crate::watch::WatchList;
@@ -43,14 +43,15 @@ impl RenewalSchedule {
         Self::default()
     }
 
-    /// The renewals due at `now`, with P's ids of the requests each renews:
+    /// The renewals due at `now`, with the requests each renews (P's ids
+    /// and their renewal keys):
     /// every prefill worker with watched requests that is not being renewed
     /// and was never renewed or is due. Each is under way from now until
     /// [`RenewalSchedule::handle_done`]. Prefill workers with nothing
     /// watched any more are forgotten.
-    pub fn poll_due(&mut self, watches: &WatchList, now: Instant) -> Vec<(SideChannelAddr, Vec<ReqId>)> {
+    pub fn poll_due(&mut self, watches: &WatchList, now: Instant) -> Vec<(SideChannelAddr, Vec<Renewing>)> {
         self.next_due.retain(|peer, _| watches.watches_on(peer));
-        let due: Vec<(SideChannelAddr, Vec<ReqId>)> = watches
+        let due: Vec<(SideChannelAddr, Vec<Renewing>)> = watches
             .by_peer()
             .filter(|(peer, _)| !self.renewing.contains(*peer))
             .filter(|(peer, _)| self.next_due.get(*peer).is_none_or(|due| *due <= now))

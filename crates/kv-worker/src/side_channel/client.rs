@@ -10,7 +10,7 @@ use futures_util::{SinkExt, StreamExt};
 use kv_proto::auth::{self, Channel, Transcript};
 use kv_proto::session::{End, Session};
 use kv_proto::{
-    FailureCause, FrameCodec, Hello, HelloReply, KeepAlive, ReqId, SideMessage, XferProgress, XferReply, XferRequest,
+    FailureCause, FrameCodec, Hello, HelloReply, KeepAlive, Renewing, SideMessage, XferProgress, XferReply, XferRequest,
 };
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Mutex};
@@ -225,10 +225,10 @@ impl SideChannelClient {
         }
     }
 
-    /// Renews P's hold on `req_ids` (no reply), in as many messages as
+    /// Renews P's hold on `renewals` (no reply), in as many messages as
     /// frames need. Returns how long P holds them from now (zero: P takes
     /// no renewals, and nothing was sent).
-    pub(crate) async fn keep_alive(&self, req_ids: &[ReqId]) -> Result<Duration, String> {
+    pub(crate) async fn keep_alive(&self, renewals: &[Renewing]) -> Result<Duration, String> {
         let now = Instant::now();
         let (conn, _) = self.connection(false, now).await.map_err(|e| e.reason)?;
         if conn.lease_renewal.is_zero() {
@@ -237,8 +237,8 @@ impl SideChannelClient {
         let mut guard = conn.sink.lock().await;
         let Some(sink) = guard.as_mut() else { return Err(format!("connection to {} closed", self.peer)) };
         conn.touch(now);
-        for chunk in keep_alive_chunks(req_ids, self.settings.max_frame_len) {
-            sink.send(SideMessage::KeepAlive(KeepAlive { req_ids: chunk.to_vec() }))
+        for chunk in keep_alive_chunks(renewals, self.settings.max_frame_len) {
+            sink.send(SideMessage::KeepAlive(KeepAlive { renewals: chunk.to_vec() }))
                 .await
                 .map_err(|e| format!("renewing on {}: {e}", self.peer))?;
         }
@@ -426,19 +426,19 @@ fn is_bad_tag(error: &SideChannelError) -> bool {
 
 /// Splits `req_ids` into runs that each fit one frame of `max_frame_len`
 /// (and the count bound P decodes).
-fn keep_alive_chunks(req_ids: &[ReqId], max_frame_len: usize) -> impl Iterator<Item = &[ReqId]> {
-    // Per id: its bytes and a length prefix of at most 9; half the frame
-    // leaves room for the enum tag and vector length.
+fn keep_alive_chunks(renewals: &[Renewing], max_frame_len: usize) -> impl Iterator<Item = &[Renewing]> {
+    // Per request: its id's bytes, a length prefix of at most 9, and its
+    // key; half the frame leaves room for the enum tag and vector length.
     let budget = max_frame_len / 2;
-    let mut rest = req_ids;
+    let mut rest = renewals;
     std::iter::from_fn(move || {
         if rest.is_empty() {
             return None;
         }
         let mut bytes = 0usize;
         let mut take = 0;
-        for id in rest.iter().take(kv_proto::MAX_REQUESTS_PER_TRANSFER) {
-            bytes = bytes.saturating_add(id.as_str().len() + 9);
+        for renewal in rest.iter().take(kv_proto::MAX_REQUESTS_PER_TRANSFER) {
+            bytes = bytes.saturating_add(renewal.req_id.as_str().len() + 9 + kv_proto::RENEWAL_KEY_LEN);
             if take > 0 && bytes > budget {
                 break;
             }
@@ -524,19 +524,26 @@ async fn read_replies(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_proto::ReqId;
 
-    fn ids(n: usize) -> Vec<ReqId> {
-        (0..n).map(|i| ReqId::new(format!("req-{i:06}"))).collect()
+    fn renewals(n: usize) -> Vec<Renewing> {
+        let key = kv_proto::RenewalKey::from_bytes([1; kv_proto::RENEWAL_KEY_LEN]);
+        (0..n).map(|i| Renewing { req_id: ReqId::new(format!("req-{i:06}")), key }).collect()
     }
 
     #[test]
     fn keep_alives_split_by_count_and_by_frame_size() {
-        let many = ids(kv_proto::MAX_REQUESTS_PER_TRANSFER + 5);
-        let lens: Vec<usize> = keep_alive_chunks(&many, 1 << 24).map(<[ReqId]>::len).collect();
+        let many = renewals(kv_proto::MAX_REQUESTS_PER_TRANSFER + 5);
+        let lens: Vec<usize> = keep_alive_chunks(&many, 1 << 24).map(<[Renewing]>::len).collect();
         assert_eq!(lens, [kv_proto::MAX_REQUESTS_PER_TRANSFER, 5]);
-        // Each id takes 10 bytes plus 9 of prefix: 10 fit in 380 / 2.
-        let lens: Vec<usize> = keep_alive_chunks(&many[..25], 380).map(<[ReqId]>::len).collect();
+        // Each takes 10 bytes of id, 9 of prefix and 16 of key: 10 fit in 700 / 2.
+        let lens: Vec<usize> = keep_alive_chunks(&many[..25], 700).map(<[Renewing]>::len).collect();
         assert_eq!(lens, [10, 10, 5]);
+        for chunk in keep_alive_chunks(&many[..25], 700) {
+            let mut frame = bytes::BytesMut::new();
+            let message = SideMessage::KeepAlive(KeepAlive { renewals: chunk.to_vec() });
+            assert!(FrameCodec::new(700).encode(&message, &mut frame).is_ok(), "a chunk fits its frame");
+        }
         assert_eq!(keep_alive_chunks(&[], 1024).count(), 0);
     }
 }

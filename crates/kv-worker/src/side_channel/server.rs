@@ -221,8 +221,8 @@ async fn serve_connection(
             Ok(Some(Err(e))) => return Err(e.to_string()),
             Ok(Some(Ok(SideMessage::XferRequest(request)))) => request,
             Ok(Some(Ok(SideMessage::KeepAlive(keep)))) => {
-                let renewed = shared.lock_sender().renew(&keep.req_ids, &hello.engine_id, Instant::now());
-                tracing::trace!(%peer, asked = keep.req_ids.len(), renewed, "renewed requests");
+                let renewed = shared.lock_sender().renew(&keep.renewals, &hello.engine_id, Instant::now());
+                tracing::trace!(%peer, asked = keep.renewals.len(), renewed, "renewed requests");
                 continue;
             }
             Ok(Some(Ok(other))) => return Err(format!("unexpected {} after hello", message_name(&other))),

@@ -241,6 +241,7 @@ impl StagingCore {
         let mut step = StagedStep::default();
         step.to_worker.reqs_to_watch = meta.reqs_to_watch.clone();
         step.to_worker.reqs_to_unwatch = meta.reqs_to_unwatch.clone();
+        step.to_worker.renewal_keys = meta.renewal_keys.clone();
         for (req, update) in &meta.reqs_to_send {
             match update {
                 SendUpdate::Expect => {

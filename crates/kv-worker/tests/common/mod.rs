@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use kv_proto::{
     BatchWriter, BlockId, ConnectorMetadata, Endpoint, Grant, GrantId, KvRole, LayoutKind, MemoryRegion, Protocol,
-    RecvReqMeta, RegionAccess, RemotePrefill, ReqId, SendUpdate, TransportError, WriteOp,
+    RecvReqMeta, RegionAccess, RemotePrefill, RenewalKey, RenewalSecret, ReqId, SendUpdate, TransportError, WriteOp,
 };
 use kv_worker::in_memory::InMemoryNetwork;
 use kv_worker::{pattern, CacheDims, CacheShape, DataEndpointPolicy, Finished, OwnedKvCache, Worker, WorkerConfig};
@@ -138,15 +138,29 @@ pub fn p_id(req: &str) -> ReqId {
     ReqId::new(format!("p-{req}"))
 }
 
-/// What D's metadata names as the prefill of `req` at `host:port`.
-pub fn remote(host: &str, port: u16, req: &str) -> RemotePrefill {
-    RemotePrefill { remote_host: host.into(), remote_port: port, remote_request_id: p_id(req), remote_engine_id: None }
+/// The renewal key P's scheduler gives request `p_id(req)`.
+pub fn renewal_key(req: &str) -> RenewalKey {
+    RenewalSecret::from_bytes([0x11; 32]).key_for(&p_id(req))
 }
 
-/// P's request `p_id(req)` finished prefill into `blocks`.
+/// What D's metadata names as the prefill of `req` at `host:port`, with
+/// the renewal key P gave it.
+pub fn remote(host: &str, port: u16, req: &str) -> RemotePrefill {
+    RemotePrefill {
+        remote_host: host.into(),
+        remote_port: port,
+        remote_request_id: p_id(req),
+        remote_engine_id: None,
+        remote_renewal_key: Some(renewal_key(req)),
+    }
+}
+
+/// P's request `p_id(req)` finished prefill into `blocks` (its renewal
+/// key comes with it, as P's scheduler sends it).
 pub fn ready(p: &Instance, req: &str, blocks: &[BlockId]) {
     let mut meta = ConnectorMetadata::default();
     meta.reqs_to_send.insert(p_id(req), SendUpdate::Ready { block_ids: blocks.to_vec() });
+    meta.renewal_keys.insert(p_id(req), renewal_key(req));
     p.worker.start_load_kv(&meta);
 }
 

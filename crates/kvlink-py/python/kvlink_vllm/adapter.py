@@ -28,7 +28,9 @@ logger = logging.getLogger("kvlink_vllm")
 #: The request parameter fields kvlink reads; the rest of the dict is left alone.
 #: ``remote_request_id`` and ``remote_engine_id`` are what a prefill instance
 #: returns about itself (its own id of the request, its engine id): the
-#: decode instance names the request to it by them.
+#: decode instance names the request to it by them. ``remote_renewal_key``
+#: is the request's renewal key: only a decode instance given it can renew
+#: the prefill's hold on the request.
 PARAM_FIELDS = (
     "do_remote_prefill",
     "do_remote_decode",
@@ -36,6 +38,7 @@ PARAM_FIELDS = (
     "remote_port",
     "remote_request_id",
     "remote_engine_id",
+    "remote_renewal_key",
 )
 
 
