@@ -52,7 +52,7 @@ pub use defaults::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_IO_TIM
 pub use established::EstablishedPlaces;
 pub use grants::{issue_grant, revoke_grant};
 pub use io::{read_exact, write_all, WireError};
-pub use limits::{ListenerLimits, DEFAULT_MAX_CONNECTIONS};
+pub use limits::{ListenerLimits, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 pub use listener::{DataListener, PeerLog};
 pub use receive::{carry_out, Carried};
 pub use throttle::{RefusalLog, LOG_INTERVAL};

@@ -3,6 +3,7 @@
 //! defaults, once; each transport's config embeds them as `limits`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kv_proto::{HandshakePlaces, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_HOST};
 use tokio::sync::Semaphore;
@@ -10,8 +11,11 @@ use tokio::sync::Semaphore;
 /// Default [`ListenerLimits::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
+/// Default [`ListenerLimits::handshake_timeout`].
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A listener's two pools of places: handshake places, taken at accept and
-/// held for at most the transport's one handshake deadline, and established
+/// held for at most [`ListenerLimits::handshake_timeout`], and established
 /// places, taken only once the handshake (and, with a shared secret, its
 /// proof) succeeded, so peers that never finish a handshake cannot crowd
 /// out those that did.
@@ -30,6 +34,15 @@ pub struct ListenerLimits {
     /// on every listener. (0 handshake places counts as 1: a listener with
     /// none would be refusing everything at accept, unable to say why.)
     pub max_connections: usize,
+    /// One deadline on an incoming connection's whole handshake, from
+    /// accept (default [`DEFAULT_HANDSHAKE_TIMEOUT`]): whatever the
+    /// listener's protocol exchanges before the connection is established
+    /// (TCP's preamble, reply and proof; QUIC's TLS handshake and hello;
+    /// RDMA's opening and queue-pair exchange; the side channel's hello,
+    /// challenge and reply). It does not restart on progress, so a peer
+    /// dribbling its handshake holds a handshake place for at most this
+    /// long; past it the connection is closed.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ListenerLimits {
@@ -38,6 +51,7 @@ impl Default for ListenerLimits {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_host: DEFAULT_MAX_HANDSHAKES_PER_HOST,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
         }
     }
 }
@@ -61,7 +75,8 @@ mod tests {
 
     #[test]
     fn the_pools_follow_the_limits() {
-        let limits = ListenerLimits { max_handshakes: 3, max_handshakes_per_host: 2, max_connections: 1 };
+        let limits =
+            ListenerLimits { max_handshakes: 3, max_handshakes_per_host: 2, max_connections: 1, ..Default::default() };
         let places = limits.handshake_places();
         assert_eq!((places.limit(), places.per_host()), (3, 2));
         let established = limits.established_places();

@@ -70,7 +70,9 @@ pub struct WorkerConfig {
     pub lease_renewal: Duration,
     /// D's bound on one pull: from sending the transfer request to P's reply.
     pub transfer_timeout: Duration,
-    /// Bound on connecting and on the hello exchange, both sides.
+    /// Bound on connecting and on the hello exchange, on the connecting
+    /// side. (Listeners hold an incoming connection's handshake to their
+    /// limits' `handshake_timeout`.)
     pub connect_timeout: Duration,
     /// Bound on one side-channel frame body.
     pub max_frame_len: usize,
@@ -277,6 +279,7 @@ fn overridden(limits: ListenerLimits, overrides: ListenerOverrides) -> ListenerL
         max_handshakes: overrides.max_handshakes.unwrap_or(limits.max_handshakes),
         max_handshakes_per_host: overrides.max_handshakes_per_host.unwrap_or(limits.max_handshakes_per_host),
         max_connections: overrides.max_connections.unwrap_or(limits.max_connections),
+        handshake_timeout: overrides.handshake_timeout.unwrap_or(limits.handshake_timeout),
     }
 }
 
@@ -303,7 +306,7 @@ mod tests {
         let set = parsed(
             r#"{"num_workers":2,"transfer_timeout":3,"connect_timeout":0.5,"lease_renewal":0,
                 "side_channel_max_handshakes_per_host":4,"side_channel_max_connections":0,
-                "data_max_handshakes":128,"data_max_handshakes_per_host":48,
+                "data_max_handshakes":128,"data_max_handshakes_per_host":48,"data_handshake_timeout":2,
                 "auth_secret_file":"/s","tcp_authenticate_payloads":true}"#,
         );
         let c = WorkerConfig::from_transfer_config(&set, bind, Placement::single()).unwrap();
@@ -318,7 +321,12 @@ mod tests {
         );
         assert_eq!(
             c.data_limits,
-            ListenerLimits { max_handshakes: 128, max_handshakes_per_host: 48, ..defaults.data_limits }
+            ListenerLimits {
+                max_handshakes: 128,
+                max_handshakes_per_host: 48,
+                handshake_timeout: Duration::from_secs(2),
+                ..defaults.data_limits
+            }
         );
     }
 }

@@ -184,7 +184,7 @@ async fn silent_connections_from_one_host_do_not_lock_out_another() {
     let mut pair = pair(|c| {
         c.side_channel_limits.max_handshakes = 8;
         c.side_channel_limits.max_handshakes_per_host = 4;
-        c.connect_timeout = Duration::from_millis(500);
+        c.side_channel_limits.handshake_timeout = Duration::from_millis(500);
     })
     .await;
     // The honest D's connection to P stays open for reuse: count it in.

@@ -239,6 +239,9 @@ def test_ttft(cluster):
                     cluster.p.url, client.completion_body(prompt, max_tokens=1, params=client.PREFILL_PARAMS), rid
                 )
                 assert pre.ok and pre.kv_transfer_params, f"P: {pre.describe()}"
+                # What lets only the decode instance given these params renew P's hold.
+                key = pre.kv_transfer_params.get("remote_renewal_key")
+                assert isinstance(key, str) and re.fullmatch("[0-9a-f]{32}", key), pre.kv_transfer_params
                 before = cluster.d.metric(EXTERNAL_HITS)
                 answer = client.stream(cluster.d.url, client.completion_body(prompt, params=pre.kv_transfer_params), rid)
                 assert answer.ok and answer.ttft is not None, f"D (pulled): {answer.describe()}"

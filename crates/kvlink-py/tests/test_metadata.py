@@ -39,6 +39,7 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
         "remote_port": 9000,
         "remote_request_id": "cmpl-1-0-b00fff6e",
         "remote_engine_id": "e-prefill",
+        "remote_renewal_key": "ab" * 16,
         "remote_block_ids": "kept as is",
     }
     # D's engine names the request its own way; P's id travels in the params.
@@ -54,6 +55,7 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
         "remote_port": 9000,
         "remote_request_id": "cmpl-1-0-b00fff6e",
         "remote_engine_id": "e-prefill",
+        "remote_renewal_key": "ab" * 16,
         "remote_block_ids": "kept as is",
     }
     meta = c.build_connector_meta(SimpleNamespace())
@@ -71,6 +73,7 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
                 "remote_port": 9000,
                 "remote_request_id": "cmpl-1-0-b00fff6e",
                 "remote_engine_id": "e-prefill",
+                "remote_renewal_key": "ab" * 16,
             },
         }
     }

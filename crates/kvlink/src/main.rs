@@ -278,6 +278,14 @@ struct ListenerArgs {
     /// The data plane's listener: established connections (0 refuses every one).
     #[arg(long, value_name = "N", default_value_t = ListenerLimits::default().max_connections)]
     data_max_connections: usize,
+    /// Prefill's side channel: seconds an incoming connection has for its
+    /// whole hello and authentication, from accept.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(kv_net::DEFAULT_HANDSHAKE_TIMEOUT))]
+    side_channel_handshake_timeout: Secs,
+    /// The data plane's listener: seconds an incoming connection has for its
+    /// whole handshake and authentication, from accept.
+    #[arg(long, value_name = "SECS", default_value_t = Secs(kv_net::DEFAULT_HANDSHAKE_TIMEOUT))]
+    data_handshake_timeout: Secs,
 }
 
 impl ListenerArgs {
@@ -287,11 +295,13 @@ impl ListenerArgs {
             max_handshakes: self.side_channel_max_handshakes,
             max_handshakes_per_host: self.side_channel_max_handshakes_per_host,
             max_connections: self.side_channel_max_connections,
+            handshake_timeout: self.side_channel_handshake_timeout.0,
         };
         let data = ListenerLimits {
             max_handshakes: self.data_max_handshakes,
             max_handshakes_per_host: self.data_max_handshakes_per_host,
             max_connections: self.data_max_connections,
+            handshake_timeout: self.data_handshake_timeout.0,
         };
         (side_channel, data)
     }

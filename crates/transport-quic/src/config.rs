@@ -16,10 +16,11 @@ pub struct QuicConfig {
     /// Host put in the advertised [`kv_proto::Endpoint`] (default: the bound
     /// IP). Set it when binding a wildcard address such as `0.0.0.0`.
     pub advertise_host: Option<String>,
-    /// One deadline for establishing a connection: name resolution, the
-    /// QUIC/TLS handshake and the hello (with the shared-secret exchange, if
-    /// any), on either side (default 5 s). No batch is sent or served on a
-    /// connection before its hello completed.
+    /// One deadline for establishing an outgoing connection: name
+    /// resolution, the QUIC/TLS handshake and the hello (with the
+    /// shared-secret exchange, if any; default 5 s). No batch is sent or
+    /// served on a connection before its hello completed. (The receiving
+    /// side's deadline is [`ListenerLimits::handshake_timeout`].)
     pub connect_timeout: Duration,
     /// Bound on the data plane's waits (default 30 s).
     ///
@@ -53,7 +54,7 @@ pub struct QuicConfig {
     pub max_concurrent_streams: u32,
     /// The listener's places (default [`ListenerLimits::default`]): a
     /// handshake place covers the QUIC/TLS handshake and the hello, for at
-    /// most [`QuicConfig::connect_timeout`]; a connection past
+    /// most [`ListenerLimits::handshake_timeout`]; a connection past
     /// [`ListenerLimits::max_handshakes`] is refused at once (QUIC
     /// `CONNECTION_REFUSED`), and once half of them are taken, one from an
     /// address not yet proven is first sent a QUIC retry (it proves its

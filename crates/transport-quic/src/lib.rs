@@ -70,7 +70,8 @@
 //! other. Proofs are compared in constant time by the MAC crate. A side with
 //! a secret refuses a peer without one, and a side without one refuses a
 //! peer that demands one, each with an error that says so; the whole hello
-//! is bounded by one [`QuicConfig::connect_timeout`] deadline.
+//! is bounded by one deadline ([`QuicConfig::connect_timeout`] connecting,
+//! [`ListenerLimits::handshake_timeout`] accepting).
 //!
 //! # The grant check and the fence
 //!
@@ -100,7 +101,7 @@
 //! carries one batch.
 //!
 //! ```text
-//! hello (first stream, before any batch; bounded by connect_timeout)
+//! hello (first stream, before any batch; bounded by the handshake deadline)
 //!  client → server  | KVLH | version u16 = 2 | flags u16 | client_nonce [32] |
 //!  server → client  | KVLH | version u16 = 2 | flags u16 | server_nonce [32] | server_proof [32] |
 //!                   flags bit 0 AUTH: this side holds a shared secret
@@ -189,7 +190,8 @@
 //! [`QuicConfig::idle_timeout`] closes (no keep-alives).
 //!
 //! Establishing a connection (resolution, handshake, hello) has one
-//! deadline, [`QuicConfig::connect_timeout`], on both sides. A sender's wait
+//! deadline on each side: [`QuicConfig::connect_timeout`] for the sender,
+//! [`ListenerLimits::handshake_timeout`] for the receiver, from accept. A sender's wait
 //! while its payload flows (a stream slot, each write, the peer's
 //! acknowledgement of the whole stream) ends when the connection shows no
 //! progress (acknowledgements, flow-control credit) for

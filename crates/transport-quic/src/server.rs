@@ -18,7 +18,7 @@
 //!
 //! Admission: an incoming connection holds a handshake place (bounded in
 //! total and per source address) from accept until its hello ends, all of
-//! it within one deadline (`connect_timeout`), and takes an established
+//! it within one deadline (`limits.handshake_timeout`), and takes an established
 //! place only once its hello (and proof) succeeded; past `max_connections`
 //! it is closed with `CLOSE_BUSY` and the reason. quinn's endpoint has no
 //! accept errors to back off from (a failed incoming connection is that
@@ -168,7 +168,7 @@ async fn establish_within_deadline(
             return None;
         }
     };
-    let after = shared.config.connect_timeout;
+    let after = shared.config.limits.handshake_timeout;
     let deadline = tokio::time::Instant::now() + after;
     let handshake = tokio::select! {
         biased;

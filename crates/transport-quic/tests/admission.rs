@@ -126,6 +126,7 @@ fn under_pressure_a_new_source_proves_its_address_first() {
             limits: ListenerLimits {
                 max_handshakes: PLACES,
                 max_handshakes_per_host: PLACES,
+                handshake_timeout: LONG,
                 ..ListenerLimits::default()
             },
             connect_timeout: LONG,

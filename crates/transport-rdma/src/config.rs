@@ -33,9 +33,8 @@ pub struct RdmaConfig {
     /// address, else its first IPv4-mapped GID: RoCE v2 over that interface).
     pub gid_index: Option<u8>,
     /// Bound on connecting to a peer: TCP connect, handshake and queue-pair
-    /// set-up (default 5 s). On the receiving side, one overall bound on an
-    /// incoming control connection's opening, authentication and queue-pair
-    /// exchange together, from accept (not one per read).
+    /// set-up (default 5 s). (The receiving side's one deadline is
+    /// [`ListenerLimits::handshake_timeout`].)
     pub connect_timeout: Duration,
     /// Bound on any single wait once connected (default 30 s): a control
     /// reply, a completion (progress restarts the clock, so a large batch on
@@ -62,7 +61,8 @@ pub struct RdmaConfig {
     pub window_pool: usize,
     /// The control listener's places (default [`ListenerLimits::default`]):
     /// a handshake place, taken at accept (or the connection is closed at
-    /// once), is held for at most [`RdmaConfig::connect_timeout`]; an
+    /// once), is held for at most [`ListenerLimits::handshake_timeout`]
+    /// (the opening and the queue-pair exchange together); an
     /// established place is taken only once the opening (and, with a
     /// secret, its proof) succeeded, before any queue pair is made for it,
     /// and a connection past [`ListenerLimits::max_connections`] is told so

@@ -150,6 +150,7 @@ async fn stalled_handshakes_do_not_crowd_out_an_honest_sender() {
                 limits: ListenerLimits {
                     max_connections: PLACES,
                     max_handshakes_per_host: PLACES,
+                    handshake_timeout: LONG,
                     ..ListenerLimits::default()
                 },
                 connect_timeout: LONG,
@@ -177,7 +178,7 @@ async fn a_host_over_its_handshake_share_is_refused_while_others_are_served() {
     let victim = node(
         RegionAccess::Destination,
         RdmaConfig {
-            limits: ListenerLimits { max_handshakes_per_host: 2, ..ListenerLimits::default() },
+            limits: ListenerLimits { max_handshakes_per_host: 2, handshake_timeout: LONG, ..ListenerLimits::default() },
             connect_timeout: LONG,
             ..config(None)
         },

@@ -27,13 +27,6 @@ pub struct TcpConfig {
     /// the handshake, on either side (default 30 s). Progress restarts the
     /// clock, so a large batch on a slow link is not cut off.
     pub io_timeout: Duration,
-    /// One overall bound on an incoming connection's handshake: preamble,
-    /// accept reply and authentication together, from the moment the
-    /// connection is accepted (default 10 s). It does not restart on
-    /// progress, so a peer dribbling its handshake byte by byte holds a
-    /// handshake place for at most this long. (The sending side bounds its
-    /// whole set-up by [`TcpConfig::connect_timeout`].)
-    pub handshake_timeout: Duration,
     /// How long the receiver keeps a connection on which no batch is in
     /// progress (default 120 s). Senders learn it at connection set-up and
     /// retire pooled connections after half of it.
@@ -93,9 +86,12 @@ pub struct TcpConfig {
     /// the README's figures). Payloads are not encrypted: QUIC's TLS does
     /// that.
     pub authenticate_payloads: bool,
-    /// The listener's places (default [`ListenerLimits::default`]): a
-    /// handshake place, taken at accept (or the connection is closed at
-    /// once), is held for at most [`TcpConfig::handshake_timeout`]; an
+    /// The listener's places and its handshake deadline (default
+    /// [`ListenerLimits::default`]): a handshake place, taken at accept (or
+    /// the connection is closed at once), is held for at most
+    /// [`ListenerLimits::handshake_timeout`] (preamble, accept reply and
+    /// authentication together; the sending side bounds its whole set-up
+    /// by [`TcpConfig::connect_timeout`]); an
     /// established place is taken only once the handshake (and, with a
     /// secret, its proof) succeeded, and a connection past
     /// [`ListenerLimits::max_connections`] is told so (accept status 5, or
@@ -110,7 +106,6 @@ impl Default for TcpConfig {
             advertise_host: None,
             connect_timeout: kv_net::DEFAULT_CONNECT_TIMEOUT,
             io_timeout: kv_net::DEFAULT_IO_TIMEOUT,
-            handshake_timeout: Duration::from_secs(10),
             idle_timeout: kv_net::DEFAULT_IDLE_TIMEOUT,
             op_lists: OpListLimits::default(),
             max_idle_conns_per_peer: 4,

@@ -39,7 +39,7 @@
 //!   total, [`ListenerLimits::max_handshakes`], and per source host,
 //!   [`ListenerLimits::max_handshakes_per_host`], of
 //!   [`TcpConfig::limits`]) for at most one deadline
-//!   ([`TcpConfig::handshake_timeout`]), and takes an established place
+//!   ([`kv_net::ListenerLimits::handshake_timeout`]), and takes an established place
 //!   ([`ListenerLimits::max_connections`]) only once the handshake succeeded;
 //! - wait without a bound ([`TcpConfig`] holds every timeout);
 //! - touch registered memory after [`BatchWriter::close`],
@@ -134,7 +134,7 @@
 //! any payload byte and has written nothing.
 //!
 //! A receiver closes a connection, logging why, on a bad preamble, a
-//! handshake not done by [`TcpConfig::handshake_timeout`], a failed proof,
+//! handshake not done by [`kv_net::ListenerLimits::handshake_timeout`], a failed proof,
 //! a protocol error above, a truncated frame, any stalled read past
 //! [`TcpConfig::io_timeout`], or no batch within [`TcpConfig::idle_timeout`].
 //! The op list is buffered as it arrives (so an announced count costs memory

@@ -1,7 +1,7 @@
 //! The receiving side: the accept loop and one task per incoming connection.
 //!
 //! A connection's life: the handshake (preamble → accept reply →
-//! authentication, all within one overall `handshake_timeout`, holding a
+//! authentication, all within one overall `limits.handshake_timeout`, holding a
 //! handshake place taken at accept), then, holding an established place
 //! taken only once the handshake succeeded, batches
 //! until the peer closes, the connection idles past `idle_timeout`, the peer
@@ -150,7 +150,7 @@ type Receiver<'m> = BatchReceiver<'m, BatchHeader, BATCH_HEADER_LEN>;
 
 impl Connection<'_> {
     async fn run(self, stream: &mut TcpStream, place: HandshakePlace) -> Result<End, ConnError> {
-        let deadline = self.shared.config.handshake_timeout;
+        let deadline = self.shared.config.limits.handshake_timeout;
         let (_established, session, tagged_payloads) = tokio::time::timeout(deadline, self.handshake(stream))
             .await
             .map_err(|_| ConnError::HandshakeTimeout(deadline))??;
@@ -228,7 +228,7 @@ impl Connection<'_> {
     /// connection's established place, taken once all of that succeeded
     /// (a peer past the limit is told so), its session, and whether its
     /// payloads are tagged. The caller bounds the whole of it by
-    /// `handshake_timeout`.
+    /// `limits.handshake_timeout`.
     async fn handshake(&self, stream: &mut TcpStream) -> Result<Handshake, ConnError> {
         let config = &self.shared.config;
         let io_timeout = config.io_timeout;

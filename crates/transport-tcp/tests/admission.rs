@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{node, Node, RawClient, Tcp, BOUND};
 use kv_proto::auth::{self, AuthSecret};
 use test_support::listener::admission::{Admission, Places, Stall};
@@ -21,7 +19,6 @@ use transport_tcp::TcpConfig;
 
 /// Longer than any test here: a hostile handshake ends only when the test
 /// closes it (or when the receiver refuses it).
-const LONG: Duration = Duration::from_secs(120);
 
 impl Admission for Tcp {
     type Held = RawClient;
@@ -29,7 +26,7 @@ impl Admission for Tcp {
     async fn victim(&self, places: Places, secret: Option<&str>) -> Node {
         let limits = places.limits();
         let secret = secret.map(AuthSecret::new);
-        let config = TcpConfig { auth_secret: secret, limits, handshake_timeout: LONG, ..TcpConfig::default() };
+        let config = TcpConfig { auth_secret: secret, limits, ..TcpConfig::default() };
         node(config, 1 << 16).await
     }
 

@@ -20,7 +20,7 @@ use transport_tcp::wire::{
     auth_context, Accept, AcceptStatus, Preamble, ACCEPT_LEN, AUTH_FAILED, AUTH_OK, AUTH_TAG_LEN, CHALLENGE_LEN,
     FLAG_AUTH, PREAMBLE_LEN, VERSION,
 };
-use transport_tcp::TcpConfig;
+use transport_tcp::{ListenerLimits, TcpConfig};
 
 const SECRET: &str = "s3cret";
 
@@ -267,7 +267,7 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
             Dribble::PreambleAndNonce | Dribble::Proof => Some(SECRET),
         };
         let config = TcpConfig {
-            handshake_timeout: DEADLINE,
+            limits: ListenerLimits { handshake_timeout: DEADLINE, ..ListenerLimits::default() },
             io_timeout: Duration::from_secs(30),
             auth_secret: secret.map(AuthSecret::new),
             ..TcpConfig::default()
@@ -330,7 +330,7 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_off_at_the_deadline(
 fn the_deadline_ends_with_the_handshake() {
     isolated(async move {
         let config = TcpConfig {
-            handshake_timeout: Duration::from_millis(300),
+            limits: ListenerLimits { handshake_timeout: Duration::from_millis(300), ..ListenerLimits::default() },
             auth_secret: Some(AuthSecret::new(SECRET)),
             ..TcpConfig::default()
         };

@@ -65,4 +65,6 @@ pub(super) struct ExtraConfig {
     pub(super) data_max_handshakes: Option<Given<u64>>,
     pub(super) data_max_handshakes_per_host: Option<Given<u64>>,
     pub(super) data_max_connections: Option<Given<u64>>,
+    pub(super) side_channel_handshake_timeout: Option<Given<f64>>,
+    pub(super) data_handshake_timeout: Option<Given<f64>>,
 }

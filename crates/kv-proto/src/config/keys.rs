@@ -60,6 +60,14 @@ pub const EXTRA_KEYS: &[(&str, &str)] = &[
         "data_max_connections",
         "established data-plane connections a worker serves, 0..=1048576; 0 refuses every sender (default 1024)",
     ),
+    (
+        "side_channel_handshake_timeout",
+        "seconds an incoming side-channel connection has for its whole hello (and authentication), from accept, > 0 (default 10)",
+    ),
+    (
+        "data_handshake_timeout",
+        "seconds an incoming data-plane connection has for its whole handshake (and authentication), from accept, > 0 (default 10)",
+    ),
 ];
 
 /// Keys vLLM's own P/D connectors define in `kv_connector_extra_config`,

@@ -83,6 +83,8 @@ pub struct ListenerOverrides {
     pub max_handshakes_per_host: Option<usize>,
     /// Established connections (0 refuses every one).
     pub max_connections: Option<usize>,
+    /// The one deadline on an incoming connection's handshake.
+    pub handshake_timeout: Option<Duration>,
 }
 
 /// The connector settings kvlink takes from vLLM's `--kv-transfer-config`
@@ -129,9 +131,11 @@ pub struct KvTransferConfig {
     /// `staging_piece_bytes` ([`DEFAULT_STAGING_PIECE_BYTES`] when unset; 0:
     /// whole requests).
     pub staging_piece_bytes: u64,
-    /// `side_channel_max_handshakes`, `…_per_host`, `side_channel_max_connections`.
+    /// `side_channel_max_handshakes`, `…_per_host`, `side_channel_max_connections`,
+    /// `side_channel_handshake_timeout`.
     pub side_channel_limits: ListenerOverrides,
-    /// `data_max_handshakes`, `…_per_host`, `data_max_connections`.
+    /// `data_max_handshakes`, `…_per_host`, `data_max_connections`,
+    /// `data_handshake_timeout`.
     pub data_limits: ListenerOverrides,
     /// Keys of other vLLM connectors that were given and are ignored, with
     /// the connector that reads each (the caller logs them once).
@@ -233,11 +237,13 @@ fn listener(
     handshakes: Option<Given<u64>>,
     per_host: Option<Given<u64>>,
     connections: Option<Given<u64>>,
+    handshake_timeout: Option<Given<f64>>,
 ) -> Result<ListenerOverrides, ConfigError> {
     Ok(ListenerOverrides {
         max_handshakes: count(&format!("{prefix}_max_handshakes"), handshakes, HANDSHAKES)?,
         max_handshakes_per_host: count(&format!("{prefix}_max_handshakes_per_host"), per_host, HANDSHAKES)?,
         max_connections: count(&format!("{prefix}_max_connections"), connections, CONNECTIONS)?,
+        handshake_timeout: seconds(&format!("{prefix}_handshake_timeout"), handshake_timeout, false)?,
     })
 }
 
@@ -379,12 +385,14 @@ impl KvTransferConfig {
                 extra.side_channel_max_handshakes,
                 extra.side_channel_max_handshakes_per_host,
                 extra.side_channel_max_connections,
+                extra.side_channel_handshake_timeout,
             )?,
             data_limits: listener(
                 "data",
                 extra.data_max_handshakes,
                 extra.data_max_handshakes_per_host,
                 extra.data_max_connections,
+                extra.data_handshake_timeout,
             )?,
             ignored,
         })
@@ -533,6 +541,8 @@ mod tests {
             "data_max_handshakes": 100,
             "data_max_handshakes_per_host": 40,
             "data_max_connections": 2000,
+            "side_channel_handshake_timeout": 2,
+            "data_handshake_timeout": 0.5,
         }))
         .unwrap();
         assert_eq!(c.protocol, Some(Protocol::Tcp));
@@ -547,13 +557,14 @@ mod tests {
         assert_eq!((c.host_staging, c.staging_bytes), (HostStaging::Always, 1 << 20));
         assert_eq!(c.staging_wait, Some(Duration::from_millis(1500)));
         assert_eq!(c.staging_piece_bytes, 0, "zero: whole requests");
-        let overrides = |h, p, c| ListenerOverrides {
+        let overrides = |h, p, c, t| ListenerOverrides {
             max_handshakes: Some(h),
             max_handshakes_per_host: Some(p),
             max_connections: Some(c),
+            handshake_timeout: Some(Duration::from_secs_f64(t)),
         };
-        assert_eq!(c.side_channel_limits, overrides(10, 5, 0));
-        assert_eq!(c.data_limits, overrides(100, 40, 2000));
+        assert_eq!(c.side_channel_limits, overrides(10, 5, 0, 2.0));
+        assert_eq!(c.data_limits, overrides(100, 40, 2000, 0.5));
         assert!(c.ignored.is_empty());
     }
 
@@ -622,6 +633,7 @@ mod tests {
         "tcp_authenticate_payloads = \"yes\""
     )]
     #[case::negative_connections(serde_json::json!({"data_max_connections": -1}), "data_max_connections = -1")]
+    #[case::zero_handshake_timeout(serde_json::json!({"data_handshake_timeout": 0}), "data_handshake_timeout = 0")]
     fn a_bad_value_names_its_key_and_the_value(#[case] extra: serde_json::Value, #[case] expected: &str) {
         let err = with_extra(extra).unwrap_err().to_string();
         assert!(err.contains(&format!("kv_connector_extra_config.{expected} is invalid; accepted: ")), "{err}");

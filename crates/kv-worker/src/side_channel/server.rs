@@ -114,7 +114,7 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<DecodeRank, String> {
 type Conn = Framed<TcpStream, SideChannelCodec>;
 
 /// Reads the hello, authenticates, checks what must agree and answers; all
-/// of it within one deadline (`connect_timeout`), not one per read.
+/// of it within one deadline (`side_channel_limits.handshake_timeout`), not one per read.
 async fn handshake(shared: &Shared, framed: &mut Conn) -> Result<Option<(Hello, DecodeRank)>, String> {
     let first = tokio::select! {
         () = shared.cancel.cancelled() => return Ok(None),
@@ -165,7 +165,7 @@ async fn serve_connection(
     handshake_place: HandshakePlace,
 ) -> Result<(), String> {
     let mut framed = Framed::new(stream, SideChannelCodec::new(FrameCodec::new(shared.config.max_frame_len)));
-    let deadline = shared.config.connect_timeout;
+    let deadline = shared.config.side_channel_limits.handshake_timeout;
     let hello = match tokio::time::timeout(deadline, handshake(&shared, &mut framed)).await {
         Err(_) => return Err(format!("hello not completed within {deadline:?}")),
         Ok(Err(reason)) => return Err(reason),

@@ -44,13 +44,19 @@ pub struct Places {
     pub handshakes_per_host: Option<usize>,
 }
 
+/// How long the admission cases' listeners hold a stalled handshake: far
+/// past any case, so every place a stall takes stays taken while it runs.
+pub const STALL_HELD: std::time::Duration = std::time::Duration::from_secs(120);
+
 impl Places {
-    /// The listener limits of a case: the defaults, with what it sets.
+    /// The listener limits of a case: the defaults, with what it sets,
+    /// holding a handshake for [`STALL_HELD`].
     pub fn limits(self) -> ListenerLimits {
         let defaults = ListenerLimits::default();
         ListenerLimits {
             max_connections: self.connections.unwrap_or(defaults.max_connections),
             max_handshakes_per_host: self.handshakes_per_host.unwrap_or(defaults.max_handshakes_per_host),
+            handshake_timeout: STALL_HELD,
             ..defaults
         }
     }

@@ -4,7 +4,7 @@
 //!
 //! Admission: a connection holds a handshake place (bounded in total and
 //! per source address) from accept until its queue pair is connected, all
-//! of it within one deadline (`connect_timeout`); it takes an established
+//! of it within one deadline (`limits.handshake_timeout`); it takes an established
 //! place once its opening (and proof of the secret) succeeded, before a
 //! queue pair is made for it. A connection idle past twice `idle_timeout`
 //! with no window bound on it is closed. Accept errors are backed off, their
@@ -82,7 +82,7 @@ async fn accept_connection(
     stream: &mut TcpStream,
     peer: SocketAddr,
 ) -> Result<(Arc<Link>, OwnedSemaphorePermit, FrameTags), String> {
-    let deadline = shared.config.connect_timeout;
+    let deadline = shared.config.limits.handshake_timeout;
     let set_up = async {
         tune(stream);
         let establish = || shared.established.take(LISTENER, peer);
