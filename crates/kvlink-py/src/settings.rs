@@ -127,6 +127,18 @@ impl PySettings {
         ]
     }
 
+    /// The listeners' handshake deadlines `kv_connector_extra_config` sets,
+    /// in seconds (`side_channel_handshake_timeout`,
+    /// `data_handshake_timeout`); `None` where the worker's default holds.
+    #[getter]
+    fn handshake_timeouts(&self) -> Vec<(&'static str, Option<f64>)> {
+        let t = &self.inner.transfer;
+        vec![
+            ("side_channel_handshake_timeout", t.side_channel_limits.handshake_timeout.map(|d| d.as_secs_f64())),
+            ("data_handshake_timeout", t.data_limits.handshake_timeout.map(|d| d.as_secs_f64())),
+        ]
+    }
+
     /// `staging_piece_bytes`, the default applied (0: whole requests).
     #[getter]
     fn staging_piece_bytes(&self) -> u64 {

@@ -30,6 +30,8 @@ ALL_KEYS = {
     "data_max_handshakes": 128,
     "data_max_handshakes_per_host": 64,
     "data_max_connections": 0,
+    "side_channel_handshake_timeout": 2,
+    "data_handshake_timeout": 0.5,
 }
 
 
@@ -50,6 +52,8 @@ def test_every_documented_key_is_accepted(tmp_path):
     assert s.tcp_authenticate_payloads and not settings({}).tcp_authenticate_payloads
     assert dict(s.listener_limits) == {k: v for k, v in ALL_KEYS.items() if "max_" in k}
     assert all(v is None for _, v in settings({}).listener_limits), "unset: the worker's defaults"
+    assert dict(s.handshake_timeouts) == {"side_channel_handshake_timeout": 2.0, "data_handshake_timeout": 0.5}
+    assert all(v is None for _, v in settings({}).handshake_timeouts), "unset: the worker's defaults"
     secret_keys = {"auth_secret_file", "tcp_authenticate_payloads"}
     assert {k for k, _ in _native.Settings.known_keys()} == set(ALL_KEYS) | secret_keys
 

@@ -17,9 +17,6 @@ use transport_tcp::wire::{
 };
 use transport_tcp::TcpConfig;
 
-/// Longer than any test here: a hostile handshake ends only when the test
-/// closes it (or when the receiver refuses it).
-
 impl Admission for Tcp {
     type Held = RawClient;
 
