@@ -17,7 +17,7 @@ use kv_proto::{BatchWriter, TransportError, WriteOp};
 use rstest::rstest;
 use test_support::pattern::{check, fill};
 use transport_quic::wire::{transcript_context, ClientHello, ServerHello, CLIENT_HELLO_LEN, CLOSE_AUTH};
-use transport_quic::QuicConfig;
+use transport_quic::{ListenerLimits, QuicConfig};
 
 fn secret() -> AuthSecret {
     AuthSecret::new(common::RIGHT_SECRET)
@@ -244,8 +244,9 @@ fn a_sender_refuses_a_receiver_proof_not_made_for_this_connection(
 #[case::half_a_hello(CLIENT_HELLO_LEN / 2)]
 fn a_hello_that_never_completes_is_cut_at_the_deadline(#[case] sent: usize) {
     isolated(async move {
-        const CONNECT_TIMEOUT: Duration = Duration::from_millis(400);
-        let config = QuicConfig { connect_timeout: CONNECT_TIMEOUT, ..with_secret(Some(secret())) };
+        const DEADLINE: Duration = Duration::from_millis(400);
+        let limits = ListenerLimits { handshake_timeout: DEADLINE, ..ListenerLimits::default() };
+        let config = QuicConfig { limits, ..with_secret(Some(secret())) };
         let victim = node(config, 1 << 16).await;
         let client = RawClient::handshake(&victim).await;
         let started = Instant::now();
@@ -258,7 +259,7 @@ fn a_hello_that_never_completes_is_cut_at_the_deadline(#[case] sent: usize) {
         }
         let close = tokio::time::timeout(BOUND, client.conn.closed()).await.expect("the stalled hello was never cut");
         let waited = started.elapsed();
-        assert!(waited < CONNECT_TIMEOUT + Duration::from_secs(2), "cut only after {waited:?}");
+        assert!(waited < DEADLINE + Duration::from_secs(2), "cut only after {waited:?}");
         match close {
             quinn::ConnectionError::ApplicationClosed(c) => {
                 assert_eq!(c.error_code.into_inner(), u64::from(CLOSE_AUTH))
