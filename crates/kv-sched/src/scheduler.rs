@@ -49,6 +49,9 @@ pub struct ConnectorScheduler {
     reqs_need_unwatch: BTreeSet<ReqId>,
     /// Whether params without P's request id were seen (warned once).
     warned_no_remote_request_id: bool,
+    /// Whether params naming P's request id but no renewal key were seen
+    /// (warned once).
+    warned_no_renewal_key: bool,
     /// What this (prefill) instance's renewal keys are minted from.
     renewal_secret: RenewalSecret,
 }
@@ -82,6 +85,7 @@ impl ConnectorScheduler {
             reqs_need_watch: BTreeMap::new(),
             reqs_need_unwatch: BTreeSet::new(),
             warned_no_remote_request_id: false,
+            warned_no_renewal_key: false,
             renewal_secret,
         }
     }
@@ -403,7 +407,10 @@ impl ConnectorScheduler {
 
     /// Where `request_id` (D's id) is pulled from and what P calls it:
     /// P's `remote_request_id`, or D's own id (with one warning per
-    /// scheduler) when the params carry none, as an older proxy's do.
+    /// scheduler) when the params carry none, as an older proxy's do; and
+    /// the request's renewal key (one warning per scheduler when P named
+    /// its id but the params carry no key: this instance cannot renew P's
+    /// hold on it).
     fn remote_prefill(
         &mut self,
         request_id: &ReqId,
@@ -418,6 +425,13 @@ impl ConnectorScheduler {
                 "kv_transfer_params carry no remote_request_id (the prefill's own id of the request): pulling by this \
                  instance's id, which a prefill engine that names requests differently (vLLM's does) does not know; \
                  pass the kv_transfer_params the prefill returned to the decode instance unchanged. Warned once."
+            );
+        }
+        if params.remote_request_id.is_some() && params.remote_renewal_key.is_none() && !self.warned_no_renewal_key {
+            self.warned_no_renewal_key = true;
+            warn!(
+                %request_id,
+                "kv_transfer_params name the prefill's request but carry no remote_renewal_key: this instance cannot                  renew the prefill's hold on its requests, so a request it never pulls stays held there for the                  prefill's whole abort timeout; a proxy that keeps only the fields it knows drops the key: pass the                  kv_transfer_params the prefill returned to the decode instance unchanged. Warned once."
             );
         }
         RemotePrefill {

@@ -40,6 +40,8 @@ SENDS_DONE = "vllm:kvlink_sends_done_total"
 SENDS_FAILED = "vllm:kvlink_sends_failed_total"
 #: vLLM's periodic log line of connector stats, with kvlink's summary.
 KV_LOG_LINE = "KV Transfer metrics: Pulls received="
+#: D's one warning when P's params reach it without their renewal key.
+NO_RENEWAL_KEY = "carry no remote_renewal_key"
 #: How many requests vLLM recomputed after failed loads, per log line.
 RECOMPUTED = re.compile(r"Recovered from KV load failure: (\d+) request")
 #: Bound on a metric reaching /metrics: the step that counted it is
@@ -177,6 +179,10 @@ def pd_through_router(cluster, set_name: str, label: str, prefill_ranks: int = 1
     if usage > cluster.p_idle_usage:
         problems.append(f"P's {KV_USAGE} is {usage}, not back to its idle {cluster.p_idle_usage}: blocks stranded")
     problems += [f"D log: {line}" for line in failures[:10]]
+    # The router must pass P's params on whole, renewal key included, or D
+    # cannot renew P's hold (D's scheduler warns once when it is missing).
+    if NO_RENEWAL_KEY in cluster.d.log_text(log_start):
+        problems.append(f"D's log says {NO_RENEWAL_KEY!r}: the router dropped P's renewal key")
 
     # kvlink's metrics on both engines' /metrics: every prompt pulled, none
     # failed. vLLM sums the workers' counters: each P rank counts the

@@ -1,7 +1,10 @@
 //! Log output: `tracing` events of every kvlink crate go to stderr, filtered
 //! by the `KVLINK_LOG` environment variable (`tracing` filter syntax, default
-//! `info`). Installed when the first worker starts, never at import; if the
-//! process already has a global `tracing` subscriber, that one is kept.
+//! `info`). Installed when the first scheduler or worker is created (vLLM
+//! runs its scheduler in a process of its own once it has several workers,
+//! and the scheduler's warnings must reach that process's log too), never
+//! at import; if the process already has a global `tracing` subscriber,
+//! that one is kept.
 //!
 //! Events are not forwarded to Python's `logging`: they are emitted on the
 //! runtime's threads, which never touch Python objects.

@@ -137,6 +137,7 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (settings, default_host, dp_rank = 0, tp_size = 1, pp_size = 1))]
     fn new(settings: &PySettings, default_host: &str, dp_rank: u16, tp_size: u16, pp_size: u16) -> Result<Self> {
+        crate::logging::init();
         let s = settings.inner();
         let host = s.host(default_host).to_owned();
         let port = s.side_channel_port(dp_rank, tp_size, pp_size)?;

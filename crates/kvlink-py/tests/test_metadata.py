@@ -192,3 +192,17 @@ def test_a_repetition_stop_is_no_hand_off():
     req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     delay, params = c.request_finished(req, [6])
     assert delay is True and params["do_remote_prefill"] is True
+
+
+def test_params_naming_ps_request_without_a_renewal_key_are_warned_once(capfd):
+    """A proxy that keeps only the fields it knows drops the renewal key: D
+    then cannot renew P's hold, and says so once (in the scheduler's own
+    process), not per request; params with the key say nothing."""
+    stripped = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "p-1"}
+    c = scheduler("kv_consumer")
+    for rid in ("d-1", "d-2"):
+        assert c.get_num_new_matched_tokens(request(rid, dict(stripped)), 0) == (40, True)
+    assert capfd.readouterr().err.count("carry no remote_renewal_key") == 1
+    keyed = scheduler("kv_consumer")
+    assert keyed.get_num_new_matched_tokens(request("d-3", {**stripped, "remote_renewal_key": "0f" * 16}), 0) == (40, True)
+    assert "remote_renewal_key" not in capfd.readouterr().err
