@@ -431,7 +431,10 @@ impl ConnectorScheduler {
             self.warned_no_renewal_key = true;
             warn!(
                 %request_id,
-                "kv_transfer_params name the prefill's request but carry no remote_renewal_key: this instance cannot                  renew the prefill's hold on its requests, so a request it never pulls stays held there for the                  prefill's whole abort timeout; a proxy that keeps only the fields it knows drops the key: pass the                  kv_transfer_params the prefill returned to the decode instance unchanged. Warned once."
+                "kv_transfer_params name the prefill's request but carry no remote_renewal_key: this instance cannot \
+                 renew the prefill's hold on its requests, so a request it never pulls stays held there for the \
+                 prefill's whole abort timeout; a proxy that keeps only the fields it knows drops the key: pass the \
+                 kv_transfer_params the prefill returned to the decode instance unchanged. Warned once."
             );
         }
         RemotePrefill {
