@@ -216,11 +216,16 @@ fn count(name: &str, given: Option<Given<u64>>, range: RangeInclusive<u64>) -> R
     checked(name, given, |n| range.contains(&n).then(|| usize::try_from(n).ok()).flatten())
 }
 
-/// Positive seconds below [`MAX_SECONDS`] (zero too, where `zero` says so).
+/// Positive seconds below [`MAX_SECONDS`] (zero too, where `zero` says
+/// so); a positive number below a nanosecond, which would be no wait at
+/// all, is refused.
 fn seconds(name: &str, given: Option<Given<f64>>, zero: bool) -> Result<Option<Duration>, ConfigError> {
     checked(name, given, |s| {
         let positive = s > 0.0 || (zero && s == 0.0);
-        (positive && s < MAX_SECONDS).then(|| Duration::try_from_secs_f64(s).ok()).flatten()
+        (positive && s < MAX_SECONDS)
+            .then(|| Duration::try_from_secs_f64(s).ok())
+            .flatten()
+            .filter(|d| !d.is_zero() || s == 0.0)
     })
 }
 
@@ -333,6 +338,8 @@ impl KvTransferConfig {
                 .ok()
                 .filter(|secs| secs.is_finite() && *secs > 0.0 && *secs < 1e9)
                 .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+                // A positive number below a nanosecond would be no wait at all.
+                .filter(|d| !d.is_zero())
                 .ok_or(ConfigError::Invalid {
                     field: ENV_ABORT_REQUEST_TIMEOUT.to_owned(),
                     given: s,
@@ -493,6 +500,7 @@ mod tests {
     #[case::port_too_big(ENV_BOOTSTRAP_PORT, "70000")]
     #[case::timeout_negative(ENV_ABORT_REQUEST_TIMEOUT, "-1")]
     #[case::timeout_nan(ENV_ABORT_REQUEST_TIMEOUT, "nan")]
+    #[case::timeout_below_a_nanosecond(ENV_ABORT_REQUEST_TIMEOUT, "1e-250")]
     fn invalid_environment_names_the_variable(#[case] var: &'static str, #[case] value: &'static str) {
         let err = KvTransferConfig::from_json(r#"{"kv_role":"kv_both","engine_id":"e"}"#, |k| {
             (k == var).then(|| value.to_owned())
@@ -634,6 +642,7 @@ mod tests {
     )]
     #[case::negative_connections(serde_json::json!({"data_max_connections": -1}), "data_max_connections = -1")]
     #[case::zero_handshake_timeout(serde_json::json!({"data_handshake_timeout": 0}), "data_handshake_timeout = 0")]
+    #[case::timeout_below_a_nanosecond(serde_json::json!({"transfer_timeout": 1e-12}), "transfer_timeout = 1e-12")]
     fn a_bad_value_names_its_key_and_the_value(#[case] extra: serde_json::Value, #[case] expected: &str) {
         let err = with_extra(extra).unwrap_err().to_string();
         assert!(err.contains(&format!("kv_connector_extra_config.{expected} is invalid; accepted: ")), "{err}");
