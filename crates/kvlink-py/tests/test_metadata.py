@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -194,15 +197,31 @@ def test_a_repetition_stop_is_no_hand_off():
     assert delay is True and params["do_remote_prefill"] is True
 
 
-def test_params_naming_ps_request_without_a_renewal_key_are_warned_once(capfd):
+#: A scheduler, alone in a fresh interpreter (as vLLM's engine core runs
+#: it when its workers are other processes), sees two requests whose params
+#: name P's request without a renewal key, then one with a key.
+STRIPPED_KEY_CHILD = """
+import test_metadata as t
+stripped = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "p-1"}
+c = t.scheduler("kv_consumer")
+for rid in ("d-1", "d-2"):
+    assert c.get_num_new_matched_tokens(t.request(rid, dict(stripped)), 0) == (40, True)
+keyed = t.scheduler("kv_consumer")
+keyed_params = {**stripped, "remote_renewal_key": "0f" * 16}
+assert keyed.get_num_new_matched_tokens(t.request("d-3", keyed_params), 0) == (40, True)
+"""
+
+
+def test_params_naming_ps_request_without_a_renewal_key_are_warned_once():
     """A proxy that keeps only the fields it knows drops the renewal key: D
-    then cannot renew P's hold, and says so once (in the scheduler's own
-    process), not per request; params with the key say nothing."""
-    stripped = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "p-1"}
-    c = scheduler("kv_consumer")
-    for rid in ("d-1", "d-2"):
-        assert c.get_num_new_matched_tokens(request(rid, dict(stripped)), 0) == (40, True)
-    assert capfd.readouterr().err.count("carry no remote_renewal_key") == 1
-    keyed = scheduler("kv_consumer")
-    assert keyed.get_num_new_matched_tokens(request("d-3", {**stripped, "remote_renewal_key": "0f" * 16}), 0) == (40, True)
-    assert "remote_renewal_key" not in capfd.readouterr().err
+    then cannot renew P's hold, and says so once, not per request, in the
+    log of the scheduler's own process (where no worker ever started);
+    params with the key say nothing."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", STRIPPED_KEY_CHILD], cwd=here, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stderr.count("carry no remote_renewal_key") == 1, child.stderr
+    assert "d-1" in child.stderr and "d-3" not in child.stderr, "params with the key say nothing"

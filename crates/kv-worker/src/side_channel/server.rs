@@ -221,8 +221,18 @@ async fn serve_connection(
             Ok(Some(Err(e))) => return Err(e.to_string()),
             Ok(Some(Ok(SideMessage::XferRequest(request)))) => request,
             Ok(Some(Ok(SideMessage::KeepAlive(keep)))) => {
-                let renewed = shared.lock_sender().renew(&keep.renewals, &hello.engine_id, Instant::now());
+                let (renewed, refused) = {
+                    let mut sender = shared.lock_sender();
+                    let before = sender.renewals_refused();
+                    let renewed = sender.renew(&keep.renewals, &hello.engine_id, Instant::now());
+                    (renewed, sender.renewals_refused().saturating_sub(before))
+                };
                 tracing::trace!(%peer, asked = keep.renewals.len(), renewed, "renewed requests");
+                if refused > 0 {
+                    if let Some(suppressed) = refusal_line_allowed(&shared) {
+                        tracing::warn!(%peer, decode_engine = %hello.engine_id, refused, suppressed, "renewals naming held requests without their renewal key ignored (a decode instance never given their params?)");
+                    }
+                }
                 continue;
             }
             Ok(Some(Ok(other))) => return Err(format!("unexpected {} after hello", message_name(&other))),
@@ -595,9 +605,9 @@ fn count_outcomes(shared: &Shared, reply: &XferReply) {
     }
 }
 
-/// Whether a line about a transfer request P refuses may be written now
-/// (with how many were held back since the last): at most one a second,
-/// whatever the peers send.
+/// Whether a line about what a peer sent that P refuses (a transfer request,
+/// renewals without their key) may be written now (with how many were held
+/// back since the last): at most one a second, whatever the peers send.
 fn refusal_line_allowed(shared: &Shared) -> Option<u64> {
     shared.refusal_log.allow(Instant::now())
 }
