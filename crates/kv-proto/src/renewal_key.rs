@@ -22,7 +22,7 @@ use crate::ids::ReqId;
 pub const RENEWAL_KEY_LEN: usize = 16;
 
 /// One request's renewal key. Compared in constant time; never printed
-/// (its `Debug` and `Display` say only that it is there). In JSON (vLLM's
+/// (its `Debug` says only that it is there). In JSON (vLLM's
 /// `kv_transfer_params`) it is 32 lowercase hex digits; on the wire, its
 /// 16 bytes.
 #[derive(Clone, Copy)]

@@ -248,11 +248,15 @@ impl ConnectorScheduler {
         }
         // Derived, not stored: the worker learns a request's key with the
         // update that makes it ready, the same key its params carry.
-        let renewal_keys = sends
-            .iter()
-            .filter(|(_, update)| self.role.sends() && matches!(update, SendUpdate::Ready { .. }))
-            .map(|(req, _)| (req.clone(), self.renewal_secret.key_for(req)))
-            .collect();
+        let renewal_keys = if self.role.sends() {
+            sends
+                .iter()
+                .filter(|(_, update)| matches!(update, SendUpdate::Ready { .. }))
+                .map(|(req, _)| (req.clone(), self.renewal_secret.key_for(req)))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         let meta = ConnectorMetadata {
             renewal_keys,
             reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },

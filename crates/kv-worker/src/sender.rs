@@ -296,11 +296,11 @@ impl SenderCore {
             // The pull now waiting for it holds it: renewals no longer
             // count (it is claimed the moment it is ready; if the pull
             // gives up first, `abandon` frees it when ready).
-            Some(SendEntry::Expected { .. }) | Some(SendEntry::Abandoned) => {
+            Some(entry @ (SendEntry::Expected { .. } | SendEntry::Abandoned)) => {
                 // Its key stays: if this pull gives up, the decode
                 // instance that has it may renew it again.
-                let key = match self.entries.get(req) {
-                    Some(SendEntry::Expected { hold }) => hold.key,
+                let key = match entry {
+                    SendEntry::Expected { hold } => hold.key,
                     _ => None,
                 };
                 self.entries.insert(req.clone(), SendEntry::Expected { hold: Hold { key, renewed: None } });
