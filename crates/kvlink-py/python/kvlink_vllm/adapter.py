@@ -21,9 +21,9 @@ import os
 import socket
 from typing import Any, Iterable, Mapping
 
-from . import _native, layout, metrics, staging
+from . import _native, layout, logs, metrics, staging
 
-logger = logging.getLogger("kvlink_vllm")
+logger = logging.getLogger(logs.LOGGER)
 
 #: The request parameter fields kvlink reads; the rest of the dict is left alone.
 #: ``remote_request_id`` and ``remote_engine_id`` are what a prefill instance

@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import adapter, stats, versions
+from . import adapter, logs, stats, versions
 
 try:  # vLLM present: subclass its real base classes.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -225,6 +225,8 @@ class KvlinkConnector(KVConnectorBase_V1):
         role: "KVConnectorRole",
         kv_cache_config: Optional["KVCacheConfig"] = None,
     ):
+        # Before anything logs: the package's lines join vLLM's log.
+        logs.follow_vllm()
         # The installed release's contract, chosen once per process.
         behaviour = versions.current()
         self.behaviour = behaviour

@@ -34,7 +34,9 @@ import math
 import time
 from typing import Any, Iterable, Mapping
 
-logger = logging.getLogger("kvlink_vllm")
+from . import logs
+
+logger = logging.getLogger(logs.LOGGER)
 
 #: Version of the data's shape.
 FORMAT = 1

@@ -62,10 +62,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from . import logs
 from ._native import ConfigError, KvlinkError
 from .layout import HOST_DEVICES, CacheLayout, Region
 
-logger = logging.getLogger("kvlink_vllm")
+logger = logging.getLogger(logs.LOGGER)
 
 #: Device memory kvlink stages through pinned host memory (torch's ROCm
 #: builds name their devices "cuda" too).

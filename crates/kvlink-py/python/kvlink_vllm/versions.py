@@ -18,9 +18,10 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import logs
 from ._native import ConfigError
 
-logger = logging.getLogger("kvlink_vllm")
+logger = logging.getLogger(logs.LOGGER)
 
 
 @dataclass(frozen=True)
