@@ -29,7 +29,7 @@ import prompts  # noqa: E402
 from report import FIGURES, TIMINGS, phase  # noqa: E402
 
 #: Prompt sets the baseline answers before P and D are tested.
-BASELINE_SETS = ("pd", "other-weights", "killed-router", "killed-held", "unreachable", "tp2")
+BASELINE_SETS = ("pd", "other-weights", "killed-router", "killed-held", "unreachable", "tp2", "staged")
 
 _cluster: "Cluster | None" = None
 
@@ -43,17 +43,10 @@ class Cluster:
         os.makedirs(logs, exist_ok=True)
         self.models = {"a": os.path.join(workdir, "model-a"), "b": os.path.join(workdir, "model-b")}
         self.base = engines.Engine("baseline", logs, self.models["a"])
-        self.p = engines.Engine("prefill", logs, self.models["a"], engines.kv_transfer_config("kv_producer"))
-        self.d = engines.Engine(
-            "decode",
-            logs,
-            self.models["a"],
-            engines.kv_transfer_config(
-                "kv_consumer",
-                transfer_timeout=engines.TRANSFER_TIMEOUT,
-                connect_timeout=engines.CONNECT_TIMEOUT,
-            ),
-        )
+        self.p = engines.Engine("prefill", logs, self.models["a"], engines.prefill_config())
+        self.d = engines.Engine("decode", logs, self.models["a"], engines.decode_config())
+        #: Whether P and D run with host staging forced on (``ready(staged=True)``).
+        self.staged = False
         self.router = engines.Router("router", logs, self.p, self.d)
         #: prompt (as a tuple) -> the baseline's 16 tokens
         self.baseline: dict[tuple[int, ...], list[int]] = {}
@@ -93,12 +86,20 @@ class Cluster:
     def expected(self, prompt: list[int]) -> list[int]:
         return self.baseline[tuple(prompt)]
 
-    def ready(self, prefill_model: str = "a", prefill_tp: int = 1) -> None:
+    def ready(self, prefill_model: str = "a", prefill_tp: int = 1, staged: bool = False) -> None:
         """Before a test: P serving ``prefill_model`` at TP ``prefill_tp``,
-        D and the router up; whatever died in an earlier test (or serves
-        another model or TP size) is restarted."""
+        D and the router up, both engines with host staging forced on or
+        not (``staged``); whatever died in an earlier test (or serves
+        another model, TP size or staging) is restarted."""
         restarted = []
         want = self.models[prefill_model]
+        if staged != self.staged:
+            extra = engines.STAGING if staged else {}
+            self.p.kv_config = engines.prefill_config(**extra)
+            self.d.kv_config = engines.decode_config(**extra)
+            self.p.stop()
+            self.d.stop()
+            self.staged = staged
         if self.p.model != want or self.p.tp_size != prefill_tp or not self.p.healthy():
             self.p.stop()
             self.p.model = want

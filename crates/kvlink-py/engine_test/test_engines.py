@@ -44,6 +44,11 @@ KV_LOG_LINE = "KV Transfer metrics: Pulls received="
 NO_RENEWAL_KEY = "carry no remote_renewal_key"
 #: How many requests vLLM recomputed after failed loads, per log line.
 RECOMPUTED = re.compile(r"Recovered from KV load failure: (\d+) request")
+#: Host staging's gauges (slots in all, and free now), and the line each
+#: worker logs when it stages.
+STAGING_SLOTS = "vllm:kvlink_staging_slots"
+STAGING_FREE = "vllm:kvlink_staging_free_slots"
+STAGING_LOG_LINE = f"kvlink host staging: {engines.STAGING_SLOTS} slots"
 #: Bound on a metric reaching /metrics: the step that counted it is
 #: recorded by the front end as the engine core's output arrives.
 METRIC_BOUND = 15.0
@@ -116,13 +121,19 @@ def grown(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 
 def poke_p(cluster, name: str):
     """A plain one-token request to P (it steps, and reports what it sent)."""
+    return poke(cluster.p, name)
+
+
+def poke(engine, name: str):
+    """A plain one-token request to ``engine``: it steps, and its connector
+    reports (an idle vLLM engine does neither)."""
     count = [0]
 
-    def poke() -> None:
+    def send() -> None:
         count[0] += 1
-        client.post(cluster.p.url, client.completion_body(prompts.prompt(name, count[0], 8), max_tokens=1))
+        client.post(engine.url, client.completion_body(prompts.prompt(name, count[0], 8), max_tokens=1))
 
-    return poke
+    return send
 
 
 def own_usage(params: dict) -> dict:
@@ -518,4 +529,30 @@ def test_prefill_at_tp2_decode_at_tp1(cluster):
     count every prompt, and P must end with no block held."""
     cluster.ready("a", prefill_tp=2)
     problems = pd_through_router(cluster, "tp2", "P at TP 2, D at TP 1", prefill_ranks=2)
+    assert not problems, "\n".join(problems)
+
+
+def test_staged_pd_matches_baseline(cluster):
+    """P and D restarted with host staging forced on (``host_staging``
+    "always": the path a CUDA cache takes, here over the CPU backend's
+    cache, with synchronous copies): P copies each finished prompt's
+    blocks into 20 slots of staging in pieces of 2 blocks and sends from
+    there, D pulls into its own staging and copies into its blocks. The
+    same checks as P/D matches the baseline, and both engines run with
+    the configured staging and end with every slot free."""
+    cluster.ready("a", staged=True)
+    problems = []
+    for engine in (cluster.p, cluster.d):
+        if STAGING_LOG_LINE not in engine.log_text():
+            problems.append(f"{engine.name}'s log has no {STAGING_LOG_LINE!r}: it does not stage")
+    problems += pd_through_router(cluster, "staged", "staged P/D")
+    with phase("staged P/D: every staging slot free on P and D"):
+        for engine in (cluster.p, cluster.d):
+            slots = until(lambda: engine.metric_sum(STAGING_SLOTS), engines.STAGING_SLOTS, poke=poke(engine, "slots"))
+            free = until(lambda: engine.metric_sum(STAGING_FREE), slots, poke=poke(engine, "free"))
+            FIGURES[f"staged P/D: {engine.name}'s staging slots free"] = f"{free:g} of {slots:g}"
+            if slots != engines.STAGING_SLOTS:
+                problems.append(f"{engine.name}'s {STAGING_SLOTS} is {slots}, not {engines.STAGING_SLOTS}")
+            if free != slots:
+                problems.append(f"{engine.name}'s {STAGING_FREE} is {free} of {slots}: slots leaked")
     assert not problems, "\n".join(problems)
