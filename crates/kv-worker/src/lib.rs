@@ -22,6 +22,7 @@
 //! lives only in `cache.rs` (library-allocated memory).
 
 mod cache;
+mod changes;
 mod config;
 mod error;
 pub mod in_memory;
@@ -42,6 +43,7 @@ mod watch;
 mod worker;
 
 pub use cache::{AllocError, BlockError, OwnedKvCache};
+pub use changes::Changes;
 pub use config::{
     default_side_channel_limits, AuthSecret, DataEndpointPolicy, ListenerLimits, Placement, WorkerConfig,
     DEFAULT_LEASE_RENEWAL, DEFAULT_MAX_OPS_PER_BATCH, DEFAULT_SIDE_CHANNEL_MAX_CONNECTIONS,

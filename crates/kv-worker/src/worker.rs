@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cache::OwnedKvCache;
+use crate::changes::Changes;
 use crate::config::WorkerConfig;
 use crate::layout::RegisteredCache;
 use crate::metrics::{FailureLog, Gauges, Metrics, MetricsSnapshot};
@@ -58,7 +59,7 @@ pub(crate) struct Shared {
     pub(crate) sender: Mutex<SenderCore>,
     pub(crate) sender_changed: Notify,
     /// Signalled whenever an outcome becomes available to `get_finished`.
-    pub(crate) finished_changed: Notify,
+    pub(crate) finished_changed: Arc<Changes>,
     pub(crate) receiver: Mutex<ReceiverCore>,
     pub(crate) admission: Arc<Semaphore>,
     /// Places for established side-channel connections (P).
@@ -228,7 +229,7 @@ async fn fence(shared: &Shared, xfer_id: u64, grant: Option<GrantId>) {
         receiver.handle_fenced(xfer_id);
         shared.record_reports(&mut receiver);
     }
-    shared.finished_changed.notify_waiters();
+    shared.finished_changed.signal();
 }
 
 /// Runs one pull on the worker's runtime (the caller has entered it):
@@ -288,7 +289,7 @@ fn spawn_pull(shared: &Arc<Shared>, batch: PullBatch) {
                 Arc::new(move |p: XferProgress| {
                     if let Some(shared) = weak.upgrade() {
                         if shared.lock_receiver().handle_progress(p) {
-                            shared.finished_changed.notify_waiters();
+                            shared.finished_changed.signal();
                         }
                     }
                 }) as ProgressSink
@@ -335,7 +336,7 @@ fn spawn_discovery(shared: &Arc<Shared>, instance: SideChannelAddr) {
             let moved = shared.lock_watches().repoint(&instance, &receiver.renewal_peers(&instance));
             (batches, moved)
         };
-        shared.finished_changed.notify_waiters();
+        shared.finished_changed.signal();
         if moved > 0 {
             shared.watches_changed.notify_one();
         }
@@ -478,7 +479,7 @@ impl Worker {
         let shared = Arc::new(Shared {
             sender: Mutex::new(SenderCore::new(config.abort_request_timeout, config.lease_renewal)),
             sender_changed: Notify::new(),
-            finished_changed: Notify::new(),
+            finished_changed: Arc::default(),
             receiver: Mutex::new(receiver),
             admission: Arc::new(Semaphore::new(config.queue_depth.max(1))),
             established: kv_net::EstablishedPlaces::new(&config.side_channel_limits),
@@ -700,7 +701,7 @@ impl Worker {
             cut
         };
         self.fence_now(&cut.grants);
-        self.shared.finished_changed.notify_waiters();
+        self.shared.finished_changed.signal();
         for req in &cut.ended {
             self.settle_landed(req, Settled::CopyFailed);
         }
@@ -751,7 +752,7 @@ impl Worker {
                 grants
             };
             self.fence_now(&grants);
-            self.shared.finished_changed.notify_waiters();
+            self.shared.finished_changed.signal();
         }
         if self.shared.config.role.receives()
             && !(meta.reqs_to_watch.is_empty() && meta.reqs_to_unwatch.is_empty() && meta.reqs_to_recv.is_empty())
@@ -883,6 +884,13 @@ impl Worker {
                 return self.get_finished();
             }
         }
+    }
+
+    /// The signal [`Worker::next_finished`] waits on, for an engine thread
+    /// that blocks for it instead ([`Changes::wait_past`]); it outlives the
+    /// worker. [`Changes::signal`] wakes that thread from the engine's side.
+    pub fn changes(&self) -> Arc<Changes> {
+        self.shared.finished_changed.clone()
     }
 
     /// Stops every task, closes every socket and shuts the transport down;

@@ -181,6 +181,12 @@ impl Engine {
         }
     }
 
+    /// What the worker signals when something becomes available to
+    /// `get_finished` (see [`kv_worker::Changes`]).
+    pub(crate) fn changes(&self) -> std::sync::Arc<kv_worker::Changes> {
+        self.worker().changes()
+    }
+
     /// Port of this worker's side-channel listener (producers only).
     pub(crate) fn side_channel_port(&self) -> Option<u16> {
         self.worker().side_channel_addr().map(|a| a.port())

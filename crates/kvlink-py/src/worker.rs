@@ -15,7 +15,7 @@
 //! them with [`PyWorker::copies_done`]. The worker stays device-agnostic:
 //! it registers, grants and writes staging memory only.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kv_proto::{BlockId, LayoutKind, ReqId, TokenLayout};
@@ -33,6 +33,9 @@ use crate::step::{AbandonedPulls, Envelope, ReportFilter};
 
 /// Bound on stopping a worker (its tasks are cancelled, then the transport closes).
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest one `wait_changed` blocks.
+const MAX_CHANGE_WAIT: Duration = Duration::from_secs(60);
 
 /// One tensor as `(address, bytes, blocks, tokens per block)`.
 type TensorTuple = (u64, u64, u64, u32);
@@ -125,6 +128,9 @@ pub(crate) struct PyWorker {
     /// The process that started it.
     pid: u32,
     state: Mutex<Option<Running>>,
+    /// The worker's change signal, outside `state`'s lock: a thread waits
+    /// on it while the engine's calls go on.
+    changes: Arc<kv_worker::Changes>,
     side_channel_port: Option<u16>,
     data_endpoint: String,
 }
@@ -223,6 +229,7 @@ impl PyWorker {
         })?;
         let side_channel_port = engine.side_channel_port();
         let data_endpoint = engine.data_endpoint();
+        let changes = engine.changes();
         let abandoned = if report_abandoned_pulls { AbandonedPulls::Reported } else { AbandonedPulls::Unreported };
         let intervals = Intervals::new(engine.metrics());
         Ok(Self {
@@ -235,6 +242,7 @@ impl PyWorker {
                 intervals,
                 keepalive,
             })),
+            changes,
             side_channel_port,
             data_endpoint,
         })
@@ -340,6 +348,35 @@ impl PyWorker {
         let mut guard = self.running()?;
         let running = guard.as_mut().ok_or(Error::ShutDown)?;
         Ok(std::mem::take(&mut running.copies).into_iter().map(copy_tuple).collect())
+    }
+
+    /// A count that moves on whenever something becomes available to
+    /// `get_finished` or `pump` (a pull or a piece of one landed, a
+    /// transfer ended) and at each [`PyWorker::wake`]. Read it before
+    /// looking at the worker, then [`PyWorker::wait_changed`] past it.
+    #[getter]
+    fn change_count(&self) -> Result<u64> {
+        runtime::check_pid(self.pid)?;
+        Ok(self.changes.count())
+    }
+
+    /// Blocks (the GIL released) until the change count is no longer
+    /// `seen`, or `timeout_s` seconds passed (at most a minute; a bad
+    /// value waits not at all); whether it changed. For a staging thread
+    /// between its pumps: a landed piece is copied on at once, not at its
+    /// next poll. Works after shutdown too (then only `wake` moves it).
+    fn wait_changed(&self, py: Python<'_>, seen: u64, timeout_s: f64) -> Result<bool> {
+        runtime::check_pid(self.pid)?;
+        let timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::ZERO).min(MAX_CHANGE_WAIT);
+        Ok(py.detach(|| self.changes.wait_past(seen, timeout)) != seen)
+    }
+
+    /// Moves the change count on: wakes a thread in `wait_changed` (the
+    /// engine's calls wake the staging thread this way).
+    fn wake(&self) -> Result<()> {
+        runtime::check_pid(self.pid)?;
+        self.changes.signal();
+        Ok(())
     }
 
     /// Staged: `(requests in staging, free slots, slots)`; `None` without staging.

@@ -61,10 +61,34 @@ class Copier:
         pass
 
 
-class Worker:
+class Changes:
+    """The native worker's change signal (``change_count``,
+    ``wait_changed``, ``wake``), for a staging thread."""
+
+    def __init__(self):
+        self._count = 0
+        self._changed = threading.Condition()
+
+    @property
+    def change_count(self) -> int:
+        with self._changed:
+            return self._count
+
+    def wait_changed(self, seen: int, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count != seen, timeout=timeout_s)
+
+    def wake(self) -> None:
+        with self._changed:
+            self._count += 1
+            self._changed.notify_all()
+
+
+class Worker(Changes):
     """What ``Stager`` calls on the native worker, recorded."""
 
     def __init__(self):
+        super().__init__()
         self.orders: list[tuple] = []
         self.done: list[int] = []
         self.failed: list[int] = []
@@ -195,12 +219,13 @@ class Recorded:
         return [name for name, t in self.calls if t == thread]
 
 
-class StepWorker(Recorded):
+class StepWorker(Recorded, Changes):
     """The native worker's staged calls: the copies a step's metadata
     orders appear at its ``start_load_kv`` (as the native worker's do)."""
 
     def __init__(self):
-        super().__init__()
+        Recorded.__init__(self)
+        Changes.__init__(self)
         self.pending: list[tuple] = []
         self.orders: list[tuple] = []
         self.done: list[int] = []

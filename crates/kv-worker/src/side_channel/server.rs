@@ -549,7 +549,7 @@ async fn serve_transfer(
         if wrote {
             // Their blocks may be freed now, not when the whole transfer request ends.
             shared.sender_changed.notify_waiters();
-            shared.finished_changed.notify_waiters();
+            shared.finished_changed.signal();
             continue;
         }
         if !core.is_open() {
@@ -566,7 +566,7 @@ async fn serve_transfer(
             tell(shared, &mut core, progress, connection).await;
         }
     }
-    shared.finished_changed.notify_waiters();
+    shared.finished_changed.signal();
     let reply = core.reply();
     count_outcomes(shared, &reply);
     reply

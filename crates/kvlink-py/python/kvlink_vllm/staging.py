@@ -45,9 +45,12 @@ A background thread (``kvlink-staging``) launches the copies and keeps
 staging moving between the engine's steps: it polls copies, hands the
 finished ones to the worker and gives freed slots to waiting requests (an
 idle prefill instance does not step, but a decode instance may still be
-waiting for its KV). The engine's step only records the event, hands its
-metadata to the worker and polls events (constant work per request), and
-wakes the thread; it never waits behind a launch (see ``Stager``).
+waiting for its KV). It sleeps on the worker's change signal, so a piece
+that lands or a slot that comes free is acted on at once, and polls only
+what time alone moves (CUDA events). The engine's step only records the
+event, hands its metadata to the worker and polls events (constant work
+per request), and wakes the thread; it never waits behind a launch (see
+``Stager``).
 """
 
 from __future__ import annotations
@@ -72,8 +75,11 @@ logger = logging.getLogger(logs.LOGGER)
 #: builds name their devices "cuda" too).
 STAGED_DEVICES = ("cuda",)
 
-#: How often the background thread looks at copies and slots while
-#: something is being staged, and while nothing is.
+#: The longest the background thread waits between looks at copies and
+#: slots while something is being staged, and while nothing is. It wakes
+#: sooner at every change the worker signals (a piece landed, a transfer
+#: ended) and at every engine call; the bound is for what only time moves
+#: (a CUDA event completing, a wait for slots running out).
 BUSY_POLL_S = 0.002
 IDLE_POLL_S = 0.02
 
@@ -579,7 +585,6 @@ class Stager:
         self._failures_unlogged = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="kvlink-staging", daemon=True)
@@ -637,7 +642,7 @@ class Stager:
         if self._thread is None:
             self.pump()
         else:
-            self._wake.set()
+            self._worker.wake()
 
     def _fence(self, cancelled: set[int]) -> None:
         """(Lock held.) Finishes the copies of pulls this step cancelled:
@@ -751,16 +756,16 @@ class Stager:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            # Cleared before the pump: a wake-up during it runs the next at once.
-            self._wake.clear()
             try:
+                # Read before the pump: a change during it ends the wait at once.
+                seen = self._worker.change_count
                 self.pump()
                 busy = self._busy()
+                self._worker.wait_changed(seen, BUSY_POLL_S if busy else IDLE_POLL_S)
             except Exception as e:  # noqa: BLE001 - reported to the engine's next call
                 if not self._stop.is_set():
                     self._fail(e)
                 return
-            self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
 
     def _fail(self, e: BaseException) -> None:
         logger.error("kvlink staging thread stopped: %r", e)
@@ -804,7 +809,10 @@ class Stager:
     def stop(self) -> None:
         """Stops the background thread (bounded)."""
         self._stop.set()
-        self._wake.set()
+        try:
+            self._worker.wake()
+        except Exception:  # noqa: BLE001 - the thread then stops at its bound
+            pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
