@@ -133,6 +133,11 @@ pub struct SenderCore {
     renewal: Duration,
     entries: HashMap<ReqId, SendEntry>,
     finished: BTreeSet<ReqId>,
+    /// Requests a pull claimed before they were ready, since the last
+    /// [`SenderCore::take_pulled`] (each one the engine expects to finish);
+    /// kept only once [`SenderCore::keep_pulled`] asked for them.
+    pulled: BTreeSet<ReqId>,
+    keep_pulled: bool,
     /// Requests freed because their lease or renewal ended, since start.
     lease_expiries: u64,
     /// Renewals applied, since start.
@@ -152,6 +157,8 @@ impl SenderCore {
             renewal,
             entries: HashMap::new(),
             finished: BTreeSet::new(),
+            pulled: BTreeSet::new(),
+            keep_pulled: false,
             lease_expiries: 0,
             renewals: 0,
             renewals_refused: 0,
@@ -304,6 +311,9 @@ impl SenderCore {
                     _ => None,
                 };
                 self.entries.insert(req.clone(), SendEntry::Expected { hold: Hold { key, renewed: None } });
+                if self.keep_pulled {
+                    self.pulled.insert(req.clone());
+                }
                 Claim::NotReady
             }
             Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => Claim::InFlight,
@@ -323,6 +333,24 @@ impl SenderCore {
                 }
             }
         }
+    }
+
+    /// From now on, keeps the requests a pull claims before they are ready
+    /// for [`SenderCore::take_pulled`] (a staged worker's, which takes them).
+    pub fn keep_pulled(&mut self) {
+        self.keep_pulled = true;
+    }
+
+    /// Whether a pull claimed a request before it was ready since the last
+    /// [`SenderCore::take_pulled`].
+    pub fn has_pulled(&self) -> bool {
+        !self.pulled.is_empty()
+    }
+
+    /// The requests a pull claimed before they were ready, since the last
+    /// call (a staged worker copies those into staging first).
+    pub fn take_pulled(&mut self) -> BTreeSet<ReqId> {
+        std::mem::take(&mut self.pulled)
     }
 
     /// A transfer of a claimed request ended, written or not: P frees its

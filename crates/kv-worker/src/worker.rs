@@ -603,6 +603,15 @@ impl Worker {
         self.shared.lock_receiver().take_progress()
     }
 
+    /// P, for a staged worker: the requests a pull asked for before they
+    /// were ready, since the last call ([`SenderCore::take_pulled`]; kept
+    /// from the first call on).
+    pub fn take_pulled(&self) -> BTreeSet<ReqId> {
+        let mut sender = self.shared.lock_sender();
+        sender.keep_pulled();
+        sender.take_pulled()
+    }
+
     /// D, for a staged worker: a pull reported received is counted
     /// received only once the engine holds it ([`Worker::settle_landed`]),
     /// so its duration covers the copy to the engine and a failed copy

@@ -168,6 +168,11 @@ async fn drive(p: &mut Side, d: &mut Side, done: impl Fn(&Side, &Side) -> bool) 
     }
 }
 
+/// P's slots where P copies a six-block request into them as soon as it is
+/// ready: twice the request, since P copies ahead of a pull only while room
+/// for the largest request stays free.
+const P_SLOTS: u64 = 12;
+
 /// Request "a" of six blocks ready on P (filled from `seed`), copied into
 /// its slots in three pieces of two, and D's pull of it started.
 fn pull_in_three_pieces(p: &mut Side, d: &mut Side, seed: u64, p_blocks: &[BlockId], d_blocks: &[BlockId]) {
@@ -357,7 +362,7 @@ async fn poll_until(p: &mut Side, d: &mut Side, what: &str, done: impl Fn(&Side,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_moves_in_pieces_each_copied_on_as_it_lands() {
     let net = Net::new(Backend::Tcp).unwrap();
-    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
+    let mut p = side_with(&net, KvRole::Producer, "p", P_SLOTS, 2).await;
     let mut d = side_with(&net, KvRole::Consumer, "d", 8, 2).await;
     let p_blocks: Vec<BlockId> = vec![3, 1, 4, 0, 5, 9];
     let d_blocks: Vec<BlockId> = vec![15, 2, 7, 11, 6, 8];
@@ -371,7 +376,7 @@ async fn a_request_moves_in_pieces_each_copied_on_as_it_lands() {
     assert!(d.heard.receiving.is_empty(), "not before every piece is in D's blocks");
     drive(&mut p, &mut d, |_, d| !d.heard.receiving.is_empty()).await;
     assert!(device_holds(&d, 7, &d_blocks), "every byte, in D's blocks");
-    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, 8)).await;
+    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, P_SLOTS as usize)).await;
     assert_eq!(d.staged.staging_state(), (0, 8));
     let on_d = d.staged.worker().metrics();
     assert_eq!((on_d.pulls_received, on_d.pulls_failed_total()), (1, 0));
@@ -385,7 +390,7 @@ async fn a_request_moves_in_pieces_each_copied_on_as_it_lands() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_copy_fails_the_request_cleanly(#[case] failing: &str) {
     let net = Net::new(Backend::Tcp).unwrap();
-    let mut p = side_with(&net, KvRole::Producer, "p", 4, 2).await;
+    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
     let mut d = side_with(&net, KvRole::Consumer, "d", 4, 2).await;
     filled(&p, 5, &[0, 1, 2, 3]);
     p.start(&ready_meta(&[("a", vec![0, 1, 2, 3])]));
@@ -406,7 +411,7 @@ async fn a_failed_copy_fails_the_request_cleanly(#[case] failing: &str) {
     assert_eq!((on_d.pulls_received, on_d.pulls_failed_total()), (0, 1), "counted once");
     let direction = if failing == "p" { on_d.staging.copies_failed_to_device } else { 1 };
     assert_eq!(direction, u64::from(failing == "d"));
-    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 4) && d.staged.staging_state() == (0, 4)).await;
+    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 8) && d.staged.staging_state() == (0, 4)).await;
     if failing == "p" {
         let on_p = p.staged.worker().metrics();
         assert_eq!(on_p.sends_failed[&FailureCause::CopyFailed], 1);
@@ -438,7 +443,7 @@ fn slots_written(side: &Side, slots: &[BlockId]) -> bool {
 async fn a_copy_failing_mid_pull_cuts_the_pull_short_and_p_lets_go_at_once() {
     const TIMEOUT: Duration = Duration::from_secs(40);
     let net = Net::new(Backend::Tcp).unwrap();
-    let mut p = side_with(&net, KvRole::Producer, "p", 8, 2).await;
+    let mut p = side_with(&net, KvRole::Producer, "p", P_SLOTS, 2).await;
     let d_config = kv_worker::WorkerConfig { transfer_timeout: TIMEOUT, ..net.config(KvRole::Consumer, "d") };
     let mut d = side_configured(d_config, 8, 2).await;
     let p_blocks: Vec<BlockId> = vec![0, 1, 2, 3, 4, 5];
@@ -457,7 +462,7 @@ async fn a_copy_failing_mid_pull_cuts_the_pull_short_and_p_lets_go_at_once() {
     assert_eq!(d.heard.failed_receiving, BTreeMap::from([(ReqId::new("a"), d_blocks.clone())]));
     assert_eq!(d.staged.staging_state(), (0, 8), "every slot back once fenced");
     // P stages its third piece and writes it: refused, P ends its send.
-    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, 8)).await;
+    drive(&mut p, &mut d, |p, _| p.staged.staging_state() == (0, P_SLOTS as usize)).await;
     let took = started.elapsed();
     assert!(took < TIMEOUT / 4, "P let go after {took:?}, not at the transfer timeout");
     assert_eq!(p.staged.worker().transfers_in_progress(), 0);
@@ -478,7 +483,10 @@ async fn a_copy_failing_mid_pull_cuts_the_pull_short_and_p_lets_go_at_once() {
     drive(&mut p, &mut d, |_, d| d.heard.receiving.contains(&ReqId::new("b"))).await;
     assert!(device_holds(&d, 10, &[8, 9]));
     assert_eq!(d.heard.failed_receiving.len(), 1, "a is heard once");
-    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 8) && d.staged.staging_state() == (0, 8)).await;
+    drive(&mut p, &mut d, |p, d| {
+        p.staged.staging_state() == (0, P_SLOTS as usize) && d.staged.staging_state() == (0, 8)
+    })
+    .await;
 }
 
 fn on_p_sends_failed(p: &Side) -> u64 {
@@ -490,19 +498,19 @@ fn on_p_sends_failed(p: &Side) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_frees_a_request_decode_could_not_stage() {
     let net = Net::new(Backend::Tcp).unwrap();
-    let mut p = side(&net, KvRole::Producer, "p", 4).await;
+    let mut p = side(&net, KvRole::Producer, "p", 6).await;
     let mut d = side(&net, KvRole::Consumer, "d", 2).await;
     filled(&p, 2, &[0, 1, 2]);
     p.start(&ready_meta(&[("big", vec![0, 1, 2])]));
     p.run_copies();
     p.poll();
-    assert_eq!(p.staged.staging_state(), (1, 1), "P holds it in its slots for the pull");
+    assert_eq!(p.staged.staging_state(), (1, 3), "P holds it in its slots for the pull");
     let meta = recv_meta(&p, &[("big", vec![1, 2, 3])]);
     d.start(&meta);
     d.poll();
     assert!(d.heard.failed_receiving.contains_key(&ReqId::new("big")));
     // The lease is minutes: only D's word frees it within the bound.
-    poll_until(&mut p, &mut d, "P's slots free", |p, _| p.staged.staging_state() == (0, 4)).await;
+    poll_until(&mut p, &mut d, "P's slots free", |p, _| p.staged.staging_state() == (0, 6)).await;
     assert_eq!(p.staged.worker().metrics().lease_expiries, 0);
     let on_d = d.staged.worker().metrics();
     assert_eq!((on_d.pulls_started, on_d.pulls_received, on_d.pulls_failed_total()), (1, 0, 1), "counted once");
@@ -532,4 +540,40 @@ async fn each_request_of_a_pull_is_heard_as_soon_as_it_ends() {
     drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 8) && d.staged.staging_state() == (0, 8)).await;
     let on_d = d.staged.worker().metrics();
     assert_eq!((on_d.pulls_received, on_d.pulls_failed[&FailureCause::StagingExhausted]), (1, 1));
+}
+
+/// P stages ready requests ahead of their pulls, but never so many that a
+/// request D pulls first finds no room: "a" and "b" are ready before "c",
+/// D pulls "c" alone (all its slots), and "c" lands although nobody has
+/// pulled "a" or "b" yet (filling P's slots with them would leave D's pull
+/// waiting for P and P waiting for pulls D cannot start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pulled_request_is_staged_before_those_staged_ahead_of_their_pulls() {
+    let net = Net::new(Backend::Tcp).unwrap();
+    let mut p = side(&net, KvRole::Producer, "p", 4).await;
+    let mut d = side(&net, KvRole::Consumer, "d", 2).await;
+    let ready = [("a", vec![0, 1]), ("b", vec![2, 3]), ("c", vec![4, 5])];
+    for (seed, (_, blocks)) in ready.iter().enumerate() {
+        filled(&p, seed as u64, blocks);
+    }
+    p.start(&ready_meta(&ready));
+    p.run_copies();
+    p.poll();
+    assert_eq!(p.staged.staging_state().1, 2, "one staged ahead, room for the largest left");
+
+    let meta = recv_meta(&p, &[("c", vec![14, 15])]);
+    d.start(&meta);
+    drive(&mut p, &mut d, |_, d| d.heard.receiving.contains(&ReqId::new("c"))).await;
+    assert!(device_holds(&d, 2, &[14, 15]), "c on D's device blocks");
+
+    // The others land in turn once D pulls them.
+    for (seed, (req, blocks)) in [(0, ("a", vec![10, 11])), (1, ("b", vec![12, 13]))] {
+        let meta = recv_meta(&p, &[(req, blocks.clone())]);
+        d.start(&meta);
+        drive(&mut p, &mut d, |_, d| d.heard.receiving.contains(&ReqId::new(req))).await;
+        assert!(device_holds(&d, seed, &blocks), "{req} on D's device blocks");
+    }
+    assert!(d.heard.failed_receiving.is_empty(), "{:?}", d.heard.failed_receiving);
+    drive(&mut p, &mut d, |p, d| p.staged.staging_state() == (0, 4) && d.staged.staging_state() == (0, 2)).await;
+    assert_eq!(p.heard.sending.len(), 3);
 }

@@ -197,20 +197,22 @@ fn p_copies_a_finished_request_to_slots_then_frees_its_device_blocks() {
 #[test]
 fn p_fails_a_request_that_finds_no_slots_within_the_bound() {
     let t0 = Instant::now();
-    let mut core = StagingCore::new(2, WAIT);
+    // "a" is staged ahead of its pull while room for the largest stays
+    // free; "b" waits for that room.
+    let mut core = StagingCore::new(4, WAIT);
     let step = core.start_load_kv(&ready(&[("a", &[1, 2]), ("b", &[3])]), t0);
     assert_eq!(step.copies.len(), 1);
     let step = core.worker_finished(Finished::default(), t0 + WAIT);
     assert_eq!(step.fail_sends, [(r("b"), FailureCause::StagingExhausted)], "its pull is answered staging_exhausted");
     assert_eq!(step.finished.sending, BTreeSet::from([r("b")]), "the engine frees its blocks");
-    let step = core.start_load_kv(&ready(&[("huge", &[1, 2, 3])]), t0);
+    let step = core.start_load_kv(&ready(&[("huge", &[1, 2, 3, 4, 5])]), t0);
     assert_eq!(step.fail_sends, [(r("huge"), FailureCause::StagingExhausted)]);
 }
 
 #[test]
 fn p_forgetting_a_request_mid_copy_frees_its_slots_when_the_copy_ends() {
     let t0 = Instant::now();
-    let mut core = StagingCore::new(2, WAIT);
+    let mut core = StagingCore::new(4, WAIT);
     let copy = core.start_load_kv(&ready(&[("a", &[1, 2])]), t0).copies[0].id;
     let forget = ConnectorMetadata {
         reqs_to_send: BTreeMap::from([(r("a"), SendUpdate::Forget)]),
@@ -220,8 +222,32 @@ fn p_forgetting_a_request_mid_copy_frees_its_slots_when_the_copy_ends() {
     assert_eq!(step.to_worker.reqs_to_send.get(&r("a")), Some(&SendUpdate::Forget));
     let step = core.copies_done([copy], t0);
     assert!(step.to_worker.reqs_to_send.is_empty() && step.finished.is_empty());
-    assert_eq!(core.pool().free(), 2);
+    assert_eq!(core.pool().free(), 4);
     assert!(core.is_empty());
+}
+
+/// P copies a ready request into its slots ahead of its pull only while
+/// room for the largest request stays free; a request whose pull is here
+/// (before it was ready, or while it waited ahead) takes that room.
+#[rstest::rstest]
+#[case::ahead_it_waits(&[], &[])]
+#[case::pulled_before_it_was_ready(&["b"], &["b"])]
+#[case::pulled_while_it_waited_ahead(&[], &["b"])]
+fn p_stages_a_pulled_request_in_the_room_kept_back(#[case] pulled_first: &[&str], #[case] pulled_then: &[&str]) {
+    let t0 = Instant::now();
+    let mut core = StagingCore::new(4, WAIT);
+    core.pulls_arrived(pulled_first.iter().map(|q| r(q)), t0);
+    let step = core.start_load_kv(&ready(&[("a", &[1, 2])]), t0);
+    assert_eq!(step.copies.len(), 1, "a staged ahead: room for another of its size stays free");
+    let mut step = core.start_load_kv(&ready(&[("b", &[3, 4])]), t0);
+    let then = core.pulls_arrived(pulled_then.iter().map(|q| r(q)), t0);
+    step.copies.extend(then.copies);
+    let pulled = !pulled_first.is_empty() || !pulled_then.is_empty();
+    let staged: Vec<Vec<(u32, u32)>> = step.copies.iter().map(|c| c.pairs.clone()).collect();
+    let want: Vec<Vec<(u32, u32)>> = if pulled { vec![vec![(3, 2), (4, 3)]] } else { vec![] };
+    assert_eq!(staged, want);
+    assert_eq!(core.pool().free(), if pulled { 0 } else { 2 });
+    assert_eq!(core.counts().waits, u64::from(pulled_first.is_empty()));
 }
 
 fn progress(req: &str, landed: u32, ended: Option<Result<(), FailureCause>>) -> Vec<PullProgress> {
@@ -243,7 +269,7 @@ fn p_copies_in_pieces_and_the_worker_sends_each_staged_prefix(
     #[case] staged: &[Option<usize>],
 ) {
     let t0 = Instant::now();
-    let mut core = StagingCore::new(8, WAIT).with_pieces(Some(2));
+    let mut core = StagingCore::new(10, WAIT).with_pieces(Some(2));
     let step = core.start_load_kv(&ready(&[("a", &[5, 6, 7, 8, 9])]), t0);
     let pairs: Vec<Vec<(u32, u32)>> = step.copies.iter().map(|c| c.pairs.clone()).collect();
     assert_eq!(pairs, [vec![(5, 0), (6, 1)], vec![(7, 2), (8, 3)], vec![(9, 4)]]);
@@ -258,9 +284,9 @@ fn p_copies_in_pieces_and_the_worker_sends_each_staged_prefix(
         let last = k + 1 == done.len();
         assert_eq!(step.finished.sending.contains(&r("a")), last, "device blocks free only once all are copied");
     }
-    assert_eq!(core.pool().free(), 3, "the slots hold it for the pull");
+    assert_eq!(core.pool().free(), 5, "the slots hold it for the pull");
     core.worker_finished(sent("a"), t0);
-    assert_eq!(core.pool().free(), 8);
+    assert_eq!(core.pool().free(), 10);
     assert!(core.is_empty());
 }
 
@@ -274,7 +300,7 @@ fn p_copies_in_pieces_and_the_worker_sends_each_staged_prefix(
 #[case::second_piece_after_the_first_was_sent(1, true)]
 fn p_a_failed_copy_fails_the_send_and_every_slot_comes_back(#[case] failing: usize, #[case] given: bool) {
     let t0 = Instant::now();
-    let mut core = StagingCore::new(4, WAIT).with_pieces(Some(2));
+    let mut core = StagingCore::new(8, WAIT).with_pieces(Some(2));
     let ids: Vec<u64> = core.start_load_kv(&ready(&[("a", &[5, 6, 7, 8])]), t0).copies.iter().map(|c| c.id).collect();
     let other = ids[1 - failing];
     if given {
@@ -291,10 +317,10 @@ fn p_a_failed_copy_fails_the_send_and_every_slot_comes_back(#[case] failing: usi
         assert_eq!(step.finished.sending, BTreeSet::from([r("a")]));
     } else {
         assert_eq!(step.finished.sending, BTreeSet::from([r("a")]));
-        assert_eq!(core.pool().free(), 0, "the worker may still be sending from the slots");
+        assert_eq!(core.pool().free(), 4, "the worker may still be sending from the slots");
         core.worker_finished(sent("a"), t0);
     }
-    assert_eq!(core.pool().free(), 4);
+    assert_eq!(core.pool().free(), 8);
     assert!(core.is_empty());
 }
 

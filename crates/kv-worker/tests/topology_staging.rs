@@ -426,7 +426,10 @@ enum PartFailure {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_failing_mid_pieces_fails_its_request_once_and_leaks_nothing(#[case] failure: PartFailure) {
     let net = Net::new(Backend::InMemory).unwrap();
-    let (p, d) = (split(TokenLayout::Nhd, 16, 2), split(TokenLayout::Nhd, 16, 1));
+    // P's workers stage both requests before D pulls: a's six blocks and
+    // b's three, with room for a's six left (see `StagingPool::reserve_ahead`).
+    let p = Layout { slots: 16, ..split(TokenLayout::Nhd, 16, 2) };
+    let d = split(TokenLayout::Nhd, 16, 1);
     let (base, mut prefill) = start_instance(&net, KvRole::Producer, "p", p).await;
     let (_, mut decode) = start_instance(&net, KvRole::Consumer, "d", d).await;
     let reqs = [request("a", 1, 96, &p, &d, 0), request("b", 20, 40, &p, &d, 0)];

@@ -44,3 +44,14 @@ def test_gpu_check_cpu_mode(layout, piece_mib):
     pytest.importorskip("torch")
     report = check_cpu_mode("--layout", layout, "--piece-mib", piece_mib)
     assert report["piece_bytes"] == int(float(piece_mib) * (1 << 20))
+
+
+def test_gpu_check_cpu_mode_many_small_requests():
+    """More requests than either side's staging holds, each in many small
+    pieces, pulled in an order other than the one P finished them in: P
+    must not fill its staging with requests D has not asked for yet while
+    D's pull, holding D's staging, waits for one P cannot stage (this
+    stalled until the transfer timeout in about one run in three)."""
+    pytest.importorskip("torch")
+    report = check_cpu_mode("--requests", "32", "--tokens", "512", "--piece-mib", "0.0625", "--timeout", "60")
+    assert report["requests"] == 32

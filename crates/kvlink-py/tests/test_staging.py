@@ -134,14 +134,15 @@ def test_more_requests_than_slots_wait_then_all_land(instances):
     p, d = start_pair(instances, p_slots=4, d_slots=4)
     rids = [f"r{i}" for i in range(6)]
     params = {rid: prefill(p, rid, 2 * BLOCK) for rid in rids}
-    assert p.call("state")["staging"]["free_slots"] == 0
+    # Ahead of their pulls, P stages one: room for another stays free.
+    assert p.call("state")["staging"]["free_slots"] == 2
     for rid in rids:
         d.call("add", request_id=rid, prompt_len=2 * BLOCK, params=params[rid], max_tokens=100)
     ev = step_until([p, d], lambda e: set(collected(e["D"], "finished_recving")) == set(rids), what="all received")
     assert collected(ev["D"], "invalid_block_ids") == []
     for rid in rids:
         assert d.call("verify", request_id=rid)["bad"] == [], rid
-    # P's engine got every request's blocks back (the first two while the
+    # P's engine got every request's blocks back (the first while the
     # others still waited for slots).
     state = wait_state(p, all_slots_free, "P's slots free", step=True)
     assert state["requests"] == {}

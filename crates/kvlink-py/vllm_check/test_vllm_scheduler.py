@@ -42,7 +42,7 @@ from kvlink_vllm.connector import KvlinkConnector
 # environment) run here: `python -m kvlink_vllm.gpu_check --device cpu`, and
 # the torch copier's CUDA branch over CPU tensors.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_gpu_check import test_gpu_check_cpu_mode  # noqa: E402,F401
+from test_gpu_check import test_gpu_check_cpu_mode, test_gpu_check_cpu_mode_many_small_requests  # noqa: E402,F401
 from test_torch_copier import (  # noqa: E402,F401
     test_index_buffers_are_pinned_once_and_reused,
     test_torch_copier_cuda_path_on_cpu_tensors,

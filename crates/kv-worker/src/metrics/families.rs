@@ -206,7 +206,7 @@ impl MetricsSnapshot {
             value(
                 "staging_waits",
                 Counter,
-                "Requests that found no free host staging slots and waited.",
+                "Requests that found no host staging room and waited (on P, also finished requests held back to leave room for pulls).",
                 self.staging.waits,
             ),
             value(

@@ -528,7 +528,15 @@ async fn serve_transfer(
         let changed = shared.sender_changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let claimed = core.claim_ready(&mut shared.lock_sender(), Instant::now());
+        let (claimed, pulled_early) = {
+            let mut sender = shared.lock_sender();
+            let claimed = core.claim_ready(&mut sender, Instant::now());
+            (claimed, sender.has_pulled())
+        };
+        if pulled_early {
+            // A staged engine copies those into staging first: wake it.
+            shared.finished_changed.signal();
+        }
         for ready_for in claimed.iter().filter_map(|c| c.ready_for) {
             shared.metrics.send_waited(ready_for);
         }

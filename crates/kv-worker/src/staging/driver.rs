@@ -44,6 +44,8 @@ impl StagedWorker {
         // A pull counts received once its copy into the engine's blocks is
         // done, and its pieces are copied on as they land.
         worker.stage_pulls();
+        // Pulls for requests not yet in their slots are heard from the start.
+        let _ = worker.take_pulled();
         let staged = Self { worker, core: Mutex::new(core), pending: Mutex::new(Finished::default()) };
         staged.publish(&staged.lock_core());
         staged
@@ -83,11 +85,17 @@ impl StagedWorker {
     /// the copies that became due.
     pub fn get_finished(&self) -> (Finished, CopyWork) {
         let mut core = self.lock_core();
+        // Pulls waiting for requests staged ahead go first.
+        let pulled = self.worker.take_pulled();
+        let step = core.pulls_arrived(pulled, Instant::now());
+        let mut work = self.apply(&mut core, step);
         // Progress first: P said it before the report of the same pull.
         let progress = self.worker.take_progress();
         let from_worker = self.worker.get_finished();
         let step = core.worker_progress(progress);
-        let mut work = self.apply(&mut core, step);
+        let more = self.apply(&mut core, step);
+        work.copies.extend(more.copies);
+        work.wait_for.extend(more.wait_for);
         let step = core.worker_finished(from_worker, Instant::now());
         let more = self.apply(&mut core, step);
         work.copies.extend(more.copies);

@@ -69,6 +69,10 @@ pub struct CopyOrder {
     pub pairs: Vec<(BlockId, BlockId)>,
 }
 
+/// P: at most this many requests remembered as pulled before they were
+/// ready (each is a request the engine expects to finish).
+const MAX_PULLED_EARLY: usize = 65_536;
+
 /// What one call of the core asks of its driver.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StagedStep {
@@ -210,6 +214,9 @@ pub struct StagingCore {
     /// Blocks per copy into slots (P); `usize::MAX`: whole requests.
     piece: usize,
     flows: HashMap<ReqId, Flow>,
+    /// P: requests a pull asked for before they were ready: staged as a
+    /// pull's request, not ahead, once they are.
+    pulled_early: BTreeSet<ReqId>,
     copies: HashMap<u64, ReqId>,
     next_copy: u64,
     counts: StagingCounts,
@@ -223,6 +230,7 @@ impl StagingCore {
             wait,
             piece: usize::MAX,
             flows: HashMap::new(),
+            pulled_early: BTreeSet::new(),
             copies: HashMap::new(),
             next_copy: 1,
             counts: StagingCounts::default(),
@@ -281,11 +289,35 @@ impl StagingCore {
         step
     }
 
+    /// P: pulls arrived for these requests while they were not in their
+    /// slots yet ([`crate::Worker::take_pulled`]): one waiting for slots,
+    /// staged ahead of its pull, now waits as a pull's request (ahead of
+    /// those staged ahead, its bound from `now`); one not ready yet will.
+    pub fn pulls_arrived(&mut self, reqs: impl IntoIterator<Item = ReqId>, now: Instant) -> StagedStep {
+        let mut step = StagedStep::default();
+        for req in reqs {
+            match self.flows.get(&req) {
+                Some(Flow::SendWaiting { .. }) => {
+                    self.pool.demand(&req, now, self.wait);
+                }
+                Some(_) => {}
+                // Bounded: past it, such a request is only staged ahead.
+                None if self.pulled_early.len() < MAX_PULLED_EARLY => {
+                    self.pulled_early.insert(req);
+                }
+                None => {}
+            }
+        }
+        self.grant_waiters(now, &mut step);
+        step
+    }
+
     /// What the worker reported (in staging slots), and the waits that
     /// ended at `now`.
     pub fn worker_finished(&mut self, finished: Finished, now: Instant) -> StagedStep {
         let mut step = StagedStep::default();
         for req in finished.sending {
+            self.pulled_early.remove(&req);
             if let Some(Flow::Sending(send)) = self.flows.get_mut(&req) {
                 send.worker_done = true;
                 self.settle_send(&req, &mut step);
@@ -501,7 +533,15 @@ impl StagingCore {
         }
         // D may ask before the copy is done: the worker holds its pull.
         step.to_worker.reqs_to_send.insert(req.clone(), SendUpdate::Expect);
-        match self.pool.reserve(req, device.len(), now, self.wait) {
+        // Copied ahead of its pull, unless the pull is here already (see
+        // `StagingPool::reserve_ahead`: a pool full of requests no pull
+        // asks for yet would stall the pulls that wait).
+        let reservation = if self.pulled_early.remove(req) {
+            self.pool.reserve(req, device.len(), now, self.wait)
+        } else {
+            self.pool.reserve_ahead(req, device.len(), now, self.wait)
+        };
+        match reservation {
             Reservation::Granted(slots) => self.start_send(req, device, slots, step),
             Reservation::Waiting => {
                 self.counts.waits += 1;
@@ -538,6 +578,7 @@ impl StagingCore {
     }
 
     fn forget_send(&mut self, req: &ReqId, step: &mut StagedStep) {
+        self.pulled_early.remove(req);
         match self.flows.get_mut(req) {
             Some(Flow::SendWaiting { .. }) => {
                 self.flows.remove(req);

@@ -12,6 +12,17 @@
 //! Waiters are served first come, first served: a large request at the
 //! head is not starved by small ones behind it, and waits at most its
 //! bound, after which it fails (the caller then fails the pull cleanly).
+//!
+//! A request staged *ahead* of its pull (P copies a finished request into
+//! staging before any decode instance asks for it,
+//! [`StagingPool::reserve_ahead`]) is served after every request a pull
+//! waits for, and only while it leaves room for the largest request the
+//! pool has seen: slots held ahead can only come back once their own pull
+//! comes, which may wait for the decode instance's staging, which may wait
+//! for this pool; the room kept back lets a pull that waits here always be
+//! served by the pulls ahead of it ending, never by pulls yet to come.
+//! [`StagingPool::demand`] moves such a request among those a pull waits
+//! for when its pull arrives.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -53,6 +64,15 @@ struct Waiter {
     deadline: Instant,
 }
 
+impl Waiter {
+    fn new(req: &ReqId, wanted: usize, now: Instant, wait: Duration) -> Self {
+        // A bound too far to represent is no bound: the request is then
+        // served or released, never expired.
+        let deadline = now.checked_add(wait).unwrap_or(now + Duration::from_secs(u32::MAX.into()));
+        Self { req: req.clone(), wanted, deadline }
+    }
+}
+
 /// The staging slots of one worker, driven with explicit time.
 #[derive(Debug)]
 pub struct StagingPool {
@@ -61,7 +81,13 @@ pub struct StagingPool {
     /// and the planner coalesces them).
     free: Vec<BlockId>,
     held: HashMap<ReqId, Vec<BlockId>>,
+    /// Requests a pull waits for, in the order they asked.
     waiting: VecDeque<Waiter>,
+    /// Requests staged ahead of their pull, waiting, in the order they asked.
+    ahead: VecDeque<Waiter>,
+    /// The most slots one request has asked for: room a request staged
+    /// ahead must leave free.
+    largest: usize,
 }
 
 impl StagingPool {
@@ -72,23 +98,69 @@ impl StagingPool {
             free: (0..capacity).rev().collect(),
             held: HashMap::new(),
             waiting: VecDeque::new(),
+            ahead: VecDeque::new(),
+            largest: 0,
         }
     }
 
     /// Asks for `wanted` slots for `req`; if none are free now (or someone
     /// asked first and still waits), `req` waits until `now + wait`.
+    /// (A request a pull waits for: it goes ahead of those staged ahead.)
     pub fn reserve(&mut self, req: &ReqId, wanted: usize, now: Instant, wait: Duration) -> Reservation {
-        if self.held.contains_key(req) || self.waiting.iter().any(|w| &w.req == req) {
-            return Reservation::Duplicate;
-        }
-        if wanted > self.capacity {
-            return Reservation::TooLarge { wanted, capacity: self.capacity };
+        if let Some(refused) = self.refusal(req, wanted) {
+            return refused;
         }
         if self.waiting.is_empty() && wanted <= self.free.len() {
             return Reservation::Granted(self.take(req, wanted));
         }
-        self.waiting.push_back(Waiter { req: req.clone(), wanted, deadline: now + wait });
+        self.waiting.push_back(Waiter::new(req, wanted, now, wait));
         Reservation::Waiting
+    }
+
+    /// Asks for `wanted` slots for `req`, staged ahead of its pull: granted
+    /// now only if nobody waits and the largest request the pool has seen
+    /// still fits in what is left; else `req` waits behind every request a
+    /// pull waits for, until `now + wait` (or until [`StagingPool::demand`]).
+    pub fn reserve_ahead(&mut self, req: &ReqId, wanted: usize, now: Instant, wait: Duration) -> Reservation {
+        if let Some(refused) = self.refusal(req, wanted) {
+            return refused;
+        }
+        if self.waiting.is_empty() && self.ahead.is_empty() && self.leaves_room(wanted) {
+            return Reservation::Granted(self.take(req, wanted));
+        }
+        self.ahead.push_back(Waiter::new(req, wanted, now, wait));
+        Reservation::Waiting
+    }
+
+    /// A pull for `req` arrived while it waits, staged ahead: it now waits
+    /// as a pull's request (behind those already waiting so, ahead of every
+    /// request staged ahead), at most until `now + wait`. Whether it was
+    /// waiting ahead. Call [`StagingPool::poll`] after it.
+    pub fn demand(&mut self, req: &ReqId, now: Instant, wait: Duration) -> bool {
+        let Some(at) = self.ahead.iter().position(|w| &w.req == req) else { return false };
+        if let Some(waiter) = self.ahead.remove(at) {
+            self.waiting.push_back(Waiter::new(req, waiter.wanted, now, wait));
+        }
+        true
+    }
+
+    /// Why `req` cannot ask for `wanted` slots at all, if it cannot; else
+    /// notes the size.
+    fn refusal(&mut self, req: &ReqId, wanted: usize) -> Option<Reservation> {
+        let asked = |w: &Waiter| &w.req == req;
+        if self.held.contains_key(req) || self.waiting.iter().any(asked) || self.ahead.iter().any(asked) {
+            return Some(Reservation::Duplicate);
+        }
+        if wanted > self.capacity {
+            return Some(Reservation::TooLarge { wanted, capacity: self.capacity });
+        }
+        self.largest = self.largest.max(wanted);
+        None
+    }
+
+    /// Whether `wanted` slots staged ahead leave room for the largest request.
+    fn leaves_room(&self, wanted: usize) -> bool {
+        wanted.saturating_add(self.largest) <= self.free.len()
     }
 
     /// `req` ended (done, failed, cancelled, or gave up waiting): its slots
@@ -96,6 +168,7 @@ impl StagingPool {
     /// back. Call [`StagingPool::poll`] after it to grant waiters.
     pub fn release(&mut self, req: &ReqId) -> usize {
         self.waiting.retain(|w| &w.req != req);
+        self.ahead.retain(|w| &w.req != req);
         let Some(slots) = self.held.remove(req) else { return 0 };
         let n = slots.len();
         self.free.extend(slots);
@@ -104,14 +177,35 @@ impl StagingPool {
         n
     }
 
-    /// Grants waiters that fit now, in order, and expires those whose
-    /// bound passed at `now`.
+    /// Grants waiters that fit now, in order (those a pull waits for
+    /// first, then those staged ahead, while they leave room), and expires
+    /// those whose bound passed at `now`.
     pub fn poll(&mut self, now: Instant) -> StagingEvents {
         let mut events = StagingEvents::default();
-        let mut still = VecDeque::with_capacity(self.waiting.len());
-        let mut blocked = false;
-        while let Some(waiter) = self.waiting.pop_front() {
-            if !blocked && waiter.wanted <= self.free.len() {
+        let waiting = std::mem::take(&mut self.waiting);
+        let still = self.serve(waiting, false, now, &mut events);
+        self.waiting = still;
+        let ahead = std::mem::take(&mut self.ahead);
+        let still = self.serve(ahead, true, now, &mut events);
+        self.ahead = still;
+        events
+    }
+
+    /// Serves `queue` in order (`ahead`: requests staged ahead, which must
+    /// leave room, and none of which overtakes a pull's request still
+    /// waiting); returns who still waits.
+    fn serve(
+        &mut self,
+        queue: VecDeque<Waiter>,
+        ahead: bool,
+        now: Instant,
+        events: &mut StagingEvents,
+    ) -> VecDeque<Waiter> {
+        let mut blocked = ahead && !self.waiting.is_empty();
+        let mut still = VecDeque::with_capacity(queue.len());
+        for waiter in queue {
+            let fits = if ahead { self.leaves_room(waiter.wanted) } else { waiter.wanted <= self.free.len() };
+            if !blocked && fits {
                 let slots = self.take(&waiter.req, waiter.wanted);
                 events.granted.push((waiter.req, slots));
             } else if waiter.deadline <= now {
@@ -122,13 +216,12 @@ impl StagingPool {
                 still.push_back(waiter);
             }
         }
-        self.waiting = still;
-        events
+        still
     }
 
     /// The earliest wait bound, for a driver's timer.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.waiting.iter().map(|w| w.deadline).min()
+        self.waiting.iter().chain(&self.ahead).map(|w| w.deadline).min()
     }
 
     /// The slots `req` holds.
@@ -148,7 +241,7 @@ impl StagingPool {
 
     /// Requests waiting for slots now.
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.ahead.len()
     }
 
     /// Requests holding slots now, and how many each.
@@ -234,11 +327,57 @@ mod tests {
         assert_eq!(pool.next_deadline(), Some(t0 + WAIT));
     }
 
+    /// On a pool of 4: `(request, slots, staged ahead?)` asked in order at
+    /// t0 (what each was told), then the pulls of `demanded` arrive at t1
+    /// and the pool is polled at t1: who is granted.
+    #[rstest]
+    #[case::ahead_leaves_room_for_the_largest(&[("a", 2, true, "granted"), ("b", 1, true, "waiting")], &[], &[])]
+    #[case::ahead_alone_needs_twice_its_size(&[("a", 3, true, "waiting")], &[], &[])]
+    #[case::a_pull_takes_what_ahead_must_leave(&[("a", 2, true, "granted"), ("b", 2, false, "granted")], &[], &[])]
+    #[case::a_pulled_request_overtakes_those_ahead(
+        &[("a", 2, true, "granted"), ("b", 2, true, "waiting"), ("c", 2, true, "waiting")], &["c"], &["c"])]
+    #[case::ahead_waits_behind_a_pull(
+        &[("big", 4, false, "granted"), ("a", 1, true, "waiting")], &[], &[])]
+    #[case::a_pull_not_waiting_ahead_changes_nothing(&[("a", 2, true, "granted"), ("b", 3, true, "waiting")], &["x"], &[])]
+    fn staged_ahead(#[case] asks: &[(&str, usize, bool, &str)], #[case] demanded: &[&str], #[case] granted: &[&str]) {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut pool = StagingPool::new(4);
+        for (req, n, ahead, told) in asks {
+            let got =
+                if *ahead { pool.reserve_ahead(&r(req), *n, t0, WAIT) } else { pool.reserve(&r(req), *n, t0, WAIT) };
+            let said = match got {
+                Reservation::Granted(_) => "granted",
+                Reservation::Waiting => "waiting",
+                other => panic!("{req}: {other:?}"),
+            };
+            assert_eq!(said, *told, "{req}");
+        }
+        for req in demanded {
+            pool.demand(&r(req), t1, WAIT);
+        }
+        let got: Vec<String> = pool.poll(t1).granted.into_iter().map(|(r, _)| r.as_str().to_owned()).collect();
+        assert_eq!(got, granted.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_pulled_request_waits_its_whole_bound_from_the_pull() {
+        let t0 = Instant::now();
+        let mut pool = StagingPool::new(4);
+        assert!(matches!(pool.reserve_ahead(&r("a"), 2, t0, WAIT), Reservation::Granted(_)));
+        assert!(matches!(pool.reserve_ahead(&r("b"), 4, t0, WAIT), Reservation::Waiting));
+        let pulled = t0 + WAIT - Duration::from_secs(1);
+        assert!(pool.demand(&r("b"), pulled, WAIT));
+        assert!(!pool.demand(&r("b"), pulled, WAIT), "once");
+        assert_eq!(pool.poll(t0 + WAIT).expired, Vec::<ReqId>::new(), "not at the bound from its ask");
+        assert_eq!(pool.poll(pulled + WAIT).expired, vec![r("b")]);
+    }
+
     proptest! {
         /// Whatever the order of asks, releases and polls, no slot is lost
         /// or handed out twice, and once every request ended all are free.
         #[test]
-        fn no_slot_leaks(ops in proptest::collection::vec((0u8..3, 0usize..6, 0usize..7, 0u64..8), 0..200)) {
+        fn no_slot_leaks(ops in proptest::collection::vec((0u8..5, 0usize..6, 0usize..7, 0u64..8), 0..200)) {
             let t0 = Instant::now();
             let mut pool = StagingPool::new(6);
             let mut seen = std::collections::BTreeSet::new();
@@ -248,6 +387,8 @@ mod tests {
                 match op {
                     0 => { let _ = pool.reserve(&req, n, now, Duration::from_secs(2)); }
                     1 => { pool.release(&req); }
+                    2 => { let _ = pool.reserve_ahead(&req, n, now, Duration::from_secs(2)); }
+                    3 => { pool.demand(&req, now, Duration::from_secs(2)); }
                     _ => { pool.poll(now); }
                 }
                 seen.insert(req);
