@@ -605,11 +605,9 @@ impl Worker {
 
     /// P, for a staged worker: the requests a pull asked for before they
     /// were ready, since the last call ([`SenderCore::take_pulled`]; kept
-    /// from the first call on).
+    /// once [`Worker::stage_pulls`] was called).
     pub fn take_pulled(&self) -> BTreeSet<ReqId> {
-        let mut sender = self.shared.lock_sender();
-        sender.keep_pulled();
-        sender.take_pulled()
+        self.shared.lock_sender().take_pulled()
     }
 
     /// D, for a staged worker: a pull reported received is counted
@@ -617,8 +615,10 @@ impl Worker {
     /// so its duration covers the copy to the engine and a failed copy
     /// counts as a failed pull; and with [`WorkerConfig::piece_bytes`] set,
     /// P is asked for pieces and its progress kept for
-    /// [`Worker::take_progress`].
+    /// [`Worker::take_progress`]. P: the requests a pull asks for before
+    /// they are ready are kept for [`Worker::take_pulled`].
     pub fn stage_pulls(&self) {
+        self.shared.lock_sender().keep_pulled();
         self.shared.landed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert_with(HashMap::new);
         if self.piece_blocks().is_some() {
             self.shared.lock_receiver().keep_progress();

@@ -24,6 +24,14 @@ pub struct CopyWork {
     pub wait_for: Vec<u64>,
 }
 
+impl CopyWork {
+    /// Adds `more`'s copies and waits after these.
+    fn append(&mut self, more: CopyWork) {
+        self.copies.extend(more.copies);
+        self.wait_for.extend(more.wait_for);
+    }
+}
+
 /// A worker whose registered cache is host staging memory of `slots`
 /// blocks, shaped like the engine's cache.
 pub struct StagedWorker {
@@ -44,8 +52,6 @@ impl StagedWorker {
         // A pull counts received once its copy into the engine's blocks is
         // done, and its pieces are copied on as they land.
         worker.stage_pulls();
-        // Pulls for requests not yet in their slots are heard from the start.
-        let _ = worker.take_pulled();
         let staged = Self { worker, core: Mutex::new(core), pending: Mutex::new(Finished::default()) };
         staged.publish(&staged.lock_core());
         staged
@@ -93,13 +99,9 @@ impl StagedWorker {
         let progress = self.worker.take_progress();
         let from_worker = self.worker.get_finished();
         let step = core.worker_progress(progress);
-        let more = self.apply(&mut core, step);
-        work.copies.extend(more.copies);
-        work.wait_for.extend(more.wait_for);
+        work.append(self.apply(&mut core, step));
         let step = core.worker_finished(from_worker, Instant::now());
-        let more = self.apply(&mut core, step);
-        work.copies.extend(more.copies);
-        work.wait_for.extend(more.wait_for);
+        work.append(self.apply(&mut core, step));
         drop(core);
         let finished = std::mem::take(&mut *self.lock_pending());
         (finished, work)
