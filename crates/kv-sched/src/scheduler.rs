@@ -1,6 +1,7 @@
 //! The port of `MooncakeConnectorScheduler`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroUsize;
 
 use kv_proto::{
     BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, RenewalSecret, ReqId,
@@ -54,6 +55,9 @@ pub struct ConnectorScheduler {
     warned_no_renewal_key: bool,
     /// What this (prefill) instance's renewal keys are minted from.
     renewal_secret: RenewalSecret,
+    /// Tokens per engine block, where known ([`with_block_tokens`](Self::with_block_tokens)):
+    /// block lists are then cut to the blocks that hold prompt tokens.
+    block_tokens: Option<NonZeroUsize>,
 }
 
 impl ConnectorScheduler {
@@ -87,7 +91,31 @@ impl ConnectorScheduler {
             warned_no_remote_request_id: false,
             warned_no_renewal_key: false,
             renewal_secret,
+            block_tokens: None,
         }
+    }
+
+    /// Tells the scheduler the engine's block size, so that the block lists
+    /// it is handed are cut to the blocks holding prompt tokens. An engine
+    /// may hand over more: vLLM 0.20 to 0.24 give a request finished on P
+    /// every block it holds, lookahead blocks of speculative decoding
+    /// included, and D's async-load blocks may hold one too. P's KV is sent
+    /// as its *last* blocks into D's, so an extra trailing block on P would
+    /// shift every byte by a block; one on D would ask P for more than it has.
+    #[must_use]
+    pub fn with_block_tokens(mut self, block_tokens: NonZeroUsize) -> Self {
+        self.block_tokens = Some(block_tokens);
+        self
+    }
+
+    /// How many of `blocks` hold prompt tokens `first_token..prompt_len`
+    /// (all of them where the block size is unknown).
+    fn prompt_blocks(&self, blocks: usize, prompt_len: usize, first_token: usize) -> usize {
+        self.block_tokens.map_or(blocks, |tokens| {
+            let tokens = tokens.get();
+            let held = prompt_len.div_ceil(tokens).saturating_sub(first_token / tokens);
+            blocks.min(held)
+        })
     }
 
     /// This instance's role.
@@ -213,12 +241,20 @@ impl ConnectorScheduler {
             if self.role == KvRole::Producer {
                 return Err(SchedError::RemotePrefillOnProducer { role: self.role, request_id: request_id.clone() });
             }
-            let local_block_ids = if num_external_tokens > 0 { unhashed_block_ids.to_vec() } else { Vec::new() };
             // What the prefix cache held: the pulled blocks start there (P
             // maps tokens, not block ids, when its blocks hold another
             // number of tokens).
-            let first_token =
-                (num_external_tokens > 0).then(|| req.prompt_len.saturating_sub(num_external_tokens) as u64);
+            let computed = req.prompt_len.saturating_sub(num_external_tokens);
+            let local_block_ids = if num_external_tokens > 0 {
+                let keep = self.prompt_blocks(unhashed_block_ids.len(), req.prompt_len, computed);
+                if keep < unhashed_block_ids.len() {
+                    debug!(%request_id, allocated = unhashed_block_ids.len(), keep, "pulling into the prompt's blocks only");
+                }
+                unhashed_block_ids[..keep].to_vec()
+            } else {
+                Vec::new()
+            };
+            let first_token = (num_external_tokens > 0).then_some(computed as u64);
             self.record_recv(request_id, params, local_block_ids, first_token);
             // Only one KV transfer per request.
             params.do_remote_prefill = false;
@@ -357,9 +393,16 @@ impl ConnectorScheduler {
         }
 
         self.live_sends.remove(request_id);
-        let delay_free_blocks = !block_ids.is_empty();
-        let update =
-            if delay_free_blocks { SendUpdate::Ready { block_ids: block_ids.to_vec() } } else { SendUpdate::Forget };
+        let prompt_blocks = &block_ids[..self.prompt_blocks(block_ids.len(), req.prompt_len, 0)];
+        if prompt_blocks.len() < block_ids.len() {
+            debug!(%request_id, held = block_ids.len(), prompt_blocks = prompt_blocks.len(), "sending the prompt's blocks only");
+        }
+        let delay_free_blocks = !prompt_blocks.is_empty();
+        let update = if delay_free_blocks {
+            SendUpdate::Ready { block_ids: prompt_blocks.to_vec() }
+        } else {
+            SendUpdate::Forget
+        };
         debug!(%request_id, delay_free_blocks, ?update, "prefill finished for remote decode");
         self.reqs_need_send.insert(request_id.clone(), update);
 

@@ -10,6 +10,7 @@
 //! blocks), with one warning per request naming the reason.
 
 use std::collections::{BTreeSet, HashSet};
+use std::num::NonZeroUsize;
 use std::sync::{Mutex, MutexGuard};
 
 use kv_proto::{BlockId, EngineId, KvTransferParams, RenewalSecret, ReqId};
@@ -134,9 +135,18 @@ impl PyScheduler {
     /// A scheduler for `settings`, whose side channel peers reach at
     /// `default_host` (unless `advertised_host` is set) and the base port of
     /// data-parallel rank `dp_rank` (of `tp_size * pp_size` workers each).
+    /// `block_size` is the engine's tokens per block: block lists are cut to
+    /// the blocks holding prompt tokens (0: unknown, lists are taken whole).
     #[new]
-    #[pyo3(signature = (settings, default_host, dp_rank = 0, tp_size = 1, pp_size = 1))]
-    fn new(settings: &PySettings, default_host: &str, dp_rank: u16, tp_size: u16, pp_size: u16) -> Result<Self> {
+    #[pyo3(signature = (settings, default_host, dp_rank = 0, tp_size = 1, pp_size = 1, block_size = 0))]
+    fn new(
+        settings: &PySettings,
+        default_host: &str,
+        dp_rank: u16,
+        tp_size: u16,
+        pp_size: u16,
+        block_size: usize,
+    ) -> Result<Self> {
         crate::logging::init();
         let s = settings.inner();
         let host = s.host(default_host).to_owned();
@@ -144,9 +154,13 @@ impl PyScheduler {
         let engine_id: EngineId = s.transfer.engine_id.clone();
         // Fresh per engine: the keys of its requests are minted from it.
         let secret = RenewalSecret::fresh().ok_or(Error::NoRandom)?;
+        let mut inner = ConnectorScheduler::new(s.transfer.kv_role, engine_id, host.clone(), port, secret);
+        if let Some(block_tokens) = NonZeroUsize::new(block_size) {
+            inner = inner.with_block_tokens(block_tokens);
+        }
         Ok(Self {
             state: Mutex::new(State {
-                inner: ConnectorScheduler::new(s.transfer.kv_role, engine_id, host.clone(), port, secret),
+                inner,
                 notify_only: BTreeSet::new(),
                 warned: HashSet::new(),
                 unknown_statuses: HashSet::new(),

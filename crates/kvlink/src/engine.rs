@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -136,6 +137,11 @@ pub struct PullSpec {
     pub prefix_hit_tokens: usize,
 }
 
+/// The shape's tokens per block, as the scheduler takes it (a cache has at least one).
+fn block_tokens(shape: &CacheShape) -> NonZeroUsize {
+    NonZeroUsize::new(shape.block_size() as usize).unwrap_or(NonZeroUsize::MIN)
+}
+
 fn blocks_for(tokens: usize, block_size: usize) -> usize {
     tokens.div_ceil(block_size)
 }
@@ -230,7 +236,8 @@ impl PrefillInstance {
         let host = host.unwrap_or(addr.ip());
         let shown = Shown::new(KvRole::Producer, engine_id.as_str());
         let secret = RenewalSecret::fresh().ok_or(EngineError::NoRandom)?;
-        let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port(), secret);
+        let sched = ConnectorScheduler::new(KvRole::Producer, engine_id, host.to_string(), addr.port(), secret)
+            .with_block_tokens(block_tokens(&shape));
         let rows = rows_of(&worker, &shape);
         Ok(Self {
             shown,
@@ -478,7 +485,8 @@ impl DecodeInstance {
     ) -> Result<Self, EngineError> {
         let shown = Shown::new(KvRole::Consumer, config.engine_id.as_str());
         let secret = RenewalSecret::fresh().ok_or(EngineError::NoRandom)?;
-        let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0, secret);
+        let sched = ConnectorScheduler::new(KvRole::Consumer, config.engine_id.clone(), "127.0.0.1", 0, secret)
+            .with_block_tokens(block_tokens(&shape));
         let (cache, worker) = start_worker(config, shape).await?;
         let rows = rows_of(&worker, &shape);
         Ok(Self {

@@ -105,11 +105,20 @@ def _prompt_len(request: Any) -> int:
 class SchedulerSide:
     """vLLM's scheduler-side connector methods over kvlink's scheduler."""
 
-    def __init__(self, settings: _native.Settings, host: str, dp_rank: int = 0, tp_size: int = 1, pp_size: int = 1):
+    def __init__(
+        self,
+        settings: _native.Settings,
+        host: str,
+        dp_rank: int = 0,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        block_size: int = 0,
+    ):
         self.settings = settings
         # The base port of this data-parallel rank: every stage's workers
-        # listen from it (pp_rank * tp_size + tp_rank).
-        self._native = _native.Scheduler(settings, host, dp_rank, tp_size, pp_size)
+        # listen from it (pp_rank * tp_size + tp_rank). The block size cuts
+        # the engine's block lists to the prompt's blocks.
+        self._native = _native.Scheduler(settings, host, dp_rank, tp_size, pp_size, block_size)
 
     @property
     def host(self) -> str:
