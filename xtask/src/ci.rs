@@ -232,9 +232,10 @@ fn steps() -> Vec<Step> {
         },
     });
     steps.push(Step { name: "python".to_owned(), group: "python", action: Action::Python });
-    // Each supported vLLM release: its connector tests, then its engines
-    // (the first builds the release's cached environment).
-    for release in engine_test::RELEASES {
+    // The CI's vLLM releases (every one: `cargo xtask vllm-matrix`): its
+    // connector tests, then its engines (the first builds the release's
+    // cached environment).
+    for release in engine_test::CI_RELEASES {
         let minor = engine_test::minor(release);
         steps.push(Step {
             name: format!("vllm-check:{minor}"),

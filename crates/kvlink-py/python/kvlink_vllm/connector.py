@@ -247,7 +247,7 @@ class KvlinkConnector(KVConnectorBase_V1):
         self.connector_worker: adapter.WorkerSide | None = None
         if _is_scheduler(role):
             self.connector_scheduler = adapter.SchedulerSide(
-                settings, host, _dp_rank(vllm_config), tp_size, pp_size
+                settings, host, _dp_rank(vllm_config), tp_size, pp_size, int(vllm_config.cache_config.block_size)
             )
         else:
             cache_config = vllm_config.cache_config
@@ -296,6 +296,27 @@ class KvlinkConnector(KVConnectorBase_V1):
         every group that takes part in transfers, not only the
         prefix-cacheable ones the base class assumes."""
         return tuple(self._kv_cache_config.transfer_group_ids)
+
+    # ---------------------------------------------------------------- memory
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """(0.33 and later.) No: sleep mode unmaps the KV cache while a pull
+        may still be landing in it or a staging copy reading it, and kvlink
+        does not fence its transfers and copies on vLLM's unregister hook,
+        so vLLM refuses ``--enable-sleep-mode`` at start-up, naming kvlink,
+        instead of letting a late byte fault the device."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """(0.34 and later.) In-process access only: a device cache is read
+        and written by torch copies into kvlink's pinned host staging, and
+        only host memory is ever registered with a transport, so the
+        extensible KV cache may allocate the device cache however it likes."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.IN_PROCESS
 
     # ---------------------------------------------------------------- worker side
 

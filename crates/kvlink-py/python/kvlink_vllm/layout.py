@@ -15,6 +15,7 @@ CPU (0.14)             ``(2, blocks, H, block_size, D)``    split K/V
 FlashInfer (0.14)      ``(blocks, 2, block_size, H, D)``    fused
 later releases         ``(blocks, H, block_size, 2 * D)``   fused rows
 MLA backends           ``(blocks, block_size, D)``          mla
+MLA, 0.29 and later    ``(blocks, 1, block_size, D)``       mla
 =====================  ===================================  ===============
 
 Later releases (0.32) keep K and V of a block together in the last
@@ -161,7 +162,7 @@ def _order(t: Any, kind: str, use_mla: bool, block_size: int) -> tuple[str, str,
     block)."""
     shape, strides = _shape(t), _strides(t)
     if use_mla:
-        # (blocks, block_size, latent): one head, token-major.
+        # (blocks, [1,] block_size, latent): one head, token-major.
         return ("NHD", "NHD", 1) if strides[-1] == 1 else ("", "", 0)
     if len(shape) == 5 and kind == "split":
         # CPU: (2, blocks, heads, block_size, head_size); CUDA: (2, blocks,
@@ -203,13 +204,19 @@ def _layer(name: str, t: Any, block_size: int, use_mla: bool, num_blocks: int | 
         return ConfigError(
             f"KV cache layer {name!r}: shape {shape} strides {strides}: {why} "
             "(kvlink reads the layouts of vLLM 0.14's FlashAttention, FlashInfer, CPU and MLA backends, "
-            "and later releases' (blocks, heads, block_size, 2 x head_size))"
+            "and later releases' (blocks, heads, block_size, 2 x head_size) and (blocks, 1, block_size, head_size) "
+            "with MLA)"
         )
 
     if use_mla:
-        if len(shape) != 3:
-            raise bad("an MLA cache has 3 dimensions (blocks, block_size, head_size)")
-        kind, kv_dim, block_dim, kernel_dim = "mla", None, 0, 1
+        if len(shape) == 3:
+            kind, kv_dim, block_dim, kernel_dim = "mla", None, 0, 1
+        elif len(shape) == 4 and shape[1] == 1:
+            # 0.29 and later hand every layer over as (blocks, heads,
+            # block_size, dim); an MLA layer has one head.
+            kind, kv_dim, block_dim, kernel_dim = "mla", None, 0, 2
+        else:
+            raise bad("an MLA cache is (blocks, block_size, head_size), or (blocks, 1, block_size, head_size)")
     elif len(shape) == 5:
         # With kernel blocks smaller than the engine's, a tensor holds a
         # multiple of the engine's block count.
