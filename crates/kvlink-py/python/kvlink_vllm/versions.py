@@ -91,8 +91,8 @@ CHANGES = (
     Change(
         (0, 16),
         "vLLM's own Mooncake deployment moves to a bootstrap server and router-made `transfer_id`s",
-        "P still returns `remote_host`, `remote_port`, `remote_request_id`, `remote_engine_id`; "
-        "params of the bootstrap flow are served locally with one warning",
+        "not yet served: P returns `remote_host`, `remote_port`, `remote_request_id`, `remote_engine_id` for "
+        "the router to forward; D serves params naming no prefill address locally, with one warning",
     ),
     Change(
         (0, 17),
