@@ -69,6 +69,8 @@ def runner_output(req_ids: list[str], **fields) -> ModelRunnerOutput:
     if RUNNER_OUTPUT_INDEXES:
         fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 BLOCK = 16
 BLOCKS = 64
 HEADS, HEAD = 2, 16
