@@ -109,6 +109,16 @@ fn test(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
     python::run(pytest, &format!("pytest -v -s engine_test (vLLM {release})"))
 }
 
+/// Where the environments (and uv) are cached: `kvlink/` of [`cache_home`].
+fn cache_dir() -> Result<PathBuf> {
+    Ok(cache_home()?.join("kvlink"))
+}
+
+/// What the names of `release`'s cached environments start with.
+fn environment_prefix(release: &str) -> String {
+    format!("vllm-venv-{release}-")
+}
+
 /// `$XDG_CACHE_HOME`, else `$HOME/.cache`.
 fn cache_home() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
@@ -150,8 +160,8 @@ pub(crate) fn environment(root: &Path, release: &str) -> Result<PathBuf> {
     let interpreter = cmd::run_captured(probe, "python3 --version (3.10 or newer)")
         .context("the engine test needs CPython 3.10+ (set $PYTHON)")?;
 
-    let cache = cache_home()?.join("kvlink");
-    let prefix = format!("vllm-venv-{release}-");
+    let cache = cache_dir()?;
+    let prefix = environment_prefix(release);
     let name = format!("{prefix}{:016x}", fnv1a(&[&lock, &script, interpreter.as_bytes()]));
     let venv = cache.join(&name);
     let venv_python = venv.join("bin").join("python");
@@ -230,8 +240,8 @@ fn uv(cache: &Path) -> Result<PathBuf> {
 /// Removes every cached environment of `release` (`vllm-matrix` frees
 /// the disk of the releases CI does not run once they are checked).
 pub(crate) fn remove_environment(release: &str) {
-    let Ok(cache) = cache_home().map(|home| home.join("kvlink")) else { return };
-    let prefix = format!("vllm-venv-{release}-");
+    let Ok(cache) = cache_dir() else { return };
+    let prefix = environment_prefix(release);
     let Ok(entries) = fs::read_dir(&cache) else { return };
     for entry in entries.flatten() {
         if entry.file_name().to_string_lossy().starts_with(&prefix) {

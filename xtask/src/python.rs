@@ -159,15 +159,16 @@ pub(crate) fn check_dir(root: &Path, release: &str) -> PathBuf {
 
 /// `cargo xtask vllm-check` of one release, in its environment (made first if missing).
 pub(crate) fn check_release(root: &Path, release: &str, pytest_args: &[String]) -> Result<()> {
-    let python = engine_test::environment(root, release)?;
-    install_package(root, &python, "dev")?;
-    let package = package_dir(root);
-    let checks = package.join("vllm_check");
+    // First, so that a run that fails before pytest leaves no earlier run's counts.
     let work = check_dir(root, release);
     if work.exists() {
         std::fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
     }
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let python = engine_test::environment(root, release)?;
+    install_package(root, &python, "dev")?;
+    let package = package_dir(root);
+    let checks = package.join("vllm_check");
 
     // kvlink's own checks under the release's scheduler.
     let mut pytest = Command::new(&python);

@@ -657,6 +657,8 @@ def test_kv_cache_access_is_in_process(model_dir):
     factory: in-process access, no single physical allocation needed."""
     from vllm.config.kv_transfer import KVCacheAccess
 
+    # kvlink's own declaration, not the base class's default (which may change).
+    assert "kv_cache_access" in vars(KvlinkConnector)
     transfer = vllm_config(model_dir, "kv_both").kv_transfer_config
     assert transfer.kv_cache_access() == KVCacheAccess.IN_PROCESS
     assert not transfer.kv_cache_access().needs_single_chunk()
