@@ -102,6 +102,7 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                         prefill_engine_id: Some(EngineId::new("prefill-0")),
                         block_ids: vec![1, 2, 3],
                         first_token: Some(16),
+                        may_precede_prefill: false,
                     },
                     RequestBlocks {
                         req_id: ReqId::new("req-b"),
@@ -109,6 +110,7 @@ fn messages() -> Vec<(&'static str, SideMessage)> {
                         prefill_engine_id: None,
                         block_ids: Vec::new(),
                         first_token: None,
+                        may_precede_prefill: false,
                     },
                 ],
                 heads: Some(kv_proto::HeadRange::new(2, 2)),

@@ -125,6 +125,7 @@ pub(crate) fn xfer_request(u: &mut Unstructured<'_>) -> Result<XferRequest> {
                 prefill_engine_id: if u.arbitrary()? { Some(EngineId::new(text(u)?)) } else { None },
                 block_ids: vec(u, big, MAX_BLOCKS_PER_REQUEST, |u, _| u.arbitrary())?,
                 first_token: u.arbitrary()?,
+                may_precede_prefill: u.arbitrary()?,
             })
         })?,
         heads: if u.arbitrary()? { Some(head_range(u)?) } else { None },

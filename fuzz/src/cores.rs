@@ -34,6 +34,7 @@ fn remote_prefill(id: &ReqId, params: &KvTransferParams) -> Option<RemotePrefill
         remote_request_id: params.remote_request_id.clone().unwrap_or_else(|| id.clone()),
         remote_engine_id: params.remote_engine_id.clone(),
         remote_renewal_key: params.remote_renewal_key,
+        bootstrap: None,
     })
 }
 
@@ -312,6 +313,8 @@ impl Sched {
                     remote_request_id: (i % 2 == 0).then(|| ReqId::new(format!("P{i}"))),
                     remote_engine_id: (i % 2 == 0).then(|| EngineId::new("prefill")),
                     remote_renewal_key: (i % 2 == 0).then(|| RenewalKey::from_bytes([i as u8; 16])),
+                    remote_bootstrap_addr: None,
+                    transfer_id: None,
                 }),
             })
             .collect();
@@ -509,6 +512,8 @@ impl Sched {
             remote_request_id: Some(id.clone()),
             remote_engine_id: Some(EngineId::new(HERE_ENGINE)),
             remote_renewal_key: delay.then(|| renewal_secret().key_for(&id)),
+            remote_bootstrap_addr: None,
+            transfer_id: None,
         };
         assert_eq!(result, Ok((delay, Some(points_here))));
     }
@@ -539,6 +544,7 @@ impl Sched {
             reqs_to_cancel: if self.role.receives() { cancel } else { BTreeSet::new() },
             reqs_to_watch: if self.role.receives() { watch } else { BTreeMap::new() },
             reqs_to_unwatch: if self.role.receives() { unwatch } else { BTreeSet::new() },
+            send_names: Default::default(),
         };
         assert_eq!(meta, expected, "the step's metadata differs from the model's");
         for id in &meta.reqs_to_cancel {
@@ -970,6 +976,7 @@ impl Receiver {
                     prefill_engine_id: engine.clone(),
                     block_ids: b.clone(),
                     first_token: *first_token,
+                    may_precede_prefill: false,
                 })
                 .collect();
             expected.push(PullBatch { xfer_id, peer, requests, deadline, heads: None });
@@ -1262,6 +1269,7 @@ pub fn cores(data: &[u8]) {
                             remote_request_id: on_prefill(&id),
                             remote_engine_id: None,
                             remote_renewal_key: None,
+                            bootstrap: None,
                         };
                         (id, RecvReqMeta { local_block_ids: blocks.clone(), first_token: None, remote })
                     })

@@ -77,6 +77,10 @@ causes! {
     DuplicateRequest = 15, "duplicate_request";
     /// A copy between the engine's (device) blocks and host staging failed.
     CopyFailed = 16, "copy_failed";
+    /// P's engine never saw the request while D's pull waited for it (the
+    /// bootstrap flow, where D may ask first: the router's prefill leg
+    /// failed or never came).
+    PrefillNeverSeen = 17, "prefill_never_seen";
 }
 
 impl From<u16> for FailureCause {

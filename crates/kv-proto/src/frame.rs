@@ -23,7 +23,7 @@ use crate::wire::SideMessage;
 /// The four bytes every side-channel frame starts with.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVLK";
 /// The side-channel protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes of the frame header.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Default bound on a frame body (16 MiB: a transfer request for thousands

@@ -30,6 +30,7 @@
 mod accept;
 mod admission;
 pub mod auth;
+pub mod bootstrap;
 mod bounded;
 mod budget;
 mod cause;
@@ -65,15 +66,16 @@ pub use cause::FailureCause;
 pub use codec::{CodecError, MAX_DECODE_BYTES};
 pub use config::{
     ConfigError, HostStaging, KvTransferConfig, ListenerOverrides, DEFAULT_ABORT_REQUEST_TIMEOUT,
-    DEFAULT_BOOTSTRAP_PORT, DEFAULT_NUM_WORKERS, DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES,
-    ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT, EXTRA_KEYS, FOREIGN_KEYS, MAX_STAGING_BYTES,
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_NUM_WORKERS, DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_PIECE_BYTES, ENV_ABORT_REQUEST_TIMEOUT, ENV_BOOTSTRAP_PORT, EXTRA_KEYS, FOREIGN_KEYS,
+    MAX_STAGING_BYTES,
 };
 pub use frame::{FrameCodec, FrameError, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN, FRAME_MAGIC, PROTOCOL_VERSION};
 pub use grant::{Grant, GrantError, GrantId, GRANT_ID_LEN, MAX_GRANT_DETAILS_LEN};
 pub use identity::ModelIdentity;
 pub use ids::{BlockId, EngineId, KvRole, ParseRoleError, ReqId};
 pub use memory::{MemoryRegion, RegionAccess, RegionError, RegionSet, WriteOp};
-pub use metadata::{ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};
+pub use metadata::{BootstrapTarget, ConnectorMetadata, RecvReqMeta, RemotePrefill, SendUpdate};
 pub use params::{KvTransferParams, ParamsError};
 pub use registered::{
     CheckedSources, DestinationError, GrantAccess, MemoryClosed, RegisteredMemory, Revoked, SourceError,

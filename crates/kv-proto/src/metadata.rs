@@ -41,6 +41,24 @@ pub struct RemotePrefill {
     /// lease.
     #[serde(default)]
     pub remote_renewal_key: Option<RenewalKey>,
+    /// In the bootstrap flow, where D learns P's side channel: until the
+    /// worker has asked P's bootstrap server, `remote_host` and
+    /// `remote_port` are not known (empty and 0), and the worker fills them
+    /// in before the request reaches its pull or watch.
+    #[serde(default)]
+    pub bootstrap: Option<BootstrapTarget>,
+}
+
+/// A prefill engine as the bootstrap flow names it: its bootstrap server
+/// and its engine id there (one server lists every data-parallel engine
+/// of an instance).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BootstrapTarget {
+    /// The bootstrap server's base URL (`http://host:port`), as the router
+    /// sent it.
+    pub url: String,
+    /// The prefill engine's id, as the bootstrap server lists it.
+    pub engine_id: EngineId,
 }
 
 /// What the worker must do with its send entry for a request (prefill side).
@@ -87,6 +105,12 @@ pub struct ConnectorMetadata {
     /// side): the worker counts a renewal of one only when it names its key.
     #[serde(default)]
     pub renewal_keys: BTreeMap<ReqId, RenewalKey>,
+    /// The engine's own id of each request whose send entry is named
+    /// otherwise (prefill side, bootstrap flow: entries are named by the
+    /// router's transfer id, which D names them by): the worker reports
+    /// such a request finished under the engine's id.
+    #[serde(default)]
+    pub send_names: BTreeMap<ReqId, ReqId>,
 }
 
 impl ConnectorMetadata {
@@ -98,5 +122,6 @@ impl ConnectorMetadata {
             && self.reqs_to_watch.is_empty()
             && self.reqs_to_unwatch.is_empty()
             && self.renewal_keys.is_empty()
+            && self.send_names.is_empty()
     }
 }

@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use crate::bounded::MAX_TEXT_LEN;
 use crate::ids::{EngineId, ReqId};
+use crate::metadata::BootstrapTarget;
 use crate::renewal_key::RenewalKey;
 
 /// The per-request transfer parameters, serde-compatible with the dict vLLM
@@ -39,6 +40,17 @@ pub struct KvTransferParams {
     /// only with it ([`crate::RenewalKey`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_renewal_key: Option<RenewalKey>,
+    /// The router-made id that names the request to both instances in the
+    /// bootstrap flow (vLLM's Mooncake deployment since 0.16): P is sent
+    /// it with `do_remote_decode`, D with `do_remote_prefill`, and D names
+    /// the request to P by it. Each engine still has its own request id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_id: Option<String>,
+    /// P's bootstrap server (`http://host:port`), where D learns P's
+    /// workers in the bootstrap flow; with [`Self::transfer_id`] and
+    /// [`Self::remote_engine_id`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_bootstrap_addr: Option<String>,
 }
 
 /// Transfer params that could not be parsed.
@@ -147,6 +159,8 @@ impl KvTransferParams {
                     None => wrong("remote_renewal_key", "32 hex digits", v),
                 })?),
             },
+            transfer_id: text("transfer_id")?,
+            remote_bootstrap_addr: text("remote_bootstrap_addr")?,
         })
     }
 
@@ -156,11 +170,35 @@ impl KvTransferParams {
         serde_json::to_string(self).unwrap_or_default()
     }
 
-    /// The id to name the request by to P: P's own id when P returned it,
-    /// else `own` (D's id; right only when both engines name requests
-    /// alike, as clients that set no `remote_request_id` assume).
+    /// The id to name the request by to P: the transfer id in the
+    /// bootstrap flow, P's own id when P returned it, else `own` (D's id;
+    /// right only when both engines name requests alike, as clients that
+    /// set no `remote_request_id` assume).
     pub fn prefill_request_id(&self, own: &ReqId) -> ReqId {
+        if self.bootstrap().is_some() {
+            if let Some(transfer) = &self.transfer_id {
+                return ReqId::new(transfer.clone());
+            }
+        }
         self.remote_request_id.clone().unwrap_or_else(|| own.clone())
+    }
+
+    /// Where D learns P's workers in the bootstrap flow: present when the
+    /// params carry all three of `transfer_id`, `remote_bootstrap_addr` and
+    /// `remote_engine_id` (as vLLM's Mooncake connector requires).
+    pub fn bootstrap(&self) -> Option<BootstrapTarget> {
+        self.transfer_id.as_ref()?;
+        Some(BootstrapTarget { url: self.remote_bootstrap_addr.clone()?, engine_id: self.remote_engine_id.clone()? })
+    }
+
+    /// The name P's worker knows a request by, as P's scheduler decides it
+    /// from the params P was sent: its transfer id where the router made
+    /// one, else P's own id `own`.
+    pub fn send_name(&self, own: &ReqId) -> ReqId {
+        match &self.transfer_id {
+            Some(transfer) => ReqId::new(transfer.clone()),
+            None => own.clone(),
+        }
     }
 
     /// The remote side channel, when both host and port are present.
@@ -183,6 +221,34 @@ mod tests {
         .unwrap();
         assert!(p.do_remote_prefill);
         assert_eq!(p.remote(), Some(("10.0.0.1", 8998)));
+    }
+
+    #[test]
+    fn parses_the_routers_bootstrap_legs() {
+        let d = KvTransferParams::from_json(
+            r#"{"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": "xfer-1",
+                "remote_bootstrap_addr": "http://10.0.0.2:8998", "remote_engine_id": "e-1"}"#,
+        )
+        .unwrap();
+        let target = d.bootstrap().unwrap();
+        assert_eq!((target.url.as_str(), target.engine_id.as_str()), ("http://10.0.0.2:8998", "e-1"));
+        assert_eq!(d.prefill_request_id(&ReqId::new("own")), ReqId::new("xfer-1"));
+        assert_eq!(d.remote(), None);
+        let p = KvTransferParams::from_json(
+            r#"{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": "xfer-1"}"#,
+        )
+        .unwrap();
+        assert_eq!(p.bootstrap(), None, "P's leg names no bootstrap server");
+        assert_eq!(p.send_name(&ReqId::new("cmpl-1")), ReqId::new("xfer-1"));
+        assert_eq!(KvTransferParams::default().send_name(&ReqId::new("cmpl-1")), ReqId::new("cmpl-1"));
+    }
+
+    #[test]
+    fn a_transfer_id_is_bounded_text() {
+        let long = "x".repeat(MAX_TEXT_LEN + 1);
+        let err = KvTransferParams::from_json(&format!(r#"{{"transfer_id": "{long}"}}"#)).unwrap_err();
+        assert!(err.to_string().contains("transfer_id"), "{err}");
+        assert!(KvTransferParams::from_json(r#"{"remote_bootstrap_addr": 8998}"#).is_err());
     }
 
     #[test]
@@ -260,6 +326,8 @@ mod tests {
             remote_request_id: Some(ReqId::new("cmpl-1-0-abcd1234")),
             remote_engine_id: Some(EngineId::new("prefill-0")),
             remote_renewal_key: Some(RenewalKey::from_bytes([0x5a; 16])),
+            remote_bootstrap_addr: None,
+            transfer_id: None,
         };
         assert!(p.to_json().contains(&format!(r#""remote_renewal_key":"{}""#, "5a".repeat(16))), "{}", p.to_json());
         assert_eq!(KvTransferParams::from_json(&p.to_json()).unwrap(), p);

@@ -29,6 +29,20 @@ pub const RENEWAL_KEY_LEN: usize = 16;
 pub struct RenewalKey([u8; RENEWAL_KEY_LEN]);
 
 impl RenewalKey {
+    /// The renewal key of a request named by a router-made transfer id
+    /// (the bootstrap flow, where P returns no params to hand D a minted
+    /// key): derived from the transfer id alone, so P and D both know it.
+    /// It proves what the minted key proves, that the renewer was given the
+    /// request's params, since the router gives the transfer id only to
+    /// the P and D it chose.
+    pub fn for_transfer(transfer_id: &str) -> RenewalKey {
+        let mut hasher = blake3::Hasher::new_derive_key("kvlink renewal key of a transfer id v1");
+        hasher.update(transfer_id.as_bytes());
+        let mut key = [0u8; RENEWAL_KEY_LEN];
+        key.copy_from_slice(&hasher.finalize().as_bytes()[..RENEWAL_KEY_LEN]);
+        RenewalKey(key)
+    }
+
     /// The key of these bytes.
     pub const fn from_bytes(bytes: [u8; RENEWAL_KEY_LEN]) -> Self {
         Self(bytes)

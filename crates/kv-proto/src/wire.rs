@@ -177,6 +177,11 @@ pub struct RequestBlocks {
     /// already held); `None`: D's blocks are the last of P's, block for
     /// block (then both sides' blocks must hold as many tokens).
     pub first_token: Option<u64>,
+    /// Named by a router-made transfer id (the bootstrap flow), where D may
+    /// ask before P has even seen the request: P holds a pull for a request
+    /// it does not know yet, within its own bound and D's wait budget,
+    /// instead of refusing it at once.
+    pub may_precede_prefill: bool,
 }
 
 /// D asks P to write requests' KV into D's memory (the reference's

@@ -54,6 +54,7 @@ fn xfer_request() -> SideMessage {
                 prefill_engine_id: Some(EngineId::new("p0")),
                 block_ids: vec![1, 2, 3, 9],
                 first_token: Some(32),
+                may_precede_prefill: false,
             },
             RequestBlocks {
                 req_id: ReqId::new("r2"),
@@ -61,6 +62,7 @@ fn xfer_request() -> SideMessage {
                 prefill_engine_id: None,
                 block_ids: vec![],
                 first_token: None,
+                may_precede_prefill: false,
             },
         ],
         heads: Some(kv_proto::HeadRange::new(2, 2)),
@@ -236,6 +238,7 @@ fn many_requests(count: usize, id_len: usize) -> XferRequest {
                 prefill_engine_id: None,
                 block_ids: vec![],
                 first_token: None,
+                may_precede_prefill: false,
             })
             .collect(),
         heads: None,
@@ -314,7 +317,7 @@ proptest! {
             grant: Grant::plain(GrantId::from_bytes(grant)),
             wait_budget: Duration::from_millis(u64::from(budget_ms)),
             region_base_addrs: addrs,
-            requests: reqs.into_iter().map(|(id, block_ids, first_token)| RequestBlocks { req_id: ReqId::new(id), decode_req_id: None, prefill_engine_id: None, block_ids, first_token }).collect(),
+            requests: reqs.into_iter().map(|(id, block_ids, first_token)| RequestBlocks { req_id: ReqId::new(id), decode_req_id: None, prefill_engine_id: None, block_ids, first_token, may_precede_prefill: false }).collect(),
             heads: heads.map(|(first, count)| kv_proto::HeadRange::new(first, count)),
             piece_blocks,
         });

@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 
 use kv_proto::{
-    BlockId, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill, RenewalSecret, ReqId,
-    SendUpdate,
+    BlockId, BootstrapTarget, ConnectorMetadata, EngineId, KvRole, KvTransferParams, RecvReqMeta, RemotePrefill,
+    RenewalKey, RenewalSecret, ReqId, SendUpdate,
 };
 use tracing::{debug, warn};
 
@@ -55,6 +55,20 @@ pub struct ConnectorScheduler {
     warned_no_renewal_key: bool,
     /// What this (prefill) instance's renewal keys are minted from.
     renewal_secret: RenewalSecret,
+    /// Prefill side, bootstrap flow: the name each request's send entry has
+    /// on the workers (its transfer id), by the engine's id; from the
+    /// request's allocation until the engine reports it sent (or it ends
+    /// without a send entry).
+    send_names: BTreeMap<ReqId, ReqId>,
+    /// The same names the other way round: a transfer id already naming a
+    /// live request cannot name another (its pull could not tell them
+    /// apart).
+    names_in_use: BTreeMap<ReqId, ReqId>,
+    /// Prefill side: requests whose transfer id already named another live
+    /// request; they finish without a hold. Until they finish.
+    unpaired: BTreeSet<ReqId>,
+    /// Whether a request reusing a live transfer id was seen (warned once).
+    warned_transfer_id_in_use: bool,
     /// Tokens per engine block, where known ([`with_block_tokens`](Self::with_block_tokens)):
     /// block lists are then cut to the blocks that hold prompt tokens.
     block_tokens: Option<NonZeroUsize>,
@@ -91,6 +105,10 @@ impl ConnectorScheduler {
             warned_no_remote_request_id: false,
             warned_no_renewal_key: false,
             renewal_secret,
+            send_names: BTreeMap::new(),
+            names_in_use: BTreeMap::new(),
+            unpaired: BTreeSet::new(),
+            warned_transfer_id_in_use: false,
             block_tokens: None,
         }
     }
@@ -172,17 +190,17 @@ impl ConnectorScheduler {
                 debug!(request_id = %req.request_id, "do_remote_prefill on a prefill-only instance: no external tokens");
                 return (0, false);
             }
-            let Some((host, port)) = params.remote() else {
+            let Some(source) = PrefillSource::of(params) else {
                 // update_state_after_alloc warns once it sees the request.
                 debug!(
                     request_id = %req.request_id,
-                    "do_remote_prefill without remote_host and remote_port: no external tokens"
+                    "do_remote_prefill naming neither a side channel nor a bootstrap server: no external tokens"
                 );
                 return (0, false);
             };
             if !self.watching.contains(&req.request_id) {
-                debug!(request_id = %req.request_id, remote_host = host, remote_port = port, "watching");
-                let remote = self.remote_prefill(&req.request_id, params, host, port);
+                debug!(request_id = %req.request_id, ?source, "watching");
+                let remote = self.remote_prefill(&req.request_id, params, source);
                 self.watching.insert(req.request_id.clone());
                 self.reqs_need_watch.insert(req.request_id.clone(), remote);
             }
@@ -262,6 +280,17 @@ impl ConnectorScheduler {
             if self.role == KvRole::Consumer {
                 return Err(SchedError::RemoteDecodeOnConsumer { role: self.role, request_id: request_id.clone() });
             }
+            let name = params.send_name(request_id);
+            if name != *request_id {
+                if self.names_in_use.get(&name).is_some_and(|holder| holder != request_id) {
+                    // Served as a plain request: no entry, no hold.
+                    self.unpaired.insert(request_id.clone());
+                    self.warn_transfer_id_in_use(request_id);
+                    return Ok(());
+                }
+                self.names_in_use.insert(name.clone(), request_id.clone());
+                self.send_names.insert(request_id.clone(), name);
+            }
             debug!(%request_id, "announcing send entry");
             self.live_sends.insert(request_id.clone());
             self.reqs_need_send.insert(request_id.clone(), SendUpdate::Expect);
@@ -283,20 +312,46 @@ impl ConnectorScheduler {
             self.live_recvs.extend(recvs.iter().filter(|(_, m)| !m.local_block_ids.is_empty()).map(|(r, _)| r.clone()));
         }
         // Derived, not stored: the worker learns a request's key with the
-        // update that makes it ready, the same key its params carry.
-        let renewal_keys = if self.role.sends() {
-            sends
-                .iter()
-                .filter(|(_, update)| matches!(update, SendUpdate::Ready { .. }))
-                .map(|(req, _)| (req.clone(), self.renewal_secret.key_for(req)))
-                .collect()
-        } else {
-            BTreeMap::new()
-        };
+        // update that makes it ready, the same key its params carry (or, in
+        // the bootstrap flow, the one D derives from the transfer id).
+        let mut renewal_keys = BTreeMap::new();
+        let mut send_names = BTreeMap::new();
+        let mut named_sends = BTreeMap::new();
+        if self.role.sends() {
+            for (req, update) in sends {
+                let name = self.send_names.get(&req).cloned();
+                // A transfer's key is known from the start (D derives it
+                // too, and may renew before P's engine finishes it).
+                let key = match (&name, &update) {
+                    (Some(transfer), SendUpdate::Expect | SendUpdate::Ready { .. }) => {
+                        Some(RenewalKey::for_transfer(transfer.as_str()))
+                    }
+                    (None, SendUpdate::Ready { .. }) => Some(self.renewal_secret.key_for(&req)),
+                    _ => None,
+                };
+                if let Some(key) = key {
+                    renewal_keys.insert(name.clone().unwrap_or_else(|| req.clone()), key);
+                }
+                match name {
+                    Some(name) => {
+                        if matches!(update, SendUpdate::Forget) {
+                            // No entry is left to report sent.
+                            self.release_name(&req);
+                        }
+                        send_names.insert(name.clone(), req);
+                        named_sends.insert(name, update);
+                    }
+                    None => {
+                        named_sends.insert(req, update);
+                    }
+                }
+            }
+        }
         let meta = ConnectorMetadata {
             renewal_keys,
+            send_names,
             reqs_to_recv: if self.role.receives() { recvs } else { BTreeMap::new() },
-            reqs_to_send: if self.role.sends() { sends } else { BTreeMap::new() },
+            reqs_to_send: named_sends,
             reqs_to_cancel: if self.role.receives() { cancels } else { BTreeSet::new() },
             reqs_to_watch: if self.role.receives() { watches } else { BTreeMap::new() },
             reqs_to_unwatch: if self.role.receives() { unwatches } else { BTreeSet::new() },
@@ -365,6 +420,9 @@ impl ConnectorScheduler {
         );
         self.cancel_if_pulling(request_id);
         self.unwatch(request_id);
+        if self.unpaired.remove(request_id) {
+            return Ok((false, None));
+        }
         let Some(params) = req.kv_transfer_params.as_mut() else {
             self.forget_if_live(request_id);
             return Ok((false, None));
@@ -406,6 +464,11 @@ impl ConnectorScheduler {
         debug!(%request_id, delay_free_blocks, ?update, "prefill finished for remote decode");
         self.reqs_need_send.insert(request_id.clone(), update);
 
+        if self.send_names.contains_key(request_id) {
+            // The bootstrap flow: D was sent everything it needs by the
+            // router, and P returns nothing (as vLLM's connector).
+            return Ok((delay_free_blocks, None));
+        }
         Ok((
             delay_free_blocks,
             Some(KvTransferParams {
@@ -416,8 +479,44 @@ impl ConnectorScheduler {
                 remote_request_id: Some(request_id.clone()),
                 remote_engine_id: Some(self.engine_id.clone()),
                 remote_renewal_key: delay_free_blocks.then(|| self.renewal_secret.key_for(request_id)),
+                transfer_id: None,
+                remote_bootstrap_addr: None,
             }),
         ))
+    }
+
+    /// The engine reports `request_ids` sent (vLLM's `finished_sending`,
+    /// by the engine's ids): the transfer ids naming them are free again.
+    pub fn sending_finished<'a>(&mut self, request_ids: impl IntoIterator<Item = &'a ReqId>) {
+        for request_id in request_ids {
+            self.release_name(request_id);
+        }
+    }
+
+    /// Requests whose send entry is named by a transfer id and not yet
+    /// reported sent (back to zero once each is).
+    pub fn live_transfer_names(&self) -> usize {
+        self.send_names.len()
+    }
+
+    fn release_name(&mut self, request_id: &ReqId) {
+        if let Some(name) = self.send_names.remove(request_id) {
+            self.names_in_use.remove(&name);
+        }
+    }
+
+    fn warn_transfer_id_in_use(&mut self, request_id: &ReqId) {
+        if self.warned_transfer_id_in_use {
+            debug!(%request_id, "transfer_id already names a live request: served without KV transfer");
+            return;
+        }
+        self.warned_transfer_id_in_use = true;
+        warn!(
+            %request_id,
+            "kv_transfer_params carry a transfer_id that already names another live request on this instance: this \
+             request is served without KV transfer (a decode instance pulling by that id gets the other request's \
+             KV or none); a router must mint a fresh transfer_id per request. Warned once."
+        );
     }
 
     /// Records a pull of `local_block_ids` from the side channel named in
@@ -431,23 +530,17 @@ impl ConnectorScheduler {
     ) {
         // The pull holds the request on P from now on.
         self.unwatch(request_id);
-        match params.remote() {
-            Some((host, port)) => {
-                debug!(
-                    %request_id,
-                    remote_host = host,
-                    remote_port = port,
-                    num_blocks = local_block_ids.len(),
-                    "recording pull"
-                );
-                let remote = self.remote_prefill(request_id, params, host, port);
+        match PrefillSource::of(params) {
+            Some(source) => {
+                debug!(%request_id, ?source, num_blocks = local_block_ids.len(), "recording pull");
+                let remote = self.remote_prefill(request_id, params, source);
                 self.reqs_need_recv.insert(request_id.clone(), RecvReqMeta { local_block_ids, first_token, remote });
             }
             None => warn!(
                 %request_id,
                 ?params,
-                "invalid kv_transfer_params: do_remote_prefill without remote_host and remote_port; \
-                 this request will not use KV transfer"
+                "invalid kv_transfer_params: do_remote_prefill without remote_host and remote_port, or without \
+                 transfer_id, remote_bootstrap_addr and remote_engine_id; this request will not use KV transfer"
             ),
         }
     }
@@ -462,9 +555,23 @@ impl ConnectorScheduler {
         &mut self,
         request_id: &ReqId,
         params: &KvTransferParams,
-        host: &str,
-        port: u16,
+        source: PrefillSource,
     ) -> RemotePrefill {
+        let (host, port) = match source {
+            PrefillSource::SideChannel { host, port } => (host, port),
+            PrefillSource::Bootstrap { target, transfer_id } => {
+                // Named by the transfer id, renewed under the key both
+                // sides derive from it; the worker learns P's side channel.
+                return RemotePrefill {
+                    remote_host: String::new(),
+                    remote_port: 0,
+                    remote_request_id: ReqId::new(transfer_id.clone()),
+                    remote_engine_id: Some(target.engine_id.clone()),
+                    remote_renewal_key: Some(RenewalKey::for_transfer(&transfer_id)),
+                    bootstrap: Some(target),
+                };
+            }
+        };
         if params.remote_request_id.is_none() && !self.warned_no_remote_request_id {
             self.warned_no_remote_request_id = true;
             warn!(
@@ -490,6 +597,7 @@ impl ConnectorScheduler {
             remote_request_id: params.prefill_request_id(request_id),
             remote_engine_id: params.remote_engine_id.clone(),
             remote_renewal_key: params.remote_renewal_key,
+            bootstrap: None,
         }
     }
 
@@ -535,5 +643,24 @@ impl ConnectorScheduler {
             debug!(%request_id, "request finished without delay-free: forgetting its send entry");
             self.reqs_need_send.insert(request_id.clone(), SendUpdate::Forget);
         }
+    }
+}
+
+/// Where a decode instance learns the prefill it pulls from, as its params
+/// say: the bootstrap flow (all three of its fields) first, as vLLM's
+/// Mooncake connector reads them, else the side channel P returned.
+#[derive(Debug)]
+enum PrefillSource {
+    SideChannel { host: String, port: u16 },
+    Bootstrap { target: BootstrapTarget, transfer_id: String },
+}
+
+impl PrefillSource {
+    fn of(params: &KvTransferParams) -> Option<Self> {
+        if let (Some(target), Some(transfer_id)) = (params.bootstrap(), params.transfer_id.clone()) {
+            return Some(PrefillSource::Bootstrap { target, transfer_id });
+        }
+        let (host, port) = params.remote()?;
+        Some(PrefillSource::SideChannel { host: host.to_owned(), port })
     }
 }

@@ -798,6 +798,7 @@ fn prefill_on_p_hands_d_a_pull_of_its_blocks() {
             remote_request_id: ReqId::from(p_id),
             remote_engine_id: Some(EngineId::new(P_ENGINE)),
             remote_renewal_key: Some(key),
+            bootstrap: None,
         },
     };
     let watch = d.build_connector_meta();
@@ -854,6 +855,7 @@ fn messages_to_p_name_ps_request_id(#[case] step: ReachedOnD, #[values(true, fal
         remote_request_id: if p_named_it { ReqId::from(P_REQ) } else { d_id },
         remote_engine_id: p_named_it.then(|| EngineId::new(P_ENGINE)),
         remote_renewal_key: p_named_it.then(p_renewal_key),
+        bootstrap: None,
     };
     assert_eq!(named, [expected]);
 }

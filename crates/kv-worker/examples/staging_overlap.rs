@@ -171,6 +171,7 @@ impl Pair {
             remote_request_id: p_req,
             remote_engine_id: None,
             remote_renewal_key: None,
+            bootstrap: None,
         };
         let mut pull = ConnectorMetadata::default();
         let local_block_ids = d_blocks.clone();

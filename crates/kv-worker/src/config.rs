@@ -74,6 +74,10 @@ pub struct WorkerConfig {
     /// side. (Listeners hold an incoming connection's handshake to their
     /// limits' `handshake_timeout`.)
     pub connect_timeout: Duration,
+    /// Bound on a prefill worker's registration with its instance's
+    /// bootstrap server, and on a decode worker's wait for a bootstrap
+    /// server's answer. Default 30 s.
+    pub bootstrap_timeout: Duration,
     /// Bound on one side-channel frame body.
     pub max_frame_len: usize,
     /// Address the data-plane listener binds.
@@ -214,6 +218,7 @@ impl WorkerConfig {
             lease_renewal: DEFAULT_LEASE_RENEWAL,
             transfer_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
+            bootstrap_timeout: kv_proto::DEFAULT_BOOTSTRAP_TIMEOUT,
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             data_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             data_advertise_host: None,
@@ -264,6 +269,7 @@ impl WorkerConfig {
             lease_renewal: config.lease_renewal.unwrap_or(defaults.lease_renewal),
             transfer_timeout: config.transfer_timeout.unwrap_or(defaults.transfer_timeout),
             connect_timeout: config.connect_timeout.unwrap_or(defaults.connect_timeout),
+            bootstrap_timeout: config.bootstrap_timeout.unwrap_or(defaults.bootstrap_timeout),
             data_listen: SocketAddr::new(bind, 0),
             side_channel_limits: overridden(defaults.side_channel_limits, config.side_channel_limits),
             data_limits: overridden(defaults.data_limits, config.data_limits),

@@ -21,6 +21,7 @@
 //! the process; leave a task running after the worker is gone. `unsafe` code
 //! lives only in `cache.rs` (library-allocated memory).
 
+pub mod bootstrap;
 mod cache;
 mod changes;
 mod config;
@@ -28,10 +29,12 @@ mod error;
 pub mod in_memory;
 mod layout;
 pub mod metrics;
+mod names;
 pub mod pattern;
 pub mod plan;
 mod receiver;
 mod renewal;
+mod resolve;
 mod sender;
 pub mod serving;
 mod side_channel;
@@ -55,7 +58,7 @@ pub use receiver::{
     CutShort, PeerInfo, PullBatch, PullProgress, PullReport, PullReports, ReceiverCore, RecvFinished, SideChannelAddr,
 };
 pub use renewal::{RenewalSchedule, Renewed};
-pub use sender::{Claim, Puller, SenderCore};
+pub use sender::{Claim, Puller, SenderCore, MAX_AWAITED};
 pub use side_channel::{SideChannelCodec, SideChannelError};
 pub use watch::WatchList;
 pub use worker::{Finished, Settled, Worker};

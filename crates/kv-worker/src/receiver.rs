@@ -507,6 +507,21 @@ impl ReceiverCore {
         self.batches_of(groups, now)
     }
 
+    /// A pull that could not start: where P is was not learned (the
+    /// bootstrap flow's lookup failed). Reported failed with `cause` as a
+    /// started one would be; its blocks hold no valid KV.
+    pub fn fail_unstarted(
+        &mut self,
+        req: &ReqId,
+        meta: &RecvReqMeta,
+        cause: FailureCause,
+        reason: String,
+        now: Instant,
+    ) {
+        self.reports.started += 1;
+        self.fail_at_start(req, meta, None, cause, reason, now);
+    }
+
     /// Tells each prefill worker holding one of `reqs` to let go of it (D
     /// failed it before pulling: no staging room): a pull of no blocks to
     /// every prefill worker a pull of it would go to, which each answers
@@ -553,7 +568,13 @@ impl ReceiverCore {
         for (peer, heads) in parts {
             let pulled =
                 Pulled { req: req.clone(), remote: remote.remote_request_id.clone(), blocks: Vec::new(), quiet: true };
-            let part = Part { pulled, engine: remote.remote_engine_id.clone(), first_token: None, started };
+            let part = Part {
+                pulled,
+                engine: remote.remote_engine_id.clone(),
+                first_token: None,
+                started,
+                may_precede_prefill: remote.bootstrap.is_some(),
+            };
             groups.entry((peer.clone(), *heads)).or_default().push(part);
         }
     }
@@ -578,6 +599,7 @@ impl ReceiverCore {
                 engine: remote.remote_engine_id.clone(),
                 first_token: meta.first_token,
                 started,
+                may_precede_prefill: remote.bootstrap.is_some(),
             };
             groups.entry((peer.clone(), *heads)).or_default().push(part);
         }
@@ -601,6 +623,7 @@ impl ReceiverCore {
                         prefill_engine_id: p.engine.clone(),
                         block_ids: p.pulled.blocks.clone(),
                         first_token: p.first_token,
+                        may_precede_prefill: p.may_precede_prefill,
                     })
                     .collect();
                 // A request that waited for its instance keeps its deadline.
@@ -1073,6 +1096,9 @@ struct Part {
     engine: Option<EngineId>,
     first_token: Option<u64>,
     started: Instant,
+    /// Named by a transfer id: P may not know it yet (see
+    /// [`RequestBlocks::may_precede_prefill`]).
+    may_precede_prefill: bool,
 }
 
 /// This step's parts by prefill worker and heads.

@@ -71,6 +71,12 @@ enum SendEntry {
     /// P could not make it ready (no staging room within the bound): the
     /// engine freed it; a pull for it fails with this cause, until `until`.
     Failed { cause: FailureCause, until: Instant },
+    /// Named by a pull before P's engine ever did (the bootstrap flow,
+    /// where the router sends D its leg at once): P holds no block for it;
+    /// the pull waits for the engine to see it, and the entry is dropped
+    /// at `until` if the engine never does. Once the pull gave up
+    /// (`abandoned`), a request the engine then finishes is freed at once.
+    Awaited { until: Instant, abandoned: bool },
 }
 
 /// Who pulls a request from this prefill worker: decode rank `rank`, one
@@ -126,10 +132,19 @@ impl SendEntry {
     }
 }
 
+/// How many requests pulls may name before P's engine saw them, per
+/// prefill worker, by default: a pull past it is refused at once as for an
+/// unknown request (a decode instance cannot make P hold unbounded state).
+pub const MAX_AWAITED: usize = 4096;
+
 /// P's send entries, driven with explicit time.
 #[derive(Debug)]
 pub struct SenderCore {
     lease: Duration,
+    /// Entries a pull made before the engine saw their request
+    /// ([`SendEntry::Awaited`]), and how many may be at once.
+    awaited: usize,
+    max_awaited: usize,
     renewal: Duration,
     entries: HashMap<ReqId, SendEntry>,
     finished: BTreeSet<ReqId>,
@@ -154,6 +169,8 @@ impl SenderCore {
     pub fn new(lease: Duration, renewal: Duration) -> Self {
         Self {
             lease,
+            awaited: 0,
+            max_awaited: MAX_AWAITED,
             renewal,
             entries: HashMap::new(),
             finished: BTreeSet::new(),
@@ -174,7 +191,27 @@ impl SenderCore {
     pub fn handle_update(&mut self, req: &ReqId, update: &SendUpdate, now: Instant) {
         match update {
             SendUpdate::Expect => {
-                self.entries.entry(req.clone()).or_insert(SendEntry::Expected { hold: Hold::default() });
+                let seen = match self.entries.get(req) {
+                    Some(SendEntry::Awaited { abandoned: true, .. }) => Some(SendEntry::Abandoned),
+                    Some(SendEntry::Awaited { abandoned: false, .. }) => {
+                        Some(SendEntry::Expected { hold: Hold::default() })
+                    }
+                    _ => None,
+                };
+                match seen {
+                    Some(entry) => {
+                        self.awaited = self.awaited.saturating_sub(1);
+                        self.entries.insert(req.clone(), entry);
+                    }
+                    None => {
+                        self.entries.entry(req.clone()).or_insert(SendEntry::Expected { hold: Hold::default() });
+                    }
+                }
+            }
+            SendUpdate::Ready { .. } if matches!(self.entries.get(req), Some(SendEntry::Awaited { .. })) => {
+                // Seen and finished in one step: as if expected first.
+                self.handle_update(req, &SendUpdate::Expect, now);
+                self.handle_update(req, update, now);
             }
             SendUpdate::Ready { block_ids } => match self.entries.get(req) {
                 Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => {
@@ -203,7 +240,7 @@ impl SenderCore {
                     tracing::warn!(req_id = %req, "forget update for a request being sent; it ends with its transfer");
                 }
                 Some(_) => {
-                    self.entries.remove(req);
+                    self.remove(req);
                     tracing::debug!(req_id = %req, "send entry dropped: request finished without delay-free");
                 }
                 None => {}
@@ -227,7 +264,7 @@ impl SenderCore {
             ) => {
                 *have = (*have).max(staged);
             }
-            Some(SendEntry::Expected { .. } | SendEntry::Abandoned) => {
+            Some(SendEntry::Expected { .. } | SendEntry::Abandoned | SendEntry::Awaited { .. }) => {
                 self.handle_update(req, &SendUpdate::Ready { block_ids: block_ids.to_vec() }, now);
                 if let Some(SendEntry::Ready { staged: have, .. }) = self.entries.get_mut(req) {
                     *have = staged;
@@ -251,6 +288,43 @@ impl SenderCore {
             Some(SendEntry::InFlight { staged, .. } | SendEntry::Shared { staged, .. }) => Some(Ok(*staged)),
             _ => None,
         }
+    }
+
+    /// A pull for `req` that may come before P's engine saw it (named by a
+    /// transfer id) arrived: as [`SenderCore::claim_by`], but a request P
+    /// does not know yet is awaited until `until` (at most
+    /// [`MAX_AWAITED`] at once; past that it is unknown) instead of being
+    /// unknown at once.
+    pub fn claim_or_await(&mut self, req: &ReqId, puller: Puller, until: Instant, now: Instant) -> Claim {
+        match self.entries.get(req) {
+            None if self.awaited < self.max_awaited => {
+                self.awaited += 1;
+                self.entries.insert(req.clone(), SendEntry::Awaited { until, abandoned: false });
+                Claim::NotReady
+            }
+            Some(SendEntry::Awaited { abandoned: false, .. }) => Claim::NotReady,
+            Some(SendEntry::Awaited { abandoned: true, .. }) => {
+                // A new pull takes it up again.
+                self.entries.insert(req.clone(), SendEntry::Awaited { until, abandoned: false });
+                Claim::NotReady
+            }
+            _ => self.claim_by(req, puller, now),
+        }
+    }
+
+    /// Whether P's engine has not seen `req`, which a pull named first
+    /// ([`SenderCore::claim_or_await`]).
+    pub fn never_seen(&self, req: &ReqId) -> bool {
+        matches!(self.entries.get(req), Some(SendEntry::Awaited { .. }))
+    }
+
+    /// Removes `req`'s entry, keeping the count of awaited ones.
+    fn remove(&mut self, req: &ReqId) -> Option<SendEntry> {
+        let entry = self.entries.remove(req);
+        if matches!(entry, Some(SendEntry::Awaited { .. })) {
+            self.awaited = self.awaited.saturating_sub(1);
+        }
+        entry
     }
 
     /// A pull for `req` arrived: take its blocks if it is ready.
@@ -317,6 +391,7 @@ impl SenderCore {
                 Claim::NotReady
             }
             Some(SendEntry::InFlight { .. } | SendEntry::Shared { .. }) => Claim::InFlight,
+            Some(SendEntry::Awaited { .. }) => Claim::NotReady,
             Some(&SendEntry::Failed { cause, .. }) => {
                 self.entries.remove(req);
                 Claim::Failed(cause)
@@ -383,9 +458,18 @@ impl SenderCore {
     /// a lease. A ready or in-flight request is left to its lease or its
     /// transfer.
     pub fn abandon(&mut self, req: &ReqId) {
-        if let Some(entry @ SendEntry::Expected { .. }) = self.entries.get_mut(req) {
-            tracing::debug!(req_id = %req, "pull gave up before the request was ready");
-            *entry = SendEntry::Abandoned;
+        match self.entries.get_mut(req) {
+            Some(entry @ SendEntry::Expected { .. }) => {
+                tracing::debug!(req_id = %req, "pull gave up before the request was ready");
+                *entry = SendEntry::Abandoned;
+            }
+            Some(SendEntry::Awaited { abandoned, .. }) => {
+                // Kept to its bound: should the engine see it after all,
+                // it is freed at once, not held for a pull that will not come.
+                tracing::debug!(req_id = %req, "pull gave up before the engine saw the request");
+                *abandoned = true;
+            }
+            _ => {}
         }
     }
 
@@ -496,6 +580,9 @@ impl SenderCore {
     /// Frees every ready entry whose lease or renewal ended at `now` (and
     /// forgets failed ones past theirs).
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<ReqId> {
+        let before = self.entries.len();
+        self.entries.retain(|_, e| !matches!(e, SendEntry::Awaited { until, .. } if *until <= now));
+        self.awaited = self.awaited.saturating_sub(before - self.entries.len());
         self.entries.retain(|_, e| !matches!(e, SendEntry::Failed { until, .. } if *until <= now));
         let expired: Vec<ReqId> = self
             .entries

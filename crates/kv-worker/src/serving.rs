@@ -21,6 +21,12 @@ use kv_proto::{
 
 use crate::sender::{Claim, Puller, SenderCore};
 
+/// How long before D's wait budget ends P stops waiting for a request it
+/// has not got yet, at most (an eighth of the budget if that is less), so
+/// its reply, which says why (not finished, never seen), reaches D before
+/// D gives up on its own and can only say it heard nothing.
+pub const REPLY_MARGIN: Duration = Duration::from_secs(1);
+
 /// The longest wait budget taken from a transfer request (peer input).
 pub const MAX_WAIT_BUDGET: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -173,6 +179,8 @@ pub struct TransferCore {
     abort_timeout: Duration,
     budget_end: Instant,
     wait_end: Instant,
+    /// The wait ends for D's budget (not P's abort timeout).
+    wait_ends_with_budget: bool,
     puller: Puller,
     map: BlockMap,
 }
@@ -192,7 +200,9 @@ impl TransferCore {
         // Peer input: any duration decodes; one past a day means "no budget".
         let wait_budget = wait_budget.min(MAX_WAIT_BUDGET);
         let budget_end = received_at + wait_budget;
-        let wait_end = budget_end.min(received_at + abort_timeout);
+        let answer_by = budget_end - REPLY_MARGIN.min(wait_budget / 8);
+        let wait_end = answer_by.min(received_at + abort_timeout);
+        let wait_ends_with_budget = answer_by <= received_at + abort_timeout;
         let mut outcomes = vec![None; requests.len()];
         let mut pending = Vec::with_capacity(requests.len());
         let mut misdirected: Option<Misdirected> = None;
@@ -223,6 +233,7 @@ impl TransferCore {
             abort_timeout,
             budget_end,
             wait_end,
+            wait_ends_with_budget,
             puller: Puller::ONLY,
             map: BlockMap::Whole,
         };
@@ -291,8 +302,8 @@ impl TransferCore {
         (FailureCause::Timeout, "decode's wait budget passed before the KV was written".to_owned())
     }
 
-    /// When the wait for unfinished requests ends (D's budget, or P's
-    /// abort timeout if sooner).
+    /// When the wait for unfinished requests ends: a little before D's
+    /// budget ([`REPLY_MARGIN`]), or at P's abort timeout if sooner.
     pub fn wait_end(&self) -> Instant {
         self.wait_end
     }
@@ -318,11 +329,19 @@ impl TransferCore {
     pub fn claim_ready(&mut self, sender: &mut SenderCore, now: Instant) -> Vec<Claimed> {
         let mut claimed = Vec::new();
         let mut refused = Vec::new();
-        let (requests, puller) = (&self.requests, self.puller);
+        // Kept to D's deadline, past the wait's end: the wait's end finds
+        // it unseen and says so.
+        let (requests, puller, awaited_until) = (&self.requests, self.puller, self.budget_end);
         self.pending.retain(|&index| {
-            let req_id = &requests[index].req_id;
+            let request = &requests[index];
+            let req_id = &request.req_id;
             let ready_since = sender.ready_since(req_id);
-            match sender.claim_by(req_id, puller, now) {
+            let claim = if request.may_precede_prefill {
+                sender.claim_or_await(req_id, puller, awaited_until, now)
+            } else {
+                sender.claim_by(req_id, puller, now)
+            };
+            match claim {
                 Claim::NotReady => true,
                 Claim::Ready(blocks) => {
                     let ready_for = ready_since.map(|since| now.saturating_duration_since(since));
@@ -513,7 +532,7 @@ impl TransferCore {
             WaitEnd::ConnectionClosed => {
                 (FailureCause::ConnectionLost, "decode's side-channel connection closed".to_owned(), true)
             }
-            WaitEnd::Deadline if self.wait_end == self.budget_end => (
+            WaitEnd::Deadline if self.wait_ends_with_budget => (
                 FailureCause::NotReady,
                 format!("request not finished on prefill within decode's wait budget of {:?}", self.wait_budget),
                 true,
@@ -525,10 +544,19 @@ impl TransferCore {
             ),
         };
         for index in std::mem::take(&mut self.pending) {
+            let req_id = &self.requests[index].req_id;
+            let outcome = if sender.never_seen(req_id) && end != WaitEnd::Shutdown {
+                let reason = format!(
+                    "{reason}: the prefill engine never saw the request (its prefill leg failed or never came)"
+                );
+                failed(FailureCause::PrefillNeverSeen, reason)
+            } else {
+                failed(cause, &reason)
+            };
             if abandoned {
-                sender.abandon(&self.requests[index].req_id);
+                sender.abandon(req_id);
             }
-            self.finish(index, 0, Some(failed(cause, &reason)));
+            self.finish(index, 0, Some(outcome));
         }
         let writing: Vec<usize> = self.writing.iter().map(|w| w.index).collect();
         for index in writing {

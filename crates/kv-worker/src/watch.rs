@@ -150,6 +150,7 @@ mod tests {
             remote_request_id: ReqId::new("p-?"),
             remote_engine_id: None,
             remote_renewal_key: Some(RenewalKey::from_bytes([1; 16])),
+            bootstrap: None,
         }
     }
 

@@ -6,9 +6,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use kv_proto::bootstrap::BootstrapUrl;
 use kv_proto::{
-    BatchWriter, BlockId, ConnectorMetadata, Endpoint, FailureCause, Grant, GrantId, Hello, LayoutKind, RankTopology,
-    RegionAccess, ReqId, XferProgress, XferRequest,
+    BatchWriter, BlockId, BootstrapTarget, ConnectorMetadata, Endpoint, FailureCause, Grant, GrantId, Hello,
+    LayoutKind, RankTopology, RecvReqMeta, RegionAccess, RemotePrefill, ReqId, XferProgress, XferRequest,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
@@ -20,8 +21,10 @@ use crate::changes::Changes;
 use crate::config::WorkerConfig;
 use crate::layout::RegisteredCache;
 use crate::metrics::{FailureLog, Gauges, Metrics, MetricsSnapshot};
+use crate::names::SendNames;
 use crate::plan::grant_ranges;
 use crate::receiver::{PullBatch, PullProgress, ReceiverCore, SideChannelAddr};
+use crate::resolve::{Directory, Parked, Placed};
 use crate::sender::SenderCore;
 use crate::side_channel::client::{ClientSettings, SideChannelClient};
 use crate::side_channel::client::{ProgressSink, PullError};
@@ -57,6 +60,8 @@ pub(crate) struct Shared {
     pub(crate) cache: RegisteredCache,
     pub(crate) writer: Arc<dyn BatchWriter>,
     pub(crate) sender: Mutex<SenderCore>,
+    /// P: the engine's id of each send entry named by a transfer id.
+    pub(crate) send_names: Mutex<SendNames>,
     pub(crate) sender_changed: Notify,
     /// Signalled whenever an outcome becomes available to `get_finished`.
     pub(crate) finished_changed: Arc<Changes>,
@@ -66,6 +71,8 @@ pub(crate) struct Shared {
     pub(crate) established: kv_net::EstablishedPlaces,
     pub(crate) transfer_slots: Semaphore,
     pub(crate) clients: Mutex<HashMap<SideChannelAddr, Arc<SideChannelClient>>>,
+    /// D: where prefill engines named by their bootstrap server are.
+    pub(crate) directory: Mutex<Directory>,
     /// D: requests whose hold on P the worker renews.
     pub(crate) watches: Mutex<WatchList>,
     /// Signalled when a request starts being watched.
@@ -94,6 +101,14 @@ impl Shared {
     pub(crate) fn lock_sender(&self) -> MutexGuard<'_, SenderCore> {
         // A panic while holding the lock leaves plain bookkeeping behind; keep serving.
         self.sender.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn lock_directory(&self) -> MutexGuard<'_, Directory> {
+        self.directory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn lock_send_names(&self) -> MutexGuard<'_, SendNames> {
+        self.send_names.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(crate) fn lock_receiver(&self) -> MutexGuard<'_, ReceiverCore> {
@@ -316,6 +331,220 @@ fn spawn_pull(shared: &Arc<Shared>, batch: PullBatch) {
 /// Learns a prefill instance from its first worker's hello (on the
 /// worker's runtime, which the caller has entered), then starts the pulls
 /// that waited for it, or fails them.
+/// D: this step's watches and pulls with P's side channel filled in where
+/// the bootstrap flow names P by its bootstrap server (`None`: none does).
+/// Those whose lookup is out wait in the directory; pulls whose lookup
+/// failed fail now. Cancelled pulls and ended watches are withdrawn from
+/// the directory first.
+fn place_bootstrapped(
+    shared: &Arc<Shared>,
+    meta: &ConnectorMetadata,
+    now: Instant,
+) -> Option<(BTreeMap<ReqId, RemotePrefill>, BTreeMap<ReqId, RecvReqMeta>)> {
+    let named = |remote: &RemotePrefill| remote.bootstrap.is_some();
+    let any = meta.reqs_to_watch.values().any(named) || meta.reqs_to_recv.values().any(|m| named(&m.remote));
+    if !any && !shared.lock_directory().has_waiting() {
+        return None;
+    }
+    let mut directory = shared.lock_directory();
+    for req in &meta.reqs_to_cancel {
+        directory.withdraw(req, true);
+    }
+    for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
+        directory.withdraw(req, false);
+    }
+    let (mut watches, mut recvs, mut failed) = (BTreeMap::new(), BTreeMap::new(), Vec::new());
+    for (req, remote) in &meta.reqs_to_watch {
+        match &remote.bootstrap {
+            None => {
+                watches.insert(req.clone(), remote.clone());
+            }
+            Some(target) => {
+                let parked = Parked::Watch { req: req.clone(), remote: remote.clone() };
+                if let Placed::Ready(Parked::Watch { req, remote }) = directory.place(target, parked, now) {
+                    watches.insert(req, remote);
+                }
+            }
+        }
+    }
+    for (req, meta) in &meta.reqs_to_recv {
+        match &meta.remote.bootstrap {
+            None => {
+                recvs.insert(req.clone(), meta.clone());
+            }
+            Some(target) => {
+                let parked = Parked::Pull { req: req.clone(), meta: meta.clone(), at: now };
+                match directory.place(target, parked, now) {
+                    Placed::Ready(Parked::Pull { req, meta, .. }) => {
+                        recvs.insert(req, meta);
+                    }
+                    Placed::Failed(parked, reason) => failed.push((parked, reason)),
+                    _ => {}
+                }
+            }
+        }
+    }
+    drop(directory);
+    fail_unlocated(shared, failed, now);
+    spawn_lookups(shared);
+    Some((watches, recvs))
+}
+
+/// D: pulls whose prefill engine could not be looked up fail.
+fn fail_unlocated(shared: &Arc<Shared>, failed: Vec<(Parked, String)>, now: Instant) {
+    if failed.is_empty() {
+        return;
+    }
+    let mut receiver = shared.lock_receiver();
+    for (parked, reason) in failed {
+        if let Parked::Pull { req, meta, at } = parked {
+            let reason = format!("cannot look the prefill engine up on its bootstrap server: {reason}");
+            receiver.fail_unstarted(&req, &meta, FailureCause::ConnectionLost, reason, at.min(now));
+        }
+    }
+    shared.record_reports(&mut receiver);
+    drop(receiver);
+    shared.finished_changed.signal();
+}
+
+/// D: starts watching `watches` (except those pulled in the same step,
+/// `pulled`) and stops watching `unwatch`. An instance not known yet is
+/// learned now; until its hello is read its requests are renewed where
+/// the guess says, then moved (`spawn_discovery`). Both locks are held
+/// (receiver, then watches, as there) so a hello read meanwhile cannot
+/// move the requests before they are watched.
+fn apply_watches<'a>(
+    shared: &Arc<Shared>,
+    watches: &BTreeMap<ReqId, RemotePrefill>,
+    unwatch: impl Iterator<Item = &'a ReqId>,
+    pulled: &BTreeMap<ReqId, RecvReqMeta>,
+) {
+    let discoveries = {
+        let mut receiver = shared.lock_receiver();
+        let mut list = shared.lock_watches();
+        // A pull holds its requests on P from when P reads it.
+        for req in unwatch {
+            list.unwatch(req);
+        }
+        for (req, remote) in watches.iter().filter(|(req, _)| !pulled.contains_key(*req)) {
+            let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
+            receiver.learn(&instance, remote.remote_engine_id.as_ref());
+            list.watch(req, remote, receiver.renewal_peers(&instance));
+        }
+        receiver.take_discoveries()
+    };
+    for instance in discoveries {
+        spawn_discovery(shared, instance);
+    }
+    if !watches.is_empty() {
+        shared.watches_changed.notify_one();
+    }
+}
+
+/// D: starts pulls that arrived at `now` (their deadlines count from it).
+fn start_pulls(shared: &Arc<Shared>, recvs: &BTreeMap<ReqId, RecvReqMeta>, now: Instant) {
+    if recvs.is_empty() {
+        return;
+    }
+    let (batches, discoveries) = {
+        let mut receiver = shared.lock_receiver();
+        let batches = receiver.start(recvs, now);
+        shared.record_reports(&mut receiver);
+        (batches, receiver.take_discoveries())
+    };
+    for instance in discoveries {
+        spawn_discovery(shared, instance);
+    }
+    for batch in batches {
+        spawn_pull(shared, batch);
+    }
+}
+
+/// D: tells P's workers to let go of `reqs` (see [`Worker::release_on_prefill`]).
+fn release(shared: &Arc<Shared>, reqs: &BTreeMap<ReqId, RemotePrefill>, now: Instant) {
+    if reqs.is_empty() {
+        return;
+    }
+    let (batches, discoveries) = {
+        let mut receiver = shared.lock_receiver();
+        let batches = receiver.release(reqs, now);
+        (batches, receiver.take_discoveries())
+    };
+    for instance in discoveries {
+        spawn_discovery(shared, instance);
+    }
+    for batch in batches {
+        spawn_pull(shared, batch);
+    }
+}
+
+/// D: where the first worker of the prefill engine `target` names listens
+/// for side-channel connections, as its bootstrap server says within
+/// `timeout` (the other workers' places follow from its hello, as for an
+/// address P returned itself).
+async fn locate(target: &BootstrapTarget, timeout: std::time::Duration) -> Result<SideChannelAddr, String> {
+    let url = BootstrapUrl::parse(&target.url).map_err(|e| e.to_string())?;
+    let reply = crate::bootstrap::client::query(&url, timeout).await.map_err(|e| e.to_string())?;
+    let engine = reply.engine(target.engine_id.as_str()).ok_or_else(|| {
+        format!("bootstrap server {url} lists no prefill engine {}", target.engine_id.as_str().escape_debug())
+    })?;
+    let first = engine.worker(0, 0).ok_or_else(|| {
+        format!("bootstrap server {url} lists no first worker of prefill engine {}", engine.engine_id())
+    })?;
+    Ok(SideChannelAddr { host: first.host().to_owned(), port: first.port() })
+}
+
+/// D: asks each bootstrap server the directory wants asked, on a task of
+/// its own, and lets what waited for it go on.
+fn spawn_lookups(shared: &Arc<Shared>) {
+    for target in shared.lock_directory().take_lookups() {
+        let tracker = shared.tracker.clone();
+        let shared = shared.clone();
+        let span = tracing::debug_span!("bootstrap_lookup", bootstrap = %target.url.escape_debug(), prefill_engine = %target.engine_id);
+        let look_up = async move {
+            let found = tokio::select! {
+                () = shared.cancel.cancelled() => Err("decode worker shutting down".to_owned()),
+                found = locate(&target, shared.config.bootstrap_timeout) => found,
+            };
+            if let Err(reason) = &found {
+                tracing::warn!(%reason, "cannot learn the prefill engine from its bootstrap server; its pulls fail");
+            }
+            let now = Instant::now();
+            let placed = shared.lock_directory().handle_found(&target, found, now);
+            let (mut watches, mut pulls, mut releases, mut failed) = (
+                BTreeMap::new(),
+                BTreeMap::<Instant, BTreeMap<ReqId, RecvReqMeta>>::new(),
+                BTreeMap::new(),
+                Vec::new(),
+            );
+            for p in placed {
+                match p {
+                    Placed::Ready(Parked::Watch { req, remote }) => {
+                        watches.insert(req, remote);
+                    }
+                    Placed::Ready(Parked::Pull { req, meta, at }) => {
+                        pulls.entry(at).or_default().insert(req, meta);
+                    }
+                    Placed::Ready(Parked::Release { req, remote }) => {
+                        releases.insert(req, remote);
+                    }
+                    Placed::Failed(parked, reason) => failed.push((parked, reason)),
+                    Placed::Waiting => {}
+                }
+            }
+            let pulled: BTreeMap<ReqId, RecvReqMeta> =
+                pulls.values().flatten().map(|(r, m)| (r.clone(), m.clone())).collect();
+            apply_watches(&shared, &watches, std::iter::empty(), &pulled);
+            for (at, recvs) in &pulls {
+                start_pulls(&shared, recvs, *at);
+            }
+            release(&shared, &releases, now);
+            fail_unlocated(&shared, failed, now);
+        };
+        tracker.spawn(tracing::Instrument::instrument(look_up, span));
+    }
+}
+
 fn spawn_discovery(shared: &Arc<Shared>, instance: SideChannelAddr) {
     let tracker = shared.tracker.clone();
     let shared = shared.clone();
@@ -478,6 +707,7 @@ impl Worker {
         let receiver = ReceiverCore::discovering(topology, cache.layout(), config.transfer_timeout);
         let shared = Arc::new(Shared {
             sender: Mutex::new(SenderCore::new(config.abort_request_timeout, config.lease_renewal)),
+            send_names: Mutex::default(),
             sender_changed: Notify::new(),
             finished_changed: Arc::default(),
             receiver: Mutex::new(receiver),
@@ -485,6 +715,7 @@ impl Worker {
             established: kv_net::EstablishedPlaces::new(&config.side_channel_limits),
             transfer_slots: Semaphore::new(config.num_workers.max(1)),
             clients: Mutex::new(HashMap::new()),
+            directory: Mutex::default(),
             watches: Mutex::new(WatchList::new()),
             watches_changed: Notify::new(),
             refusal_log: kv_net::RefusalLog::new(),
@@ -724,18 +955,26 @@ impl Worker {
         if reqs.is_empty() || !self.shared.config.role.receives() {
             return;
         }
-        let (batches, discoveries) = {
-            let mut receiver = self.shared.lock_receiver();
-            let batches = receiver.release(reqs, Instant::now());
-            (batches, receiver.take_discoveries())
-        };
         let _guard = self.runtime.enter();
-        for instance in discoveries {
-            spawn_discovery(&self.shared, instance);
+        let now = Instant::now();
+        let mut known = BTreeMap::new();
+        for (req, remote) in reqs {
+            match &remote.bootstrap {
+                None => {
+                    known.insert(req.clone(), remote.clone());
+                }
+                Some(target) => {
+                    let parked = Parked::Release { req: req.clone(), remote: remote.clone() };
+                    if let Placed::Ready(Parked::Release { req, remote }) =
+                        self.shared.lock_directory().place(target, parked, now)
+                    {
+                        known.insert(req, remote);
+                    }
+                }
+            }
         }
-        for batch in batches {
-            spawn_pull(&self.shared, batch);
-        }
+        spawn_lookups(&self.shared);
+        release(&self.shared, &known, now);
     }
 
     /// Applies one step's metadata: records send entries (P) and starts
@@ -743,6 +982,9 @@ impl Worker {
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
         let now = Instant::now();
         if self.shared.config.role.sends() && !(meta.reqs_to_send.is_empty() && meta.renewal_keys.is_empty()) {
+            if !meta.send_names.is_empty() {
+                self.shared.lock_send_names().record(&meta.send_names, &meta.reqs_to_send);
+            }
             let mut sender = self.shared.lock_sender();
             for (req, update) in &meta.reqs_to_send {
                 sender.handle_update(req, update, now);
@@ -763,53 +1005,12 @@ impl Worker {
             self.fence_now(&grants);
             self.shared.finished_changed.signal();
         }
-        if self.shared.config.role.receives()
-            && !(meta.reqs_to_watch.is_empty() && meta.reqs_to_unwatch.is_empty() && meta.reqs_to_recv.is_empty())
-        {
-            // An instance not known yet is learned now; until its hello is
-            // read its requests are renewed where the guess says, then
-            // moved (`spawn_discovery`). Both locks are held (receiver, then
-            // watches, as there) so a hello read meanwhile cannot move the
-            // requests before they are watched.
-            let discoveries = {
-                let mut receiver = self.shared.lock_receiver();
-                let mut watches = self.shared.lock_watches();
-                // A pull holds its requests on P from when P reads it.
-                for req in meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()) {
-                    watches.unwatch(req);
-                }
-                for (req, remote) in meta.reqs_to_watch.iter().filter(|(req, _)| !meta.reqs_to_recv.contains_key(*req))
-                {
-                    let instance = SideChannelAddr { host: remote.remote_host.clone(), port: remote.remote_port };
-                    receiver.learn(&instance, remote.remote_engine_id.as_ref());
-                    watches.watch(req, remote, receiver.renewal_peers(&instance));
-                }
-                receiver.take_discoveries()
-            };
-            if !discoveries.is_empty() {
-                let _guard = self.runtime.enter();
-                for instance in discoveries {
-                    spawn_discovery(&self.shared, instance);
-                }
-            }
-            if !meta.reqs_to_watch.is_empty() {
-                self.shared.watches_changed.notify_one();
-            }
-        }
-        if self.shared.config.role.receives() && !meta.reqs_to_recv.is_empty() {
-            let (batches, discoveries) = {
-                let mut receiver = self.shared.lock_receiver();
-                let batches = receiver.start(&meta.reqs_to_recv, now);
-                self.shared.record_reports(&mut receiver);
-                (batches, receiver.take_discoveries())
-            };
+        if self.shared.config.role.receives() {
             let _guard = self.runtime.enter();
-            for instance in discoveries {
-                spawn_discovery(&self.shared, instance);
-            }
-            for batch in batches {
-                spawn_pull(&self.shared, batch);
-            }
+            let placed = place_bootstrapped(&self.shared, meta, now);
+            let (watches, recvs) = placed.as_ref().map_or((&meta.reqs_to_watch, &meta.reqs_to_recv), |p| (&p.0, &p.1));
+            apply_watches(&self.shared, watches, meta.reqs_to_unwatch.iter().chain(meta.reqs_to_recv.keys()), recvs);
+            start_pulls(&self.shared, recvs, now);
         }
     }
 
@@ -843,9 +1044,24 @@ impl Worker {
     }
 
     /// Requests finished since the last call (the reference's `get_finished`,
-    /// plus the failed pulls it never reported). Also frees P's entries whose
-    /// lease ended.
+    /// plus the failed pulls it never reported), by the engine's ids. Also
+    /// frees P's entries whose lease ended.
     pub fn get_finished(&self) -> Finished {
+        self.for_engine(self.finished_by_name())
+    }
+
+    /// `finished` with P's requests named as the engine names them (a send
+    /// entry of the bootstrap flow is named by its transfer id).
+    pub(crate) fn for_engine(&self, mut finished: Finished) -> Finished {
+        if !finished.sending.is_empty() {
+            finished.sending = self.shared.lock_send_names().for_engine(std::mem::take(&mut finished.sending));
+        }
+        finished
+    }
+
+    /// As [`Worker::get_finished`], P's requests by the names their send
+    /// entries have (a staged worker's flow keeps them so).
+    pub(crate) fn finished_by_name(&self) -> Finished {
         let now = Instant::now();
         let mut finished = Finished::default();
         if self.shared.config.role.sends() {

@@ -53,6 +53,7 @@ async fn pull(p_secret: Option<&str>, d_secret: Option<&str>) -> Finished {
                     remote_request_id: on_p,
                     remote_engine_id: None,
                     remote_renewal_key: None,
+                    bootstrap: None,
                 },
             },
         )]),

@@ -345,6 +345,7 @@ fn recv(host: &str, port: u16, blocks: &[u32]) -> RecvReqMeta {
         remote_request_id: p("?"),
         remote_engine_id: None,
         remote_renewal_key: None,
+        bootstrap: None,
     };
     RecvReqMeta { local_block_ids: blocks.to_vec(), first_token: None, remote }
 }
@@ -377,14 +378,16 @@ fn pulls_are_grouped_by_prefill_side_channel_with_tp_rank_added() {
                 decode_req_id: Some(r("a")),
                 prefill_engine_id: None,
                 block_ids: vec![1],
-                first_token: None
+                first_token: None,
+                may_precede_prefill: false,
             },
             RequestBlocks {
                 req_id: p("c"),
                 decode_req_id: Some(r("c")),
                 prefill_engine_id: None,
                 block_ids: vec![3, 4],
-                first_token: None
+                first_token: None,
+                may_precede_prefill: false,
             }
         ]
     );
@@ -520,6 +523,7 @@ fn a_pull_names_ps_request_and_engine_and_its_outcome_is_reported_under_ds_id() 
             prefill_engine_id: Some(EngineId::new("prefill-0")),
             block_ids: vec![4, 5],
             first_token: None,
+            may_precede_prefill: false,
         }]
     );
     let xfer_id = batches[0].xfer_id;

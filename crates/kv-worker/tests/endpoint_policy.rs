@@ -60,6 +60,7 @@ async fn pull_with(advertised: Option<IpAddr>, policy: DataEndpointPolicy) -> (b
         remote_request_id: on_p,
         remote_engine_id: None,
         remote_renewal_key: None,
+        bootstrap: None,
     };
     let meta = RecvReqMeta { local_block_ids: vec![2, 3], first_token: None, remote };
     d.start_load_kv(&ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() });

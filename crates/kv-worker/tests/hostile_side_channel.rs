@@ -90,6 +90,7 @@ impl Pair {
             remote_request_id: on_p,
             remote_engine_id: None,
             remote_renewal_key: None,
+            bootstrap: None,
         };
         let meta = RecvReqMeta { local_block_ids: vec![2, 3], first_token: None, remote };
         let recv = ConnectorMetadata { reqs_to_recv: BTreeMap::from([(req.clone(), meta)]), ..Default::default() };
@@ -169,6 +170,7 @@ fn transfer_request(xfer_id: u64, ids: impl IntoIterator<Item = String>) -> Xfer
                 prefill_engine_id: None,
                 block_ids: vec![],
                 first_token: None,
+                may_precede_prefill: false,
             })
             .collect(),
         heads: None,

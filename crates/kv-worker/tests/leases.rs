@@ -43,6 +43,7 @@ fn watch(watches: &mut WatchList, req: &str, host: &str) {
         remote_request_id: ReqId::new(format!("p-{req}")),
         remote_engine_id: None,
         remote_renewal_key: Some(KEY),
+        bootstrap: None,
     };
     watches.watch(&ReqId::new(req), &remote, vec![prefill(host)]);
 }

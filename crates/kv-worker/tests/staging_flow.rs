@@ -23,6 +23,7 @@ fn remote(req: &str) -> RemotePrefill {
         remote_request_id: ReqId::new(format!("p-{req}")),
         remote_engine_id: None,
         remote_renewal_key: None,
+        bootstrap: None,
     }
 }
 

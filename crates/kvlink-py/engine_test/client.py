@@ -32,6 +32,28 @@ PREFILL_PARAMS = {
 }
 
 
+def bootstrap_legs(bootstrap_url: str, engine_id: str, transfer_id: str) -> tuple[dict, dict]:
+    """What a router in the bootstrap flow sends P and D (vLLM's Mooncake
+    proxy's and vllm-router's ``mooncake`` mode's fields)."""
+    p_leg = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_leg = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_bootstrap_addr": bootstrap_url,
+        "remote_engine_id": engine_id,
+    }
+    return p_leg, d_leg
+
+
+def bootstrap_engines(bootstrap_url: str) -> dict[str, str]:
+    """The engine id of each data-parallel rank, as P's bootstrap server lists them."""
+    status, text = get(f"{bootstrap_url}/query")
+    if status != 200:
+        raise AssertionError(f"{bootstrap_url}/query: HTTP {status}: {text[:300]}")
+    return {rank: entry["engine_id"] for rank, entry in json.loads(text).items()}
+
+
 @dataclass
 class Answer:
     status: int | None  # None: no HTTP answer (connection refused, reset, timeout)

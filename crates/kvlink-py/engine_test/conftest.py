@@ -29,7 +29,18 @@ import prompts  # noqa: E402
 from report import FIGURES, TIMINGS, phase  # noqa: E402
 
 #: Prompt sets the baseline answers before P and D are tested.
-BASELINE_SETS = ("pd", "other-weights", "killed-router", "killed-held", "unreachable", "tp2", "staged")
+BASELINE_SETS = (
+    "pd",
+    "pd-mooncake",
+    "pd-both-legs",
+    "other-weights",
+    "killed-router",
+    "killed-held",
+    "unreachable",
+    "tp2",
+    "staged",
+    "never-sent",
+)
 
 _cluster: "Cluster | None" = None
 
@@ -48,13 +59,15 @@ class Cluster:
         #: Whether P and D run with host staging forced on (``ready(staged=True)``).
         self.staged = False
         self.router = engines.Router("router", logs, self.p, self.d)
+        #: The same router in its mooncake mode (the bootstrap flow).
+        self.mooncake_router = engines.Router("router-mooncake", logs, self.p, self.d, kv_connector="mooncake")
         #: prompt (as a tuple) -> the baseline's 16 tokens
         self.baseline: dict[tuple[int, ...], list[int]] = {}
         #: P's vllm:kv_cache_usage_perc before any request
         self.p_idle_usage: float | None = None
 
     def processes(self) -> list[engines.Process]:
-        return [self.base, self.p, self.d, self.router]
+        return [self.base, self.p, self.d, self.router, self.mooncake_router]
 
     def make_models(self) -> None:
         subprocess.run(
@@ -80,8 +93,13 @@ class Cluster:
                     self.baseline[tuple(prompt)] = answer.token_ids
         with phase("baseline stopped, router started"):
             self.base.stop()
-            self.router.start()
-            self.router.wait_ready()
+            for router in self.routers():
+                router.start()
+            for router in self.routers():
+                router.wait_ready()
+
+    def routers(self) -> list[engines.Router]:
+        return [self.router, self.mooncake_router]
 
     def expected(self, prompt: list[int]) -> list[int]:
         return self.baseline[tuple(prompt)]
@@ -114,12 +132,13 @@ class Cluster:
             with phase(f"restarted {', '.join(e.name for e in restarted)}"):
                 for engine in restarted:
                     engine.wait_healthy()
-        # The router keeps its own view of its workers' health: a fresh one
-        # after any engine restart.
-        if restarted or not (self.router.alive() and client.health(self.router.url)):
-            self.router.stop()
-            self.router.start()
-            self.router.wait_ready()
+        # A router keeps its own view of its workers' health (and, in the
+        # mooncake mode, P's engine id): a fresh one after any engine restart.
+        for router in self.routers():
+            if restarted or not (router.alive() and client.health(router.url)):
+                router.stop()
+                router.start()
+                router.wait_ready()
 
     def stop(self) -> None:
         for process in self.processes():

@@ -182,12 +182,18 @@ class Engine(Process):
         self.model = model
         self.kv_config = kv_config
         #: ``--tensor-parallel-size``: with more than 1, vLLM runs one worker
-        #: process per rank, and kvlink's side channel listens on the
-        #: bootstrap port + rank.
+        #: process per rank, and kvlink's side channel listens past the
+        #: bootstrap port, + rank.
         self.tp_size = 1
-        # P's side channel listens on this port (+ rank); D's is unused but
-        # set anyway, so no two engines could ever share the default.
+        # P's bootstrap server listens on this port, its side channel from
+        # the next; D's are unused but set anyway, so no two engines could
+        # ever share the default.
         self.bootstrap_port = free_port()
+
+    @property
+    def bootstrap_url(self) -> str:
+        """P's bootstrap server, as a router names it to D."""
+        return f"http://127.0.0.1:{self.bootstrap_port}"
 
     def command(self) -> list[str]:
         cmd = [
@@ -259,18 +265,27 @@ class Engine(Process):
 
 
 class Router(Process):
-    """vllm-router in vLLM P/D mode (the toy proxy's flow) in front of P and D."""
+    """vllm-router in vLLM P/D mode in front of P and D: its default
+    ``nixl`` mode (P answers first, the router hands P's params to D), or
+    ``mooncake`` (the bootstrap flow of vLLM's Mooncake deployment: the
+    router reads P's bootstrap server at start, mints a transfer id and
+    sends both legs from what it knows)."""
 
-    def __init__(self, name: str, log_dir: str, prefill: Engine, decode: Engine):
+    def __init__(self, name: str, log_dir: str, prefill: Engine, decode: Engine, kv_connector: str = "nixl"):
         super().__init__(name, log_dir)
         self.prefill, self.decode = prefill, decode
+        self.kv_connector = kv_connector
         self.metrics_port = free_port()
 
     def command(self) -> list[str]:
+        prefill = [self.prefill.url]
+        if self.kv_connector == "mooncake":
+            prefill.append(str(self.prefill.bootstrap_port))
         return [
             sys.executable, "-m", "vllm_router.launch_router",
             "--vllm-pd-disaggregation",
-            "--prefill", self.prefill.url,
+            "--kv-connector", self.kv_connector,
+            "--prefill", *prefill,
             "--decode", self.decode.url,
             "--policy", "round_robin",
             "--host", "127.0.0.1",

@@ -38,6 +38,7 @@ PULLS_RECEIVED = "vllm:kvlink_pulls_received_total"
 PULLS_FAILED = "vllm:kvlink_pulls_failed_total"
 SENDS_DONE = "vllm:kvlink_sends_done_total"
 SENDS_FAILED = "vllm:kvlink_sends_failed_total"
+PULLS_IN_FLIGHT = "vllm:kvlink_pulls_in_flight"
 #: vLLM's periodic log line of connector stats, with kvlink's summary.
 KV_LOG_LINE = "KV Transfer metrics: Pulls received="
 #: D's one warning when P's params reach it without their renewal key.
@@ -143,14 +144,14 @@ def own_usage(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
-def through_router(cluster, prompt: list[int]) -> tuple[client.Answer, int]:
+def through_router(cluster, prompt: list[int], router=None) -> tuple[client.Answer, int]:
     """One request through the router, and how many of its prompt tokens D
     got from the connector. The answer's own ``cached_tokens`` cannot say:
     vllm-router replaces D's figure with P's (its prefix cache hits, which
     is what a P/D client is billed), so D's counter is read around the
     request instead (requests are sent one at a time)."""
     before = cluster.d.metric(EXTERNAL_HITS)
-    answer = client.post(cluster.router.url, client.completion_body(prompt))
+    answer = client.post((router or cluster.router).url, client.completion_body(prompt))
     return answer, int(cluster.d.metric(EXTERNAL_HITS) - before)
 
 
@@ -171,7 +172,7 @@ def check_answers(cluster, pairs, loaded: list[int] | None = None) -> list[str]:
     return problems
 
 
-def pd_through_router(cluster, set_name: str, label: str, prefill_ranks: int = 1) -> list[str]:
+def pd_through_router(cluster, set_name: str, label: str, prefill_ranks: int = 1, router=None) -> list[str]:
     """Prompt set ``set_name`` through the router, one at a time: what is
     wrong. D's tokens must be the baseline's, every prompt must have come
     from P (D's connector hits, and kvlink's pulls received on D), no pull
@@ -182,7 +183,7 @@ def pd_through_router(cluster, set_name: str, label: str, prefill_ranks: int = 1
     d_received, d_failed = cluster.d.metric_sum(PULLS_RECEIVED), cluster.d.by_label(PULLS_FAILED, "cause")
     p_sent, p_failed = cluster.p.metric_sum(SENDS_DONE), cluster.p.by_label(SENDS_FAILED, "cause")
     with phase(f"{label}: 8 prompts (200-2,000 tokens) through the router"):
-        answers, loaded = zip(*(through_router(cluster, p) for p in pd_prompts))
+        answers, loaded = zip(*(through_router(cluster, p, router) for p in pd_prompts))
     problems = check_answers(cluster, list(zip(pd_prompts, answers)), list(loaded))
     failures = pull_failures(cluster.d.log_text(log_start))
     with phase(f"{label}: P's KV cache usage back to idle"):
@@ -236,6 +237,83 @@ def test_pd_matches_baseline(cluster):
         if not names:
             problems.append(f"{name}'s /metrics carries no {KVLINK}* series")
     FIGURES["kvlink series on D's /metrics"] = series["decode"]
+    assert not problems, "\n".join(problems)
+
+
+def test_pd_through_the_mooncake_router_matches_baseline(cluster):
+    """vllm-router in its ``mooncake`` mode (vLLM's Mooncake deployment since
+    0.16): it read P's bootstrap server at start, mints a transfer id per
+    request and sends D its leg from what it knows, not from P's answer.
+    D's tokens are the baseline's, every prompt came from P, and P ends
+    with no block held."""
+    cluster.ready("a")
+    problems = pd_through_router(cluster, "pd-mooncake", "P/D (router in mooncake mode)", router=cluster.mooncake_router)
+    assert not problems, "\n".join(problems)
+
+
+def test_both_legs_at_once_match_baseline(cluster):
+    """Both legs dispatched at once, as vLLM's Mooncake proxy does, and D's
+    sent first, P's only once D's pull is out (so it reaches P before P has
+    even seen the request): D's tokens are the baseline's, every prompt
+    came from P, and P ends with no block held."""
+    cluster.ready("a")
+    engine_id = client.bootstrap_engines(cluster.p.bootstrap_url)["0"]
+    both = prompts.prompt_set("pd-both-legs")
+    received_before = cluster.d.metric_sum(PULLS_RECEIVED)
+    problems, results = [], []
+    with phase("both legs at once: 8 prompts, D's leg first"):
+        for index, prompt in enumerate(both):
+            p_leg, d_leg = client.bootstrap_legs(cluster.p.bootstrap_url, engine_id, f"xfer-{uuid.uuid4()}")
+            before = cluster.d.metric(EXTERNAL_HITS)
+            decode: dict = {}
+            d_thread = threading.Thread(
+                target=lambda: decode.update(answer=client.post(cluster.d.url, client.completion_body(prompt, params=d_leg)))
+            )
+            d_thread.start()
+            if index % 2 == 0:
+                # Every other one: P's leg only once D's pull waits on P.
+                until(lambda: cluster.d.metric_sum(PULLS_IN_FLIGHT) > 0, True)
+            prefill = client.post(cluster.p.url, client.completion_body(prompt, max_tokens=1, params=p_leg))
+            d_thread.join(client.REQUEST_TIMEOUT)
+            if not prefill.ok:
+                problems.append(f"{len(prompt)}-token prompt, P's leg: {prefill.describe()}")
+            if prefill.kv_transfer_params:
+                problems.append(f"P returned params in the bootstrap flow: {prefill.kv_transfer_params}")
+            answer = decode.get("answer") or client.Answer(None, error="D's leg did not end")
+            results.append((prompt, answer, int(cluster.d.metric(EXTERNAL_HITS) - before)))
+    problems += check_answers(cluster, [(p, a) for p, a, _ in results], [n for _, _, n in results])
+    received = until(lambda: cluster.d.metric_sum(PULLS_RECEIVED) - received_before, len(both))
+    if received != len(both):
+        problems.append(f"D's {PULLS_RECEIVED} grew by {received}, not by the {len(both)} prompts")
+    with phase("both legs at once: P's KV cache usage back to idle"):
+        usage = wait_p_idle(cluster)
+    if usage > cluster.p_idle_usage:
+        problems.append(f"P's {KV_USAGE} is {usage}, not back to its idle {cluster.p_idle_usage}: blocks stranded")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_leg_to_d_alone_is_recomputed_within_the_bound(cluster):
+    """The router's P leg failed or was never sent: D's pull waits on P for
+    a request P never sees, P says so before D's bound, and D recomputes
+    (the baseline's tokens) within it, counting the cause; nothing stays
+    held on either side."""
+    cluster.ready("a")
+    engine_id = client.bootstrap_engines(cluster.p.bootstrap_url)["0"]
+    prompt = prompts.prompt_set("never-sent")[0]
+    _, d_leg = client.bootstrap_legs(cluster.p.bootstrap_url, engine_id, f"xfer-{uuid.uuid4()}")
+    failed_before = cluster.d.by_label(PULLS_FAILED, "cause")
+    with phase("D's leg alone: recomputed"):
+        answer = client.post(cluster.d.url, client.completion_body(prompt, params=d_leg))
+    problems = check_answers(cluster, [(prompt, answer)])
+    if answer.seconds > RECOMPUTE_BOUND:
+        problems.append(f"answered after {answer.seconds:.1f} s, past the {RECOMPUTE_BOUND} s bound")
+    failed = until(lambda: grown(cluster.d.by_label(PULLS_FAILED, "cause"), failed_before), {"prefill_never_seen": 1.0})
+    if failed != {"prefill_never_seen": 1.0}:
+        problems.append(f"D's {PULLS_FAILED} grew by {failed}, not by one prefill_never_seen")
+    if cluster.d.metric(KV_USAGE) > 0:
+        problems.append(f"D's {KV_USAGE} is {cluster.d.metric(KV_USAGE)} after the request ended")
+    if wait_p_idle(cluster) > cluster.p_idle_usage:
+        problems.append("P holds blocks for a request it never saw")
     assert not problems, "\n".join(problems)
 
 

@@ -46,6 +46,10 @@ pub(crate) enum Error {
     /// The OS random source failed: the scheduler cannot mint renewal keys.
     #[error("kvlink: the operating system's random source failed; no renewal key can be minted")]
     NoRandom,
+    /// P's bootstrap server could not start, or a worker could not register
+    /// with it.
+    #[error("kvlink bootstrap: {0}")]
+    Bootstrap(String),
     /// Metadata handed to the worker is not what this version's scheduler builds.
     #[error("kvlink connector metadata cannot be decoded: {0}")]
     Metadata(String),

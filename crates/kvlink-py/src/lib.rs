@@ -11,12 +11,16 @@
 //! - `step`: the per-step metadata envelope and what may be reported to vLLM;
 //! - `metrics`: the worker's metric families as Python data, by interval
 //!   (and `zero_metrics()`, every family at zero);
+//! - `bootstrap`: `BootstrapServer` and `register_with_bootstrap`, P's
+//!   bootstrap server (vLLM's Mooncake deployment contract) and its
+//!   workers' registrations;
 //! - `runtime`: the lazily created, process-bound tokio runtime (fork guard).
 //!
 //! Importing the module starts no thread; the runtime and the log subscriber
 //! are created when the first worker starts. No Python object is touched from
 //! the runtime's threads.
 
+mod bootstrap;
 mod config;
 mod engine;
 mod error;
@@ -62,6 +66,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<settings::PySettings>()?;
     m.add_class::<sched::PyScheduler>()?;
     m.add_class::<worker::PyWorker>()?;
+    m.add_class::<bootstrap::PyBootstrapServer>()?;
+    m.add_function(wrap_pyfunction!(bootstrap::register_with_bootstrap, m)?)?;
     m.add_function(wrap_pyfunction!(runtime_owner_pid, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_protocols, m)?)?;
     m.add_function(wrap_pyfunction!(zero_metrics, m)?)?;

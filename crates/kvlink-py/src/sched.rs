@@ -263,6 +263,19 @@ impl PyScheduler {
         PyBytes::new(py, &Envelope::new(meta, notify_only).encode())
     }
 
+    /// The engine reports these requests sent (vLLM's `finished_sending`):
+    /// the transfer ids naming them may name another request again.
+    fn sending_finished(&self, request_ids: Vec<String>) {
+        let ids: Vec<ReqId> = request_ids.into_iter().map(ReqId::new).collect();
+        self.lock().inner.sending_finished(&ids);
+    }
+
+    /// Requests named by a transfer id whose send is not yet reported.
+    #[getter]
+    fn live_transfer_names(&self) -> usize {
+        self.lock().inner.live_transfer_names()
+    }
+
     /// Send entries announced to the workers and not resolved yet.
     #[getter]
     fn live_send_entries(&self) -> usize {

@@ -74,6 +74,13 @@ impl PySettings {
         self.inner.transfer.abort_request_timeout.as_secs_f64()
     }
 
+    /// Seconds a prefill worker tries to register with the bootstrap
+    /// server (`bootstrap_timeout`, or its default).
+    #[getter]
+    fn bootstrap_timeout(&self) -> f64 {
+        self.inner.transfer.bootstrap_timeout.unwrap_or(kv_proto::DEFAULT_BOOTSTRAP_TIMEOUT).as_secs_f64()
+    }
+
     /// `advertised_host`, if set.
     #[getter]
     fn advertised_host(&self) -> Option<&str> {

@@ -400,6 +400,8 @@ class Instance:
                 self.violations.append(f"step {self.step_no}: finished_recving {rid} is not waiting for remote KV")
             self.pulled.discard(rid)
             self.finished_recving_kv_req_ids.add(rid)
+        # As vLLM's scheduler: the connector hears what the workers reported.
+        self.scheduler.update_connector_output(SimpleNamespace(finished_sending=sending, finished_recving=recving))
         for rid in sending:
             if rid not in self.requests or rid not in self.delay_freed:
                 self.violations.append(f"step {self.step_no}: finished_sending {rid} is not a delay-freed live request")
@@ -426,6 +428,7 @@ class Instance:
             "side_channel_port": self.worker.connector_worker.worker.side_channel_port,
             "recompute": sorted(r.client_id for r in self.requests.values() if r.recompute),
             "live_send_entries": self.scheduler.connector_scheduler._native.live_send_entries,
+            "live_transfer_names": self.scheduler.connector_scheduler._native.live_transfer_names,
             "staging": self._stager().state() if self._stager() else None,
             "identity": self.worker.connector_worker.identity,
             "layout": {

@@ -17,6 +17,7 @@ ALL_KEYS = {
     "queue_depth": 7,
     "transfer_timeout": 2.5,
     "connect_timeout": 1,
+    "bootstrap_timeout": 12,
     "lease_renewal": 0,
     "advertised_host": "p.example",
     "bind_host": "127.0.0.1",

@@ -77,6 +77,7 @@ def test_decode_side_records_one_pull_and_clears_do_remote_prefill():
                 "remote_request_id": "cmpl-1-0-b00fff6e",
                 "remote_engine_id": "e-prefill",
                 "remote_renewal_key": "ab" * 16,
+                "bootstrap": None,
             },
         }
     }
@@ -103,8 +104,8 @@ def test_notices_vllm_does_not_wait_for_are_marked():
 
 def test_prefill_side_delays_free_and_points_decode_here():
     c = scheduler("kv_producer")
-    # Side channel base port: bootstrap 8998 + dp_rank 1 * tp_size 2.
-    assert (c.connector_scheduler.host, c.connector_scheduler.port) == ("10.1.2.3", 9000)
+    # Side channel base port: past the bootstrap port 8998, + dp_rank 1 * tp_size 2.
+    assert (c.connector_scheduler.host, c.connector_scheduler.port) == ("10.1.2.3", 9001)
     req = request("p1", {"do_remote_decode": True})
     c.update_state_after_alloc(req, Blocks([4, 5, 6], hashed=0), 0)
     body = c.build_connector_meta(SimpleNamespace()).decoded()
@@ -118,7 +119,7 @@ def test_prefill_side_delays_free_and_points_decode_here():
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_host": "10.1.2.3",
-        "remote_port": 9000,
+        "remote_port": 9001,
         "remote_request_id": "p1",
         "remote_engine_id": "e-kv_producer",
     }

@@ -18,7 +18,7 @@ def start_pair(instances, p_env=None, d_extra=None):
     env.update(p_env or {})
     p = instances("P", "kv_producer", env=env)
     d = instances("D", "kv_consumer", extra=d_extra or {"transfer_timeout": 20})
-    assert p.ready["side_channel_port"] == port
+    assert p.ready["side_channel_port"] == port + 1, "the side channel listens past the bootstrap port"
     return p, d
 
 
@@ -137,7 +137,7 @@ def test_prefill_killed_mid_transfer(instances):
         params={
             "do_remote_prefill": True,
             "remote_host": "127.0.0.1",
-            "remote_port": port,
+            "remote_port": p.ready["side_channel_port"],
             # What P will return once the prefill ends: its own id of the request.
             "remote_request_id": p.call("internal_id", request_id="r5"),
         },
@@ -184,7 +184,7 @@ def test_decode_abort_during_pull_holds_no_block_and_no_late_write(instances, re
         params={
             "do_remote_prefill": True,
             "remote_host": "127.0.0.1",
-            "remote_port": port,
+            "remote_port": p.ready["side_channel_port"],
             # What P will return once the prefill ends: its own id of the request.
             "remote_request_id": p.call("internal_id", request_id="r6"),
         },

@@ -333,6 +333,7 @@ fn silent_data_endpoint_fails_ps_writes_within_ds_budget_and_p_serves_the_next_d
                 prefill_engine_id: params.remote_engine_id.clone(),
                 block_ids: (0..BLOCKS_PER_REQUEST as u32).collect(),
                 first_token: None,
+                may_precede_prefill: false,
             })
             .collect(),
         heads: None,

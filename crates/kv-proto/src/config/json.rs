@@ -50,6 +50,7 @@ pub(super) struct ExtraConfig {
     pub(super) queue_depth: Option<Given<u64>>,
     pub(super) transfer_timeout: Option<Given<f64>>,
     pub(super) connect_timeout: Option<Given<f64>>,
+    pub(super) bootstrap_timeout: Option<Given<f64>>,
     pub(super) lease_renewal: Option<Given<f64>>,
     pub(super) auth_secret_file: Option<Given<String>>,
     pub(super) tcp_authenticate_payloads: Option<Given<bool>>,

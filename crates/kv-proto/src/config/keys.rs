@@ -13,6 +13,10 @@ pub const EXTRA_KEYS: &[(&str, &str)] = &[
     ("transfer_timeout", "seconds a decode worker waits for one pull (default 60)"),
     ("connect_timeout", "seconds for connecting and the hello exchange (default 5)"),
     (
+        "bootstrap_timeout",
+        "seconds a prefill worker tries to register its side channel with its instance's bootstrap server, and a decode worker waits for a bootstrap server's answer (default 30)",
+    ),
+    (
         "lease_renewal",
         "seconds a prefill worker holds a finished request past a decode instance's last renewal, capped by the abort timeout; 0 turns renewals off (default 10)",
     ),

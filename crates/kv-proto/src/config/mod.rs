@@ -23,10 +23,13 @@ pub use self::keys::{EXTRA_KEYS, FOREIGN_KEYS};
 use crate::ids::{EngineId, KvRole};
 use crate::writer::Protocol;
 
-/// Default side-channel bootstrap port (the reference's `VLLM_MOONCAKE_BOOTSTRAP_PORT`).
+/// Default bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`): P's bootstrap
+/// server listens there, its side channels from the port after it.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 /// Default lease on blocks P holds for a request D never asks for (480 s).
 pub const DEFAULT_ABORT_REQUEST_TIMEOUT: Duration = Duration::from_secs(480);
+/// `bootstrap_timeout` when none is given (30 s).
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default number of concurrent transfers on P (`num_workers`).
 pub const DEFAULT_NUM_WORKERS: usize = 10;
 /// Environment variable overriding the bootstrap port.
@@ -102,7 +105,10 @@ pub struct KvTransferConfig {
     pub protocol: Option<Protocol>,
     /// `num_workers`: concurrent transfers on P.
     pub num_workers: usize,
-    /// Side-channel bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
+    /// The bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`): where P's
+    /// bootstrap server listens (vLLM's Mooncake deployment contract, which
+    /// routers read P's workers from); the side channels listen from the
+    /// port after it ([`KvTransferConfig::side_channel_base_port`]).
     pub bootstrap_port: u16,
     /// P-side lease on finished requests' blocks (`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`).
     pub abort_request_timeout: Duration,
@@ -112,6 +118,8 @@ pub struct KvTransferConfig {
     pub transfer_timeout: Option<Duration>,
     /// `connect_timeout`.
     pub connect_timeout: Option<Duration>,
+    /// `bootstrap_timeout`.
+    pub bootstrap_timeout: Option<Duration>,
     /// `lease_renewal` (zero: renewals off).
     pub lease_renewal: Option<Duration>,
     /// `auth_secret_file` (read by the caller).
@@ -378,6 +386,7 @@ impl KvTransferConfig {
             queue_depth: count("queue_depth", extra.queue_depth, QUEUE_DEPTH)?,
             transfer_timeout: seconds("transfer_timeout", extra.transfer_timeout, false)?,
             connect_timeout: seconds("connect_timeout", extra.connect_timeout, false)?,
+            bootstrap_timeout: seconds("bootstrap_timeout", extra.bootstrap_timeout, false)?,
             lease_renewal: seconds("lease_renewal", extra.lease_renewal, true)?,
             auth_secret_file,
             tcp_authenticate_payloads,
@@ -406,11 +415,12 @@ impl KvTransferConfig {
     }
 
     /// The side-channel base port of a data-parallel rank:
-    /// `bootstrap_port + dp_rank * tp_size * pp_size` (the reference's rule,
-    /// with room for every pipeline stage). Each worker listens on this plus
-    /// `pp_rank * tp_size + tp_rank`, so no two workers of one host collide.
+    /// `bootstrap_port + 1 + dp_rank * tp_size * pp_size` (the reference's
+    /// rule, with room for every pipeline stage, past the bootstrap server's
+    /// own port). Each worker listens on this plus `pp_rank * tp_size +
+    /// tp_rank`, so no two workers of one host collide.
     pub fn side_channel_base_port(&self, dp_rank: u16, tp_size: u16, pp_size: u16) -> Option<u16> {
-        self.bootstrap_port.checked_add(dp_rank.checked_mul(tp_size)?.checked_mul(pp_size)?)
+        self.bootstrap_port.checked_add(1)?.checked_add(dp_rank.checked_mul(tp_size)?.checked_mul(pp_size)?)
     }
 }
 
@@ -437,8 +447,9 @@ mod tests {
         assert_eq!(c.num_workers, 10);
         assert_eq!(c.bootstrap_port, 8998);
         assert_eq!(c.abort_request_timeout, Duration::from_secs(480));
-        assert_eq!(c.side_channel_base_port(2, 4, 1), Some(9006));
-        assert_eq!(c.side_channel_base_port(2, 4, 2), Some(9014), "two stages of four workers per data-parallel rank");
+        assert_eq!(c.side_channel_base_port(0, 4, 1), Some(8999), "the bootstrap server has the port itself");
+        assert_eq!(c.side_channel_base_port(2, 4, 1), Some(9007));
+        assert_eq!(c.side_channel_base_port(2, 4, 2), Some(9015), "two stages of four workers per data-parallel rank");
         assert_eq!(c.side_channel_base_port(1, 1024, 64), None);
     }
 

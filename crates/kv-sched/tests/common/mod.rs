@@ -57,6 +57,7 @@ pub fn params(prefill: bool, decode: bool, host: Option<&str>, port: Option<u16>
         remote_request_id: from_prefill.then(|| ReqId::from(P_REQ)),
         remote_engine_id: from_prefill.then(|| EngineId::new(P_ENGINE)),
         remote_renewal_key: from_prefill.then(p_renewal_key),
+        ..KvTransferParams::default()
     }
 }
 
@@ -68,6 +69,7 @@ pub fn remote_p() -> RemotePrefill {
         remote_request_id: ReqId::from(P_REQ),
         remote_engine_id: Some(EngineId::new(P_ENGINE)),
         remote_renewal_key: Some(p_renewal_key()),
+        bootstrap: None,
     }
 }
 

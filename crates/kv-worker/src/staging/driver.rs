@@ -97,14 +97,14 @@ impl StagedWorker {
         let mut work = self.apply(&mut core, step);
         // Progress first: P said it before the report of the same pull.
         let progress = self.worker.take_progress();
-        let from_worker = self.worker.get_finished();
+        let from_worker = self.worker.finished_by_name();
         let step = core.worker_progress(progress);
         work.append(self.apply(&mut core, step));
         let step = core.worker_finished(from_worker, Instant::now());
         work.append(self.apply(&mut core, step));
         drop(core);
         let finished = std::mem::take(&mut *self.lock_pending());
-        (finished, work)
+        (self.worker.for_engine(finished), work)
     }
 
     /// Stops the worker (see [`Worker::shutdown`]).

@@ -152,6 +152,7 @@ pub fn remote(host: &str, port: u16, req: &str) -> RemotePrefill {
         remote_request_id: p_id(req),
         remote_engine_id: None,
         remote_renewal_key: Some(renewal_key(req)),
+        bootstrap: None,
     }
 }
 

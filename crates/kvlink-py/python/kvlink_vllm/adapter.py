@@ -21,7 +21,7 @@ import os
 import socket
 from typing import Any, Iterable, Mapping
 
-from . import _native, layout, logs, metrics, staging
+from . import _native, bootstrap, layout, logs, metrics, staging
 
 logger = logging.getLogger(logs.LOGGER)
 
@@ -39,6 +39,10 @@ PARAM_FIELDS = (
     "remote_request_id",
     "remote_engine_id",
     "remote_renewal_key",
+    # The bootstrap flow (vLLM's Mooncake deployment since 0.16): the
+    # router's id of the request on both instances, and where D learns P.
+    "transfer_id",
+    "remote_bootstrap_addr",
 )
 
 
@@ -152,6 +156,13 @@ class SchedulerSide:
     def build_connector_meta(self) -> bytes:
         return self._native.build_connector_meta()
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The requests the workers reported sent (vLLM's
+        ``finished_sending``): the transfer ids naming them are free again."""
+        sent = getattr(connector_output, "finished_sending", None)
+        if sent:
+            self._native.sending_finished([str(r) for r in sent])
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
@@ -192,8 +203,13 @@ class WorkerSide:
         identity: Mapping[str, Any] | None = None,
         pp_size: int = 1,
         pp_rank: int = 0,
+        bootstrap_placement: bootstrap.Placement | None = None,
     ):
         self.settings = settings
+        #: Where a prefill worker registers with its instance's bootstrap
+        #: server (``None``: it does not).
+        self.bootstrap_placement = bootstrap_placement
+        self._registrar: bootstrap.Registrar | None = None
         #: What must agree with the peer instance (see ``connector.model_identity``).
         self.identity = dict(identity or {})
         self.report_abandoned_pulls = report_abandoned_pulls
@@ -267,6 +283,17 @@ class WorkerSide:
             if copier is not None:
                 copier.release()  # nothing registered the staging with a transport
             raise
+        if self.bootstrap_placement is not None and self._worker.side_channel_port is not None:
+            # Before the engine serves: a router reads the server once all
+            # workers are listed, and vLLM waits for register_kv_caches.
+            try:
+                self._registrar = bootstrap.Registrar(self.settings, self.bootstrap_placement, self.tp_size, self.pp_size)
+                self._registrar.register(self.tp_rank, self.pp_rank, self.host, self._worker.side_channel_port)
+            except BaseException:
+                self.shutdown()
+                if copier is not None:
+                    copier.release()
+                raise
         if copier is not None:
             self.stager = staging.Stager(self._worker, copier)
             logger.info(
@@ -332,6 +359,9 @@ class WorkerSide:
         return metrics.interval(families, self.stats_key, self._stats_seq, self.settings.role)
 
     def shutdown(self) -> None:
+        registrar, self._registrar = self._registrar, None
+        if registrar is not None:
+            registrar.stop()
         worker, self._worker = self._worker, None
         stager, self.stager = self.stager, None
         if stager is not None:

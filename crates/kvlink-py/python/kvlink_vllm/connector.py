@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import adapter, logs, stats, versions
+from . import adapter, bootstrap, logs, stats, versions
 
 try:  # vLLM present: subclass its real base classes.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -265,6 +266,9 @@ class KvlinkConnector(KVConnectorBase_V1):
                 pp_rank=pp_rank,
                 report_abandoned_pulls=behaviour.report_abandoned_pulls,
                 identity=model_identity(vllm_config),
+                bootstrap_placement=(
+                    bootstrap.placement(vllm_config, tp_rank, pp_rank) if settings.role != "kv_consumer" else None
+                ),
             )
 
     def _scheduler(self) -> adapter.SchedulerSide:
@@ -290,6 +294,9 @@ class KvlinkConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        self._scheduler().update_connector_output(connector_output)
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         """(Later releases.) A pull restores the request's own blocks in

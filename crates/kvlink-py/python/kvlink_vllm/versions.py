@@ -91,8 +91,10 @@ CHANGES = (
     Change(
         (0, 16),
         "vLLM's own Mooncake deployment moves to a bootstrap server and router-made `transfer_id`s",
-        "not yet served: P returns `remote_host`, `remote_port`, `remote_request_id`, `remote_engine_id` for "
-        "the router to forward; D serves params naming no prefill address locally, with one warning",
+        "both flows served: P runs the bootstrap server on the bootstrap port (its side channels listen from "
+        "the port after it) and names a request by its `transfer_id`; D learns P from the bootstrap server and "
+        "pulls by the `transfer_id`, before P has seen the request if it comes first; without a `transfer_id` "
+        "P returns `remote_host`, `remote_port`, `remote_request_id`, `remote_engine_id` as before",
     ),
     Change(
         (0, 17),
