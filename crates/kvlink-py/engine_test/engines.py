@@ -86,10 +86,18 @@ class Process:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.port = free_port()
+        #: The address it serves on and peers reach it at.
+        self.host = "127.0.0.1"
+        #: The network namespace it runs in (``None``: this one).
+        self.netns: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    def place(self, host: str, netns: str | None = None) -> None:
+        """Serve on ``host``, inside network namespace ``netns`` if given."""
+        self.host, self.netns = host, netns
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until ``/health`` answered 200; fails if the process exits."""
@@ -113,10 +121,14 @@ class Process:
         assert not self.alive(), f"{self.name} is already running"
         self.starts += 1
         with open(self.log_path, "ab") as log:
-            log.write(f"\n===== {self.name}: start {self.starts}: {' '.join(self.command())}\n".encode())
+            command = self.command()
+            if self.netns is not None:
+                # ip(8) enters the namespace and executes the command.
+                command = ["ip", "netns", "exec", self.netns, *command]
+            log.write(f"\n===== {self.name}: start {self.starts}: {' '.join(command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.command(),
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -191,14 +203,19 @@ class Engine(Process):
         self.bootstrap_port = free_port()
 
     @property
+    def side_channel_port(self) -> int:
+        """P's first worker's side channel (past the bootstrap port)."""
+        return self.bootstrap_port + 1
+
+    @property
     def bootstrap_url(self) -> str:
         """P's bootstrap server, as a router names it to D."""
-        return f"http://127.0.0.1:{self.bootstrap_port}"
+        return f"http://{self.host}:{self.bootstrap_port}"
 
     def command(self) -> list[str]:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(self.port),
             "--served-model-name", MODEL_NAME,
             # vLLM's CPU backend would otherwise run the fp32 checkpoint in
@@ -223,7 +240,9 @@ class Engine(Process):
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
-                "VLLM_HOST_IP": "127.0.0.1",
+                # The address this host's peers reach it at, as a
+                # deployment sets it per host.
+                "VLLM_HOST_IP": self.host,
                 "KVLINK_LOG": "info",
                 # One compute thread each, not bound to a core: three engines
                 # share two cores, and vLLM's default binds each to all of them.
@@ -297,3 +316,46 @@ class Router(Process):
 
     def wait_ready(self, timeout: float = 60.0) -> float:
         return self.wait_healthy(timeout)
+
+
+class TwoHosts:
+    """P's own host: a network namespace joined to this one by a veth pair
+    (addresses of the test's own, 10.203.N.1 here and .2 there), so P and D
+    reach each other only by the addresses they advertise, never by a
+    shared loopback. Made by ``create`` (``None`` where namespaces cannot
+    be made: no root or no iproute2), removed by ``remove``."""
+
+    def __init__(self, name: str, here: str, there: str):
+        self.name, self.here, self.there = name, here, there
+
+    @staticmethod
+    def create() -> "TwoHosts | None":
+        pid = os.getpid()
+        name = f"kvlink-p-{pid}"
+        subnet = f"10.203.{pid % 200 + 1}"
+        outer, inner = f"kvo{pid % 100000}", f"kvi{pid % 100000}"
+        steps = [
+            ["ip", "netns", "add", name],
+            ["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", name],
+            ["ip", "addr", "add", f"{subnet}.1/24", "dev", outer],
+            ["ip", "link", "set", outer, "up"],
+            ["ip", "-n", name, "addr", "add", f"{subnet}.2/24", "dev", inner],
+            ["ip", "-n", name, "link", "set", inner, "up"],
+            ["ip", "-n", name, "link", "set", "lo", "up"],
+        ]
+        for index, step in enumerate(steps):
+            try:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                done = subprocess.CompletedProcess(step, 1, "", repr(e))
+            if done.returncode != 0:
+                if index > 0:
+                    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+                    subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=30)
+                print(f"engine-test: P and D share this host's loopback ({' '.join(step)}: {done.stderr.strip()})")
+                return None
+        return TwoHosts(name, f"{subnet}.1", f"{subnet}.2")
+
+    def remove(self) -> None:
+        # The veth pair goes with the namespace.
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)

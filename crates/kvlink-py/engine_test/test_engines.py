@@ -357,7 +357,60 @@ def test_ttft(cluster):
     FIGURES["D TTFT (median of 5)"] = figures
 
 
-def bad_params(target: str, side_port: int) -> dict[str, dict]:
+def both_legs_streamed(cluster, prompt: list[int], engine_id: str, transfer_id: str) -> client.Answer:
+    """One request as vLLM's Mooncake proxy dispatches it: P's leg (one
+    token) and D's leg (streamed) sent at once; D's answer, timed from
+    the dispatch."""
+    p_leg, d_leg = client.bootstrap_legs(cluster.p.bootstrap_url, engine_id, transfer_id)
+    prefill = threading.Thread(
+        target=client.post, args=(cluster.p.url, client.completion_body(prompt, max_tokens=1, params=p_leg))
+    )
+    prefill.start()
+    answer = client.stream(cluster.d.url, client.completion_body(prompt, params=d_leg))
+    prefill.join(client.REQUEST_TIMEOUT)
+    return answer
+
+
+def test_ttft_by_deployment(cluster):
+    """The client's time to first token through each deployment, for three
+    prompt lengths, median of 5 runs each: vllm-router in its default mode
+    (P answers, then the router sends D P's params), in its mooncake mode
+    (the bootstrap flow, the router still waits for P), and both legs at
+    once as vLLM's Mooncake proxy sends them (D's scheduling and the
+    router's second hop off the critical path). Printed, not asserted
+    (beyond every answer being the baseline's and pulled from P)."""
+    cluster.ready("a")
+    engine_id = client.bootstrap_engines(cluster.p.bootstrap_url)["0"]
+    ways = {
+        "router_default_ms": lambda prompt: client.stream(cluster.router.url, client.completion_body(prompt)),
+        "router_mooncake_ms": lambda prompt: client.stream(cluster.mooncake_router.url, client.completion_body(prompt)),
+        "both_legs_at_once_ms": lambda prompt: both_legs_streamed(cluster, prompt, engine_id, f"xfer-{uuid.uuid4()}"),
+    }
+    figures: dict = {}
+    problems = []
+    with phase("TTFT by deployment: 3 lengths x 5 runs x 3 ways"):
+        for length in (256, 1024, 2000):
+            times: dict[str, list[float]] = {way: [] for way in ways}
+            for run in range(5):
+                for way, send in ways.items():
+                    # A fresh prompt each time: D's prefix cache must not answer.
+                    prompt = prompts.prompt(f"ttft-{way}", run, length)
+                    before = cluster.d.metric(EXTERNAL_HITS)
+                    answer = send(prompt)
+                    if not answer.ok or answer.ttft is None:
+                        problems.append(f"{way}, {length} tokens: {answer.describe()}")
+                        continue
+                    if int(cluster.d.metric(EXTERNAL_HITS) - before) != length:
+                        problems.append(f"{way}, {length} tokens: not pulled from P")
+                    times[way].append(answer.ttft)
+            figures[f"{length} tokens"] = {
+                way: round(statistics.median(t) * 1000, 1) for way, t in times.items() if t
+            } | {"runs": 5}
+    FIGURES["TTFT by deployment (median of 5)"] = figures
+    assert not problems, "\n".join(problems)
+
+
+def bad_params(target: str, side_host: str, side_port: int) -> dict[str, dict]:
     """Each malformed or mis-targeted ``kv_transfer_params`` for ``target``
     ("P" or "D"): that engine's own shape of params with one thing wrong."""
     if target == "P":
@@ -366,7 +419,7 @@ def bad_params(target: str, side_port: int) -> dict[str, dict]:
         base = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_host": "127.0.0.1",
+            "remote_host": side_host,
             "remote_port": side_port,
             "remote_engine_id": "no-such-engine",
             "remote_request_id": "no-such-request",
@@ -389,7 +442,7 @@ def bad_params(target: str, side_port: int) -> dict[str, dict]:
     else:
         changes["do_remote_prefill sent to the producer"] = {
             "do_remote_prefill": True,
-            "remote_host": "127.0.0.1",
+            "remote_host": side_host,
             "remote_port": side_port,
         }
     cases = {}
@@ -411,7 +464,7 @@ def test_bad_client_params(cluster):
     problems = []
     with phase("bad client params: 20 requests straight to P and D"):
         for target, engine in (("P", cluster.p), ("D", cluster.d)):
-            for index, (name, params) in enumerate(bad_params(target, cluster.p.bootstrap_port).items()):
+            for index, (name, params) in enumerate(bad_params(target, cluster.p.host, cluster.p.side_channel_port).items()):
                 prompt = prompts.prompt(f"bad-{target}", index, 200)
                 answer = client.post(engine.url, client.completion_body(prompt, max_tokens=2, params=params))
                 if not answer.ok:
