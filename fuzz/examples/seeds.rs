@@ -1,9 +1,11 @@
 //! Writes the hand-made seeds of the text and frame targets into `corpus/`:
 //! real side-channel frames (each message kind, back to back, cut short,
 //! corrupted), real `--kv-transfer-config` and `kv_transfer_params` texts,
-//! and for the data planes and the bench control channel what their real
-//! encoders write (whole sessions, and a few refusals). The rest of the corpora was grown by the fuzzer from these and
-//! reduced to a set cover of the edges reached; see `README.md`. The seeds
+//! for the data planes and the bench control channel what their real
+//! encoders write (whole sessions, and a few refusals), and bootstrap
+//! registrations, query replies, error bodies and addresses. The rest of
+//! the corpora was grown by the fuzzer from these and reduced to a set
+//! cover of the edges reached; see `README.md`. The seeds
 //! match the current message layouts (protocol version 7: the topology in
 //! the hello and its reply, a transfer request's heads, first tokens and
 //! piece size, `XferProgress`, `XferRefused`, `KeepAlive`): rerun this when
@@ -411,6 +413,72 @@ fn control_seeds() {
     write("bench_control", "huge-length", &huge);
 }
 
+/// The bootstrap target's input: a shape byte (dp, tp, pp - 1 in bit pairs
+/// from the lowest), a bound byte, the body.
+fn bootstrap_input(dp: u8, tp: u8, pp: u8, bound: u8, body: &str) -> Vec<u8> {
+    let shape = (dp - 1) | (tp - 1) << 2 | (pp - 1) << 4;
+    [&[shape, bound][..], body.as_bytes()].concat()
+}
+
+fn bootstrap_seeds() {
+    use kv_proto::auth::AuthSecret;
+    use kv_proto::bootstrap::{detail_json, registration_proof, BootstrapRegistry, Expected, Registration, WorkerAddr};
+    let reg = |engine: &str, dp: u32, tp: u32, pp: u32, addr: &str| Registration {
+        engine_id: EngineId::new(engine),
+        dp_rank: dp,
+        tp_rank: tp,
+        pp_rank: pp,
+        addr: WorkerAddr::parse(addr).unwrap(),
+    };
+    // As vLLM's worker posts it (Python's json.dumps: spaces after separators).
+    let vllm = r#"{"engine_id": "6f1e0c1a-prefill_dp0", "dp_rank": 0, "tp_rank": 1, "pp_rank": 0, "addr": "tcp://10.203.1.2:17101"}"#;
+    write("bootstrap_http", "registration-vllm", &bootstrap_input(1, 2, 1, 64, vllm));
+    // A registration line and its proof under the target's secret (its first two bytes).
+    let body = reg("p0", 0, 0, 0, "tcp://[fd00::2]:17100").to_json();
+    let proof = registration_proof(&AuthSecret::new([0u8, 64]), body.as_bytes());
+    write("bootstrap_http", "registration-proven", &bootstrap_input(1, 1, 1, 64, &format!("{body}\n{proof}")));
+    // Every worker of dp 2 x tp 2 registering (out of order), with an identical
+    // registration again, a conflicting address, another engine id for a
+    // rank and a rank outside the shape: complete after the fourth line.
+    let mut lines = Vec::new();
+    let mut registry = BootstrapRegistry::new(Expected::new(2, 2, 1).unwrap());
+    for (dp, tp) in [(1, 1), (0, 0), (1, 0), (0, 1)] {
+        let r = reg(&format!("prefill_dp{dp}"), dp, tp, 0, &format!("tcp://10.0.{dp}.{tp}:{}", 17100 + tp));
+        registry.register(&r).unwrap();
+        lines.push(r.to_json());
+    }
+    lines.push(lines[0].clone());
+    lines.push(reg("prefill_dp0", 0, 0, 0, "tcp://10.0.9.9:17100").to_json());
+    lines.push(reg("prefill_dpX", 1, 0, 0, "tcp://10.0.1.0:17100").to_json());
+    lines.push(reg("prefill_dp0", 0, 0, 1, "tcp://10.0.0.0:17101").to_json());
+    write("bootstrap_http", "registry-complete", &bootstrap_input(2, 2, 1, 64, &lines.join("\n")));
+    // The reply that registry gives, and one as FastAPI pretty-printed by hand.
+    let reply = registry.query_json().unwrap();
+    write("bootstrap_http", "query-reply", &bootstrap_input(1, 1, 1, 200, &reply));
+    let pretty = "{ \"0\" : { \"worker_addr\" : { \"0\" : { \"1\" : \"tcp://2.2.2.2:2222\", \"0\": \
+                  \"tcp://1.1.1.1:1111\" } },\n \"engine_id\" : \"eng-1\", \"extra\": 1 } }";
+    write("bootstrap_http", "query-reply-pretty", &bootstrap_input(1, 1, 1, 200, pretty));
+    // Hostile: a reply with a ragged engine, a rank key with a leading zero,
+    // hidden characters in an engine id and an address that is no address.
+    let hostile = r#"{"0":{"engine_id":"e\u202ex\u200b","worker_addr":{"0":{"0":"tcp://a:1","1":"tcp://a:2"},"1":{"0":"tcp://a:3"}}},"01":{"engine_id":"e","worker_addr":{"0":{"0":"udp://[::1:1"}}}}"#;
+    write("bootstrap_http", "query-reply-hostile", &bootstrap_input(1, 1, 1, 16, hostile));
+    let error = detail_json("Engine ID mismatch: \u{1b}[31mred\u{202e}\u{0}\nnext line");
+    write("bootstrap_http", "error-detail", &bootstrap_input(1, 1, 1, 24, &error));
+    let addresses = [
+        "tcp://10.0.0.1:17100",
+        "tcp://[fe80::1]:17100",
+        "tcp://prefill-0.svc.cluster.local:0080",
+        "tcp://[::ffff:10.0.0.1]:65535",
+        "tcp://host:0",
+        "tcp://::1:80",
+        "http://Bootstrap.example:8998/",
+        "HTTP://[::1]",
+        "https://10.0.0.1:8998",
+        "http://user@10.0.0.1:8998/query?x#y",
+    ];
+    write("bootstrap_http", "addresses", &bootstrap_input(1, 1, 1, 32, &addresses.join("\n")));
+}
+
 /// A message as JSON.
 fn value<T: serde::Serialize>(msg: &T) -> serde_json::Value {
     serde_json::to_value(msg).unwrap()
@@ -421,6 +489,7 @@ fn main() {
     quic_seeds();
     rdma_seeds();
     control_seeds();
+    bootstrap_seeds();
     let all = messages();
     for (name, msg) in &all {
         write("side_channel_frame", name, &frame_input(0, 1, &frame(msg)));

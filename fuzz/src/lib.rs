@@ -15,6 +15,7 @@
 //! | [`auth`] | proofs over built transcripts and secrets | a proof verifies only for its own secret (up to HMAC key equivalence), role and transcript |
 //! | [`transfer_config_json`] | `KvTransferConfig::from_json` | accepted configs hold what the JSON says (no protocol when unset) and re-serialize to the same config |
 //! | [`transfer_params_json`] | `KvTransferParams::from_json` | accepted params hold what the JSON says and round-trip through `to_json` |
+//! | [`bootstrap_http`] | bootstrap registrations, query replies, worker addresses, bootstrap URLs, error details (`kv_proto::bootstrap`); a `BootstrapRegistry` fed the registrations that parse | errors short and escaped; accepted values hold what the JSON says and round-trip; every engine of a reply lists every tp x pp worker; the registry agrees with a model and answers a query exactly when complete, with what was registered |
 //! | [`registered_memory`] | `RegisteredMemory` operation sequences | agrees with a model; admitted ops lie in the grant and in destination memory, never in source-only memory; dead grants refuse |
 //! | [`dataplane`] | op entries, `Cursor`, verdicts, bounded texts | round trips; the cursor walks exactly the segments' bytes; reasons bounded on a character boundary |
 //! | [`tcp_dataplane`] | TCP data-plane preamble as the receiver answers it, then batches through the batch-receive machine (`kv_proto::receive`) the receiver runs; accept and reply headers as the sender reads them | re-encoding gives the same bytes; preamble answered by the model; op list within the limit and the budget, memory following the bytes that arrive, admitted only inside the grant with lengths adding up; refusals answered; each batch read to its end, in step |
@@ -26,6 +27,7 @@
 mod alloc_meter;
 mod arb;
 mod auth;
+mod bootstrap;
 mod control;
 mod cores;
 mod dataplane;
@@ -39,6 +41,7 @@ mod registered;
 mod tcp;
 
 pub use auth::auth;
+pub use bootstrap::bootstrap_http;
 pub use control::bench_control;
 pub use cores::cores;
 pub use dataplane::dataplane;
@@ -60,6 +63,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("auth", auth),
     ("transfer_config_json", transfer_config_json),
     ("transfer_params_json", transfer_params_json),
+    ("bootstrap_http", bootstrap_http),
     ("registered_memory", registered_memory),
     ("dataplane", dataplane),
     ("cores", cores),

@@ -79,6 +79,7 @@ replay_tests!(
     auth,
     transfer_config_json,
     transfer_params_json,
+    bootstrap_http,
     registered_memory,
     dataplane,
     cores,

@@ -691,6 +691,17 @@ pub enum RegisterRefusal {
         /// The one offered now.
         offered: EngineId,
     },
+    /// The engine id is registered under another data-parallel rank (a
+    /// reply listing one engine twice could not say which rank D means).
+    #[error("engine id {engine_id:?} is registered for dp_rank={registered} already, not for dp_rank={offered}")]
+    EngineElsewhere {
+        /// The engine id.
+        engine_id: EngineId,
+        /// The rank it is registered for.
+        registered: u32,
+        /// The rank offered now.
+        offered: u32,
+    },
     /// The worker is registered at another address.
     #[error("worker dp_rank={dp_rank}, tp_rank={tp_rank}, pp_rank={pp_rank} is registered at {registered} already, not at {offered}")]
     AddressConflict {
@@ -774,12 +785,22 @@ impl BootstrapRegistry {
 
     /// Registers a worker: refused when its ranks are outside the expected
     /// shape, when its data-parallel rank is registered under another
-    /// engine id, or when the worker is registered at another address; the
-    /// same registration again is accepted and changes nothing.
+    /// engine id (or its engine id under another rank), or when the worker
+    /// is registered at another address; the same registration again is
+    /// accepted and changes nothing.
     pub fn register(&mut self, reg: &Registration) -> Result<(), RegisterRefusal> {
         let (dp_rank, tp_rank, pp_rank) = (reg.dp_rank, reg.tp_rank, reg.pp_rank);
         if !self.expected.contains(dp_rank, tp_rank, pp_rank) {
             return Err(RegisterRefusal::OutsideShape { dp_rank, tp_rank, pp_rank, expected: self.expected });
+        }
+        if let Some((&registered, _)) =
+            self.engines.iter().find(|(&rank, slot)| rank != dp_rank && slot.engine_id == reg.engine_id)
+        {
+            return Err(RegisterRefusal::EngineElsewhere {
+                engine_id: reg.engine_id.clone(),
+                registered,
+                offered: dp_rank,
+            });
         }
         let slot = self
             .engines
@@ -1340,6 +1361,7 @@ mod tests {
         Accepted,
         OutsideShape,
         EngineMismatch,
+        EngineElsewhere,
         AddressConflict,
     }
 
@@ -1350,6 +1372,7 @@ mod tests {
     #[case::same_rank_other_addr(reg("e", 0, 0, 0, "tcp://a:2"), Then::AddressConflict)]
     #[case::same_dp_other_engine(reg("f", 0, 1, 0, "tcp://a:2"), Then::EngineMismatch)]
     #[case::same_rank_other_engine_and_addr(reg("f", 0, 0, 0, "tcp://b:9"), Then::EngineMismatch)]
+    #[case::same_engine_other_dp_rank(reg("e", 1, 0, 0, "tcp://a:3"), Then::EngineElsewhere)]
     #[case::dp_outside(reg("e", 2, 0, 0, "tcp://a:1"), Then::OutsideShape)]
     #[case::tp_outside(reg("e", 0, 2, 0, "tcp://a:1"), Then::OutsideShape)]
     #[case::pp_outside(reg("e", 0, 0, 1, "tcp://a:1"), Then::OutsideShape)]
@@ -1361,6 +1384,7 @@ mod tests {
             (Then::Accepted, Ok(())) => {}
             (Then::OutsideShape, Err(RegisterRefusal::OutsideShape { .. }))
             | (Then::EngineMismatch, Err(RegisterRefusal::EngineMismatch { .. }))
+            | (Then::EngineElsewhere, Err(RegisterRefusal::EngineElsewhere { .. }))
             | (Then::AddressConflict, Err(RegisterRefusal::AddressConflict { .. })) => {
                 // A refusal changes nothing.
                 assert_eq!(registry.registered(), 1);

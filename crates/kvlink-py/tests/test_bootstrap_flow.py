@@ -129,3 +129,32 @@ def test_a_transfer_id_of_another_engine_is_not_pulled(instances):
     ev = step_until([p, d], lambda e: "r4" in collected(e["D"], "finished_recving"), timeout=15, what="pull fails")
     assert sorted(collected(ev["D"], "invalid_block_ids")) == d.call("block_ids", request_id="r4")
     no_violations(p, d)
+
+
+def test_p_killed_while_ds_pull_waits_on_it(instances):
+    """D's pull waits on P for a request P has not seen; P dies: D learns
+    it at once (the connection), not at its bound, and recomputes."""
+    p, d, port = start_pair(instances, d_extra={"transfer_timeout": 30})
+    _, d_leg = legs(port, "xfer-orphan")
+    d.call("add", request_id="r5", prompt_len=2 * BLOCK, params=d_leg, max_tokens=100)
+    step_until([p, d], lambda e: p.call("state")["transfers_in_progress"] == 1, what="D's pull waits on P")
+    p.kill()
+    ev = step_until([d], lambda e: "r5" in collected(e["D"], "finished_recving"), timeout=15, what="pull fails")
+    assert sorted(collected(ev["D"], "invalid_block_ids")) == d.call("block_ids", request_id="r5")
+    no_violations(d)
+
+
+def test_a_request_p_sees_after_ds_pull_gave_up_is_not_held(instances):
+    """D's pull waits on P, D dies, then P's leg arrives: P frees the
+    request's blocks as soon as its prefill ends, not at its lease."""
+    p, d, port = start_pair(instances)
+    p_leg, d_leg = legs(port, "xfer-gone")
+    d.call("add", request_id="r6", prompt_len=2 * BLOCK, params=d_leg, max_tokens=100)
+    step_until([p, d], lambda e: p.call("state")["transfers_in_progress"] == 1, what="D's pull waits on P")
+    d.kill()
+    step_until([p], lambda e: p.call("state")["transfers_in_progress"] == 0, what="P sees D gone")
+    p.call("add", request_id="r6", prompt_len=2 * BLOCK, params=p_leg)
+    ev = step_until([p], lambda e: "r6" in collected(e["P"], "finished_sending"), timeout=10, what="P frees r6")
+    assert p.call("state")["live_transfer_names"] == 0
+    no_violations(p)
+    assert ev

@@ -448,7 +448,7 @@ def test_abort_during_pull_holds_no_block_and_no_late_write(model_dir, monkeypat
         params = {
             "do_remote_prefill": True,
             "remote_host": "127.0.0.1",
-            "remote_port": port,
+            "remote_port": port + 1,  # P's side channel, past its bootstrap port
             "remote_request_id": "r5",
             "remote_engine_id": p.config.kv_transfer_config.engine_id,
         }
