@@ -24,11 +24,23 @@ const MAX_ERROR_CHARS: usize = 512;
 const MISSING_LISTED: usize = 8;
 
 /// What `escape_bounded` promises never to let through: control characters,
-/// bidirectional overrides and isolates, zero-width marks and joiners, the
-/// byte-order mark.
+/// bidirectional marks, overrides and isolates, line and paragraph
+/// separators, zero-width and soft marks and joiners, the byte-order mark,
+/// interlinear annotation and tag characters.
 fn hidden(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+        || matches!(
+            c,
+            '\u{ad}'
+                | '\u{61c}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{2069}'
+                | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}'
+                | '\u{e0000}'..='\u{e007f}'
+        )
 }
 
 /// `text` holds nothing hidden.

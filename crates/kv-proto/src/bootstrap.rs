@@ -166,14 +166,27 @@ pub enum BootstrapError {
     },
 }
 
-/// `text` with control characters and the invisible ones that reorder or
-/// hide text (bidirectional overrides, zero-width marks) written as
-/// `\u{..}`, cut to at most `max_chars` characters of that ("…" marks a
-/// cut): how a server's detail may appear in an error or a log line.
+/// `text` with control characters and the invisible ones that reorder,
+/// break or hide text (bidirectional marks, overrides and isolates,
+/// line and paragraph separators, zero-width and soft marks, tag
+/// characters, interlinear annotation) written as `\u{..}`, cut to at most
+/// `max_chars` characters of that ("…" marks a cut): how a server's detail
+/// may appear in an error or a log line.
 pub fn escape_bounded(text: &str, max_chars: usize) -> String {
     let hidden = |c: char| {
         c.is_control()
-            || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+            || matches!(
+                c,
+                '\u{ad}'
+                    | '\u{61c}'
+                    | '\u{180e}'
+                    | '\u{200b}'..='\u{200f}'
+                    | '\u{2028}'..='\u{202e}'
+                    | '\u{2060}'..='\u{2069}'
+                    | '\u{feff}'
+                    | '\u{fff9}'..='\u{fffb}'
+                    | '\u{e0000}'..='\u{e007f}'
+            )
     };
     let mut escaped = text.chars().flat_map(|c| {
         let (plain, unicode) = if hidden(c) { (None, Some(c.escape_unicode())) } else { (Some(c), None) };
