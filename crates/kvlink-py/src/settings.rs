@@ -81,6 +81,13 @@ impl PySettings {
         self.inner.transfer.bootstrap_timeout.unwrap_or(kv_proto::DEFAULT_BOOTSTRAP_TIMEOUT).as_secs_f64()
     }
 
+    /// `bootstrap_server_address` as `(host, port)`, if set: a bootstrap
+    /// server outside the instance, which its prefill workers register with.
+    #[getter]
+    fn bootstrap_server_address(&self) -> Option<(String, u16)> {
+        self.inner.transfer.bootstrap_server_address.clone()
+    }
+
     /// `advertised_host`, if set.
     #[getter]
     fn advertised_host(&self) -> Option<&str> {

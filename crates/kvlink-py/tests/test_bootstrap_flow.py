@@ -8,11 +8,15 @@ is compared with what P computed."""
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 
+from types import SimpleNamespace
+
 import pytest
 from conftest import collected, free_port, step_until
+from kvlink_vllm import _native, adapter
 
 BLOCK = 16
 
@@ -158,3 +162,39 @@ def test_a_request_p_sees_after_ds_pull_gave_up_is_not_held(instances):
     assert p.call("state")["live_transfer_names"] == 0
     no_violations(p)
     assert ev
+
+
+def test_workers_register_with_an_external_bootstrap_server(instances):
+    """``bootstrap_server_address`` (vLLM 0.32's key): P runs no server of
+    its own and registers with the one named; D learns P there."""
+    external = _native.BootstrapServer(
+        adapter.settings_from_transfer_config(
+            SimpleNamespace(kv_role="kv_producer", engine_id="server", kv_connector_extra_config={})
+        ),
+        "127.0.0.1",
+        0,
+        1,
+        1,
+        1,
+    )
+    try:
+        own_port = free_port()
+        p = instances(
+            "P",
+            "kv_producer",
+            extra={"bootstrap_server_address": f"127.0.0.1:{external.port}"},
+            env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own_port)},
+        )
+        d = instances("D", "kv_consumer", extra={"transfer_timeout": 20})
+        assert external.is_complete
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", own_port))  # P serves nothing on its own bootstrap port
+        p_leg, d_leg = legs(external.port, "xfer-ext")
+        p.call("add", request_id="r7", prompt_len=2 * BLOCK, params=p_leg)
+        p.call("step")
+        d.call("add", request_id="r7", prompt_len=2 * BLOCK, params=d_leg, max_tokens=100)
+        step_until([p, d], lambda e: "r7" in collected(e["D"], "finished_recving"), what="r7 received")
+        assert d.call("verify", request_id="r7")["bad"] == []
+        no_violations(p, d)
+    finally:
+        external.stop()

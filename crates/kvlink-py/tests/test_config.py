@@ -18,6 +18,7 @@ ALL_KEYS = {
     "transfer_timeout": 2.5,
     "connect_timeout": 1,
     "bootstrap_timeout": 12,
+    "bootstrap_server_address": "127.0.0.1:8998",
     "lease_renewal": 0,
     "advertised_host": "p.example",
     "bind_host": "127.0.0.1",
@@ -49,6 +50,8 @@ def test_every_documented_key_is_accepted(tmp_path):
     assert (s.protocol, s.num_workers, s.advertised_host) == ("tcp", 3, "p.example")
     assert (s.host_staging, s.staging_bytes, s.staging_wait) == ("always", 1 << 20, 1.5)
     assert s.staging_piece_bytes == 1 << 16
+    assert (s.bootstrap_timeout, s.bootstrap_server_address) == (12.0, ("127.0.0.1", 8998))
+    assert settings({}).bootstrap_server_address is None, "unset: the instance runs its own"
     assert s.auth_secret_file == str(secret)
     assert s.tcp_authenticate_payloads and not settings({}).tcp_authenticate_payloads
     assert dict(s.listener_limits) == {k: v for k, v in ALL_KEYS.items() if "max_" in k}
@@ -86,7 +89,6 @@ def test_vllm_0_32_connectors_keys_are_accepted_and_ignored():
         "push_registration_timeout": 5.0,
         "engine_ttl": 60.0,
         "device_name": "",
-        "bootstrap_server_address": "127.0.0.1:8998",
         "backend": "rdma",
         "host_ip": "127.0.0.1",
         "defer_timeout": 5,

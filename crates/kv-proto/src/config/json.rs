@@ -51,6 +51,7 @@ pub(super) struct ExtraConfig {
     pub(super) transfer_timeout: Option<Given<f64>>,
     pub(super) connect_timeout: Option<Given<f64>>,
     pub(super) bootstrap_timeout: Option<Given<f64>>,
+    pub(super) bootstrap_server_address: Option<Given<String>>,
     pub(super) lease_renewal: Option<Given<f64>>,
     pub(super) auth_secret_file: Option<Given<String>>,
     pub(super) tcp_authenticate_payloads: Option<Given<bool>>,

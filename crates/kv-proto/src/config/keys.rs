@@ -13,6 +13,10 @@ pub const EXTRA_KEYS: &[(&str, &str)] = &[
     ("transfer_timeout", "seconds a decode worker waits for one pull (default 60)"),
     ("connect_timeout", "seconds for connecting and the hello exchange (default 5)"),
     (
+        "bootstrap_server_address",
+        "\"host:port\" of a bootstrap server a prefill instance's workers register with, instead of the one it runs itself on the bootstrap port (vLLM 0.32's key for its external bootstrap server)",
+    ),
+    (
         "bootstrap_timeout",
         "seconds a prefill worker tries to register its side channel with its instance's bootstrap server, and a decode worker waits for a bootstrap server's answer (default 30)",
     ),
@@ -91,7 +95,6 @@ pub const FOREIGN_KEYS: &[(&str, &str)] = &[
     ("push_registration_timeout", "NixlConnector"),
     ("engine_ttl", "NixlConnector"),
     ("device_name", "MooncakeConnector"),
-    ("bootstrap_server_address", "MooncakeConnector"),
     ("proxy_ip", "P2pNcclConnector, MoRIIOConnector"),
     ("proxy_port", "P2pNcclConnector"),
     ("http_port", "P2pNcclConnector, MoRIIOConnector"),

@@ -120,6 +120,10 @@ pub struct KvTransferConfig {
     pub connect_timeout: Option<Duration>,
     /// `bootstrap_timeout`.
     pub bootstrap_timeout: Option<Duration>,
+    /// `bootstrap_server_address`: the host and port of a bootstrap server
+    /// outside the instance, which its prefill workers register with (it
+    /// then runs none of its own).
+    pub bootstrap_server_address: Option<(String, u16)>,
     /// `lease_renewal` (zero: renewals off).
     pub lease_renewal: Option<Duration>,
     /// `auth_secret_file` (read by the caller).
@@ -238,6 +242,20 @@ fn seconds(name: &str, given: Option<Given<f64>>, zero: bool) -> Result<Option<D
 }
 
 /// Text that is not blank, trimmed.
+/// `host:port` (an IPv6 host in brackets), the port from 1 to 65535, as
+/// vLLM reads `bootstrap_server_address`.
+fn host_port(text: &str) -> Option<(String, u16)> {
+    let (host, port) = text.trim().rsplit_once(':')?;
+    let host = match host.strip_prefix('[') {
+        Some(inner) => inner.strip_suffix(']')?,
+        None if host.contains(':') => return None,
+        None => host,
+    };
+    let port: u16 = port.parse().ok().filter(|p| *p > 0)?;
+    let valid = !host.is_empty() && host.len() <= crate::bounded::MAX_TEXT_LEN && !host.contains(char::is_whitespace);
+    valid.then(|| (host.to_owned(), port))
+}
+
 fn nonblank(name: &str, given: Option<Given<String>>) -> Result<Option<String>, ConfigError> {
     checked(name, given, |s| {
         let trimmed = s.trim();
@@ -387,6 +405,9 @@ impl KvTransferConfig {
             transfer_timeout: seconds("transfer_timeout", extra.transfer_timeout, false)?,
             connect_timeout: seconds("connect_timeout", extra.connect_timeout, false)?,
             bootstrap_timeout: seconds("bootstrap_timeout", extra.bootstrap_timeout, false)?,
+            bootstrap_server_address: checked("bootstrap_server_address", extra.bootstrap_server_address, |s| {
+                host_port(&s)
+            })?,
             lease_renewal: seconds("lease_renewal", extra.lease_renewal, true)?,
             auth_secret_file,
             tcp_authenticate_payloads,
@@ -545,6 +566,8 @@ mod tests {
             "queue_depth": 7,
             "transfer_timeout": 2.5,
             "connect_timeout": 1,
+            "bootstrap_timeout": 12,
+            "bootstrap_server_address": "[fd00::1]:8998",
             "lease_renewal": 0,
             "auth_secret_file": " /etc/kvlink/secret ",
             "tcp_authenticate_payloads": true,
@@ -568,6 +591,8 @@ mod tests {
         assert_eq!((c.num_workers, c.queue_depth), (3, Some(7)));
         assert_eq!(c.transfer_timeout, Some(Duration::from_millis(2500)));
         assert_eq!(c.connect_timeout, Some(Duration::from_secs(1)));
+        assert_eq!(c.bootstrap_timeout, Some(Duration::from_secs(12)));
+        assert_eq!(c.bootstrap_server_address, Some(("fd00::1".to_owned(), 8998)));
         assert_eq!(c.lease_renewal, Some(Duration::ZERO), "zero turns renewals off");
         assert_eq!(c.auth_secret_file, Some(PathBuf::from("/etc/kvlink/secret")));
         assert!(c.tcp_authenticate_payloads);
@@ -634,6 +659,9 @@ mod tests {
     #[case::huge_timeout(serde_json::json!({"staging_wait": 1e300}), "staging_wait = 1e+300")]
     #[case::negative_renewal(serde_json::json!({"lease_renewal": -3}), "lease_renewal = -3")]
     #[case::blank_host(serde_json::json!({"advertised_host": " "}), "advertised_host = \" \"")]
+    #[case::bootstrap_no_port(serde_json::json!({"bootstrap_server_address": "h"}), "bootstrap_server_address = \"h\"")]
+    #[case::bootstrap_port_zero(serde_json::json!({"bootstrap_server_address": "h:0"}), "bootstrap_server_address = \"h:0\"")]
+    #[case::bootstrap_bare_v6(serde_json::json!({"bootstrap_server_address": "fd00::1:8998"}), "bootstrap_server_address = \"fd00::1:8998\"")]
     #[case::bind_host_not_ip(serde_json::json!({"bind_host": "not-an-ip"}), "bind_host = \"not-an-ip\"")]
     #[case::staging_mode(serde_json::json!({"host_staging": "sometimes"}), "host_staging = \"sometimes\"")]
     #[case::staging_flag(serde_json::json!({"host_staging": true}), "host_staging = true")]

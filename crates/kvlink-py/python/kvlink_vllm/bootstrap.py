@@ -7,7 +7,9 @@ chooses (tensor- and pipeline-parallel rank 0 of the first data-parallel
 engine, or of each instance's first local engine when every instance
 balances its own engines), listening on the bootstrap port
 (``VLLM_MOONCAKE_BOOTSTRAP_PORT``, 8998 by default) on every address;
-every prefill worker registers its side channel there, where vLLM's do.
+every prefill worker registers its side channel there, where vLLM's do
+(or, with ``bootstrap_server_address``, with a server outside the
+instance, which then runs none).
 It answers ``/query`` only once every worker has registered (503 before),
 so a router never caches an empty answer. It hands out addresses, never
 secrets; with a shared secret, a registration must prove it.
@@ -40,6 +42,8 @@ class Placement:
     dp_size: int
     #: The host of the server this worker registers with.
     server_host: str
+    #: Its port (``None``: the bootstrap port).
+    server_port: int | None = None
 
 
 def _local_engines_only(parallel: Any) -> bool:
@@ -51,8 +55,10 @@ def _local_engines_only(parallel: Any) -> bool:
     return bool(getattr(parallel, "data_parallel_external_lb", False) or getattr(parallel, "data_parallel_hybrid_lb", False))
 
 
-def placement(vllm_config: Any, tp_rank: int, pp_rank: int) -> Placement:
-    """Where this worker's engine is listed and its server runs."""
+def placement(vllm_config: Any, tp_rank: int, pp_rank: int, settings: _native.Settings) -> Placement:
+    """Where this worker's engine is listed and its server runs: with
+    ``bootstrap_server_address`` set, every worker registers there and the
+    instance runs no server of its own (as vLLM 0.32 and later do)."""
     parallel = vllm_config.parallel_config
     local = _local_engines_only(parallel)
     if local:
@@ -68,6 +74,9 @@ def placement(vllm_config: Any, tp_rank: int, pp_rank: int) -> Placement:
             host = str(parallel.master_addr)
         else:
             host = str(getattr(parallel, "data_parallel_master_ip", "127.0.0.1"))
+    external = settings.bootstrap_server_address
+    if external is not None:
+        return Placement(False, dp_rank, max(dp_size, 1), external[0], external[1])
     return Placement(tp_rank == 0 and pp_rank == 0 and dp_rank == 0, dp_rank, max(dp_size, 1), host)
 
 
@@ -96,7 +105,8 @@ class Registrar:
         if self.server is not None:
             self.server.register(engine_id, dp_rank, tp_rank, pp_rank, host, port)
             return
-        url = _url(self.place.server_host, self.settings.bootstrap_port)
+        server_port = self.place.server_port
+        url = _url(self.place.server_host, server_port if server_port is not None else self.settings.bootstrap_port)
         _native.register_with_bootstrap(
             self.settings, url, engine_id, dp_rank, tp_rank, pp_rank, host, port, self.settings.bootstrap_timeout
         )

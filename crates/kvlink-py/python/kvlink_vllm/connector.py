@@ -267,7 +267,9 @@ class KvlinkConnector(KVConnectorBase_V1):
                 report_abandoned_pulls=behaviour.report_abandoned_pulls,
                 identity=model_identity(vllm_config),
                 bootstrap_placement=(
-                    bootstrap.placement(vllm_config, tp_rank, pp_rank) if settings.role != "kv_consumer" else None
+                    bootstrap.placement(vllm_config, tp_rank, pp_rank, settings)
+                    if settings.role != "kv_consumer"
+                    else None
                 ),
             )
 
