@@ -329,9 +329,11 @@ impl TransferCore {
     pub fn claim_ready(&mut self, sender: &mut SenderCore, now: Instant) -> Vec<Claimed> {
         let mut claimed = Vec::new();
         let mut refused = Vec::new();
-        // Kept to D's deadline, past the wait's end: the wait's end finds
-        // it unseen and says so.
-        let (requests, puller, awaited_until) = (&self.requests, self.puller, self.budget_end);
+        // Kept a little past the wait's end (so the wait's end finds it
+        // unseen and says so), never past P's own bound: a decode instance
+        // cannot hold P's awaited places for a day-long budget.
+        let awaited_until = self.wait_end + REPLY_MARGIN;
+        let (requests, puller) = (&self.requests, self.puller);
         self.pending.retain(|&index| {
             let request = &requests[index];
             let req_id = &request.req_id;

@@ -140,3 +140,15 @@ fn a_request_forgotten_by_the_engine_frees_its_awaited_place() {
     assert!(p.is_empty());
     assert!(p.poll_finished().is_empty(), "the engine frees it itself");
 }
+
+#[test]
+fn an_awaited_place_is_kept_no_longer_than_ps_own_bound() {
+    let t0 = Instant::now();
+    let mut p = SenderCore::new(LEASE, Duration::from_secs(10));
+    let day = Duration::from_secs(24 * 60 * 60);
+    let (mut pull, _) = TransferCore::new(1, vec![request("xfer-1", true)], day, t0, LEASE, &EngineId::new("p"));
+    pull.claim_ready(&mut p, t0);
+    assert_eq!(pull.wait_end(), t0 + LEASE, "P's abort timeout bounds the wait");
+    p.handle_timeout(t0 + LEASE + REPLY_MARGIN);
+    assert!(p.is_empty(), "a day-long budget does not hold the place");
+}
