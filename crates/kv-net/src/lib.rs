@@ -36,6 +36,7 @@ mod budget;
 mod defaults;
 mod established;
 mod grants;
+pub mod http;
 mod io;
 mod limits;
 mod listener;

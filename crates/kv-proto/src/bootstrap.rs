@@ -242,6 +242,15 @@ fn utf8<'a>(what: &'static str, bytes: &'a [u8]) -> Result<&'a str, BootstrapErr
 
 /// Checks a host without brackets: an IPv6 or IPv4 literal, or a DNS name
 /// (labels of letters, digits, `-` and `_`).
+/// A host and a port either kind of address may hold.
+fn check_host_port(host: &str, port: u16) -> Result<(), &'static str> {
+    check_host(host)?;
+    if port == 0 {
+        return Err("the port must be a number in 1..=65535");
+    }
+    Ok(())
+}
+
 fn check_host(host: &str) -> Result<(), &'static str> {
     if host.is_empty() {
         return Err("the host is empty");
@@ -336,10 +345,7 @@ impl WorkerAddr {
     /// An address of `host` (an IPv6 one without brackets) and `port`.
     pub fn new(host: &str, port: u16) -> Result<Self, BootstrapError> {
         let refused = |reason| BootstrapError::Addr { shown: shown(&authority(host, port)), reason };
-        check_host(host).map_err(refused)?;
-        if port == 0 {
-            return Err(refused("the port must be a number in 1..=65535"));
-        }
+        check_host_port(host, port).map_err(refused)?;
         Ok(Self { host: host.to_owned(), port })
     }
 
@@ -415,11 +421,19 @@ impl BootstrapUrl {
     /// The server at `host` (an IPv6 one without brackets) and `port`.
     pub fn new(host: &str, port: u16) -> Result<Self, BootstrapError> {
         let refused = |reason| BootstrapError::Url { shown: shown(&authority(host, port)), reason };
-        check_host(host).map_err(refused)?;
-        if port == 0 {
-            return Err(refused("the port must be a number in 1..=65535"));
-        }
+        check_host_port(host, port).map_err(refused)?;
         Ok(Self { host: host.to_owned(), port })
+    }
+
+    /// Parses `host:port` (`[v6]:port` for IPv6), the port required: how
+    /// vLLM's `bootstrap_server_address` names a server.
+    pub fn from_authority(text: &str) -> Result<Self, BootstrapError> {
+        let refused = |reason| BootstrapError::Url { shown: shown(text), reason };
+        if text.len() > MAX_TEXT_LEN {
+            return Err(refused("longer than 1024 bytes"));
+        }
+        let (host, port) = parse_authority(text, None).map_err(refused)?;
+        Ok(Self { host, port })
     }
 
     /// The server at a socket address.

@@ -85,7 +85,7 @@ impl PySettings {
     /// server outside the instance, which its prefill workers register with.
     #[getter]
     fn bootstrap_server_address(&self) -> Option<(String, u16)> {
-        self.inner.transfer.bootstrap_server_address.clone()
+        self.inner.transfer.bootstrap_server_address.as_ref().map(|url| (url.host().to_owned(), url.port()))
     }
 
     /// `advertised_host`, if set.

@@ -101,6 +101,12 @@ def step_until(procs: list[Proc], done, timeout: float = 20.0, what: str = "cond
         time.sleep(0.005)  # pace the steps like an engine's loop; the condition, not the sleep, ends the wait
 
 
+def no_violations(*procs) -> None:
+    """Each instance's scheduler saw nothing vLLM's would refuse."""
+    for p in procs:
+        assert p.call("state")["violations"] == [], p.name
+
+
 def collected(events: list[dict], key: str) -> list:
     return [x for e in events for x in e[key]]
 

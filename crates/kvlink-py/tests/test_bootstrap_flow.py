@@ -15,7 +15,7 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-from conftest import collected, free_port, step_until
+from conftest import collected, free_port, no_violations, step_until
 from kvlink_vllm import _native, adapter
 
 BLOCK = 16
@@ -39,11 +39,6 @@ def legs(port: int, transfer_id: str, engine: str = "P") -> tuple[dict, dict]:
         "remote_engine_id": engine,
     }
     return p_leg, d_leg
-
-
-def no_violations(*procs):
-    for p in procs:
-        assert p.call("state")["violations"] == [], p.name
 
 
 def test_the_bootstrap_server_lists_ps_workers_as_vllm_does(instances):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import collected, free_port, step_until
+from conftest import collected, free_port, no_violations, step_until
 
 BLOCK = 16
 
@@ -34,11 +34,6 @@ def prefill(p, rid: str, prompt_len: int, hold: bool = False) -> dict:
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_host"] == "127.0.0.1"
     return params
-
-
-def no_violations(*procs):
-    for p in procs:
-        assert p.call("state")["violations"] == [], p.name
 
 
 def test_plain_prefill_to_decode(instances):

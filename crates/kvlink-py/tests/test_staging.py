@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import collected, free_port, step_until
+from conftest import collected, free_port, no_violations, step_until
 
 BLOCK = 16
 #: One block of kvsim's cache in every region: 4 layers x K and V x 2 heads x 16 tokens x 16 dims x 2 bytes.
@@ -95,11 +95,6 @@ def staging_figures(proc) -> dict[str, int]:
         if f["name"].startswith("staging_"):
             out[f["name"]] = sum(s["value"] for s in f["samples"])
     return out
-
-
-def no_violations(*procs):
-    for p in procs:
-        assert p.call("state")["violations"] == [], p.name
 
 
 @pytest.mark.parametrize("piece_slots", [0, 2], ids=["whole", "pieces_of_two_blocks"])

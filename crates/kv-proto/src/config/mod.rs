@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 
 use self::json::{ExtraConfig, Given, TopLevel};
 pub use self::keys::{EXTRA_KEYS, FOREIGN_KEYS};
+use crate::bootstrap::BootstrapUrl;
 use crate::ids::{EngineId, KvRole};
 use crate::writer::Protocol;
 
@@ -123,7 +124,7 @@ pub struct KvTransferConfig {
     /// `bootstrap_server_address`: the host and port of a bootstrap server
     /// outside the instance, which its prefill workers register with (it
     /// then runs none of its own).
-    pub bootstrap_server_address: Option<(String, u16)>,
+    pub bootstrap_server_address: Option<BootstrapUrl>,
     /// `lease_renewal` (zero: renewals off).
     pub lease_renewal: Option<Duration>,
     /// `auth_secret_file` (read by the caller).
@@ -242,20 +243,6 @@ fn seconds(name: &str, given: Option<Given<f64>>, zero: bool) -> Result<Option<D
 }
 
 /// Text that is not blank, trimmed.
-/// `host:port` (an IPv6 host in brackets), the port from 1 to 65535, as
-/// vLLM reads `bootstrap_server_address`.
-fn host_port(text: &str) -> Option<(String, u16)> {
-    let (host, port) = text.trim().rsplit_once(':')?;
-    let host = match host.strip_prefix('[') {
-        Some(inner) => inner.strip_suffix(']')?,
-        None if host.contains(':') => return None,
-        None => host,
-    };
-    let port: u16 = port.parse().ok().filter(|p| *p > 0)?;
-    let valid = !host.is_empty() && host.len() <= crate::bounded::MAX_TEXT_LEN && !host.contains(char::is_whitespace);
-    valid.then(|| (host.to_owned(), port))
-}
-
 fn nonblank(name: &str, given: Option<Given<String>>) -> Result<Option<String>, ConfigError> {
     checked(name, given, |s| {
         let trimmed = s.trim();
@@ -406,7 +393,7 @@ impl KvTransferConfig {
             connect_timeout: seconds("connect_timeout", extra.connect_timeout, false)?,
             bootstrap_timeout: seconds("bootstrap_timeout", extra.bootstrap_timeout, false)?,
             bootstrap_server_address: checked("bootstrap_server_address", extra.bootstrap_server_address, |s| {
-                host_port(&s)
+                BootstrapUrl::from_authority(s.trim()).ok()
             })?,
             lease_renewal: seconds("lease_renewal", extra.lease_renewal, true)?,
             auth_secret_file,
@@ -592,7 +579,7 @@ mod tests {
         assert_eq!(c.transfer_timeout, Some(Duration::from_millis(2500)));
         assert_eq!(c.connect_timeout, Some(Duration::from_secs(1)));
         assert_eq!(c.bootstrap_timeout, Some(Duration::from_secs(12)));
-        assert_eq!(c.bootstrap_server_address, Some(("fd00::1".to_owned(), 8998)));
+        assert_eq!(c.bootstrap_server_address, Some(BootstrapUrl::new("fd00::1", 8998).unwrap()));
         assert_eq!(c.lease_renewal, Some(Duration::ZERO), "zero turns renewals off");
         assert_eq!(c.auth_secret_file, Some(PathBuf::from("/etc/kvlink/secret")));
         assert!(c.tcp_authenticate_payloads);

@@ -24,22 +24,8 @@ pub use server::{BootstrapHandle, BootstrapLimits, BootstrapServer, BootstrapSer
 
 use std::io;
 
+use kv_net::http::head_end;
 use tokio::io::{AsyncRead, AsyncReadExt};
-
-/// Where a message head in `buf` ends (the index past its blank line),
-/// scanning from `from` on (less the 3 bytes a terminator may straddle), so
-/// a peer sending one byte at a time costs no rescans. A bare LF line end
-/// is tolerated.
-fn head_end(buf: &[u8], from: usize) -> Option<usize> {
-    let start = from.saturating_sub(3);
-    let tail = buf.get(start..)?;
-    let crlf = tail.windows(4).position(|w| w == b"\r\n\r\n").map(|i| start + i + 4);
-    let lf = tail.windows(2).position(|w| w == b"\n\n").map(|i| start + i + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
 
 /// What reading a message head gave.
 #[derive(Debug)]
@@ -185,20 +171,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    #[test]
-    fn heads_end_at_the_first_blank_line_wherever_reads_split_them() {
-        let msg = b"POST /register HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}";
-        let whole = head_end(msg, 0);
-        assert_eq!(whole, Some(msg.len() - 2));
-        for split in 0..msg.len() {
-            let found = head_end(&msg[..split], 0).or_else(|| head_end(msg, split));
-            assert_eq!(found, whole, "split at {split}");
-        }
-        assert_eq!(head_end(b"GET / HTTP/1.1\n\n", 0), Some(16));
-        assert_eq!(head_end(b"GET / HTTP/1.1\r\n", 0), None);
-        assert_eq!(head_end(b"", 9), None);
-    }
 
     #[test]
     fn heads_split_into_line_and_headers() {

@@ -36,7 +36,7 @@ use kv_proto::bootstrap::{
     PROOF_HEADER, REGISTERED_JSON,
 };
 use kv_proto::{HandshakePlace, HandshakePlaces};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -365,7 +365,7 @@ async fn connection(mut stream: TcpStream, peer: SocketAddr, _place: HandshakePl
     .await;
     match written {
         Ok(Ok(())) => {
-            let _ = tokio::time::timeout(shared.limits.linger, linger(&mut stream)).await;
+            let _ = tokio::time::timeout(shared.limits.linger, kv_net::http::linger(&mut stream, LINGER_BYTES)).await;
         }
         Ok(Err(error)) => shared.fault(&peer, &error.to_string()),
         Err(_) => shared.fault(&peer, "the answer was not taken within the deadline"),
@@ -489,19 +489,6 @@ fn register(body: &[u8], proof: Option<&str>, peer: SocketAddr, shared: &Shared)
                 tracing::warn!(%peer, reason = %refusal, suppressed, "bootstrap registration refused");
             }
             refuse(400, &refusal.to_string())
-        }
-    }
-}
-
-/// Reads and drops what the client still sends, until it closes or
-/// [`LINGER_BYTES`] came.
-async fn linger(stream: &mut TcpStream) {
-    let mut chunk = [0u8; 4096];
-    let mut read = 0;
-    while read < LINGER_BYTES {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => read += n,
         }
     }
 }

@@ -155,7 +155,7 @@ async fn connection(
         }
     };
     if outcome {
-        let _ = tokio::time::timeout(LINGER, linger(&mut stream)).await;
+        let _ = tokio::time::timeout(LINGER, kv_net::http::linger(&mut stream, LINGER_BYTES)).await;
     }
 }
 
@@ -181,7 +181,7 @@ async fn exchange(stream: &mut TcpStream, exposition: &Exposition) -> std::io::R
         }
         let scanned = len;
         len += n;
-        if let Some(end) = request::head_end(&buf[..len], scanned) {
+        if let Some(end) = kv_net::http::head_end(&buf[..len], scanned) {
             break Some(end);
         }
     };
@@ -202,17 +202,4 @@ async fn exchange(stream: &mut TcpStream, exposition: &Exposition) -> std::io::R
     stream.write_all(&answer).await?;
     stream.shutdown().await?;
     Ok(Some(status))
-}
-
-/// Reads and drops what the client still sends, until it closes or
-/// [`LINGER_BYTES`] came.
-async fn linger(stream: &mut TcpStream) {
-    let mut chunk = [0u8; 4096];
-    let mut read = 0;
-    while read < LINGER_BYTES {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => read += n,
-        }
-    }
 }

@@ -1,5 +1,6 @@
-//! The little HTTP/1.1 the metrics endpoint speaks, without I/O: where a
-//! request's head ends, what it asks for, and the bytes of each answer.
+//! The little HTTP/1.1 the metrics endpoint speaks, without I/O: what a
+//! request head asks for, and the bytes of each answer (where a head ends
+//! is `kv_net::http`'s).
 //! Anything a client sends maps to an answer (never a panic): a request
 //! line that is not `METHOD TARGET HTTP/1.x` is a 400, a method other than
 //! GET or HEAD a 405, a path other than `/metrics` a 404. Headers are not
@@ -20,21 +21,6 @@ pub(crate) enum Request {
     MethodNotAllowed,
     /// Not an HTTP/1.x request line.
     Malformed,
-}
-
-/// Where the head in `buf` ends (the index past its blank line), looking
-/// only at bytes from `from` on (minus the 3 a terminator may straddle),
-/// so a client that sends one byte at a time costs no rescans.
-pub(crate) fn head_end(buf: &[u8], from: usize) -> Option<usize> {
-    let start = from.saturating_sub(3);
-    let tail = buf.get(start..)?;
-    let crlf = tail.windows(4).position(|w| w == b"\r\n\r\n").map(|i| start + i + 4);
-    // A bare LF line end is tolerated, as most servers do.
-    let lf = tail.windows(2).position(|w| w == b"\n\n").map(|i| start + i + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
 }
 
 /// What the head `head` (its bytes up to and including the blank line) asks.
@@ -95,21 +81,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_head_ends_at_the_first_blank_line_wherever_the_reads_split_it() {
-        let req = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nrest";
-        let whole = head_end(req, 0);
-        assert_eq!(whole, Some(req.len() - 4));
-        for split in 0..req.len() {
-            // As if bytes up to `split` were scanned already without a terminator.
-            let found = head_end(&req[..split], 0).or_else(|| head_end(req, split));
-            assert_eq!(found, whole, "split at {split}");
-        }
-        assert_eq!(head_end(b"GET / HTTP/1.1\n\n", 0), Some(16));
-        assert_eq!(head_end(b"GET / HTTP/1.1\r\n", 0), None);
-        assert_eq!(head_end(b"", 5), None);
-    }
-
-    #[test]
     fn requests_map_to_answers() {
         let cases: &[(&[u8], Request)] = &[
             (b"GET /metrics HTTP/1.1\r\n\r\n", Request::Metrics { head: false }),
@@ -145,8 +116,8 @@ mod tests {
                     code /= alphabet.len();
                 }
                 let _ = parse(&input);
-                let _ = head_end(&input, 0);
-                let _ = head_end(&input, input.len() / 2);
+                let _ = kv_net::http::head_end(&input, 0);
+                let _ = kv_net::http::head_end(&input, input.len() / 2);
             }
         }
     }
